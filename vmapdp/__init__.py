@@ -1,7 +1,39 @@
-"""vmapdp: per-sample gradients and DP training for PyTorch, as pure functions."""
+"""vmapdp: per-sample gradients and differentially private training for PyTorch, as pure functions.
 
+A model becomes a pure function of ``(params, buffers, inputs)`` (:func:`functionalize`);
+per-sample gradients are ``vmap(grad(loss_fn))`` (:func:`per_sample_grads`); clipping, noise,
+accounting and sampling are pure functions over pytrees that compose into a DP-SGD step.
+"""
+
+from vmapdp import testing
+from vmapdp.clipping import (
+    clip_and_sum,
+    clip_and_sum_per_layer,
+    clip_factors,
+    clip_per_sample,
+    grad_norms,
+    per_layer_sensitivity,
+)
 from vmapdp.errors import UnsupportedModuleError
+from vmapdp.functional import FunctionalModel, functionalize
+from vmapdp.noise import add_noise, make_generator
+from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
 
 __version__ = "0.1.0"
 
-__all__ = ["UnsupportedModuleError"]
+__all__ = [
+    "functionalize",
+    "FunctionalModel",
+    "per_sample_grads",
+    "per_sample_grad_norms",
+    "grad_norms",
+    "clip_factors",
+    "clip_per_sample",
+    "clip_and_sum",
+    "clip_and_sum_per_layer",
+    "per_layer_sensitivity",
+    "add_noise",
+    "make_generator",
+    "UnsupportedModuleError",
+    "testing",
+]

@@ -1,0 +1,71 @@
+"""Small pytree helpers shared by the engine (optree underneath)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+
+def path_str(path: tuple) -> str:
+    """A readable name for a leaf's path: ``'fc1.weight'`` for a params dict, ``'[1]'`` in a tuple."""
+    if not path:
+        return "<root>"
+    parts = []
+    for p in path:
+        parts.append(p if isinstance(p, str) else f"[{p}]")
+    return ".".join(parts).replace(".[", "[")
+
+
+def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace="torch")
+    return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
+
+
+def batch_size(tree: Any, *, call: str, what: str = "batch") -> int:
+    """The common leading dim of every tensor leaf of ``tree``; a clear error otherwise."""
+    sizes = []
+    for name, leaf in leaves_with_paths(tree):
+        if not isinstance(leaf, Tensor):
+            raise TypeError(
+                f"{call}: every leaf of {what} must be a tensor with a leading batch dim; "
+                f"leaf {name!r} is a {type(leaf).__name__}. Turn it into a tensor or pass it as a "
+                "shared argument before the batch."
+            )
+        if leaf.dim() == 0:
+            raise ValueError(
+                f"{call}: leaf {name!r} of {what} is a 0-dim tensor; every leaf needs a leading "
+                "batch dim B. Did you pass a single sample instead of a batch? Use x[None] for B = 1."
+            )
+        sizes.append((name, leaf.shape[0]))
+    if not sizes:
+        raise ValueError(f"{call}: {what} has no tensor leaves, so there is no batch dim to map over.")
+    first_name, b = sizes[0]
+    bad = [(n, s) for n, s in sizes if s != b]
+    if bad:
+        listed = ", ".join(f"{n!r} has {s}" for n, s in bad)
+        raise ValueError(
+            f"{call}: expected the same batch size on dim 0 of every leaf of {what} "
+            f"({b}, from {first_name!r}); {listed}. Every leaf of the batch must hold one row per sample."
+        )
+    return b
+
+
+def check_mask(mask: Any, b: int, *, call: str) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{call}: mask must be a bool tensor of shape [{b}], got {type(mask).__name__}.")
+    if mask.dtype != torch.bool:
+        raise TypeError(
+            f"{call}: mask must have dtype torch.bool (True = real row, False = padding), got "
+            f"{mask.dtype}. Use mask.bool() if it holds 0/1."
+        )
+    if mask.shape != (b,):
+        raise ValueError(f"{call}: mask must have shape [{b}] (one flag per sample), got {tuple(mask.shape)}.")
+    return mask
+
+
+def rows(mask: Tensor, like: Tensor) -> Tensor:
+    """``mask`` [B] reshaped to broadcast against ``like`` [B, ...]."""
+    return mask.reshape(mask.shape + (1,) * (like.dim() - 1))

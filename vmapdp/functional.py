@@ -1,0 +1,119 @@
+"""Turn an ``nn.Module`` into a pure function of ``(params, buffers, *inputs)``.
+
+``functionalize(module)`` returns ``(apply, params, buffers)``:
+
+* ``params``: the trainable parameters (``requires_grad=True``), keyed like
+  ``module.named_parameters()``. A tied (shared) parameter appears once, under its first name.
+* ``buffers``: everything else the forward reads: registered buffers and frozen parameters
+  (``requires_grad=False``), keyed by their names in the module.
+* ``apply(params, buffers, *args, **kwargs)`` returns what ``module(*args, **kwargs)`` would return
+  with those tensors in place, through ``torch.func.functional_call``. The module is never mutated.
+
+The dicts hold detached tensors that share storage with the module (no copy). vmapdp never
+writes into them in place; if you do, the module sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+Params = Dict[str, Tensor]
+Buffers = Dict[str, Tensor]
+
+__all__ = ["functionalize", "FunctionalModel", "Params", "Buffers"]
+
+
+class FunctionalModel:
+    """``apply(params, buffers, *args, **kwargs)``: a module's forward as a pure function.
+
+    Made by :func:`functionalize`. Calling it runs ``module.forward`` through
+    ``torch.func.functional_call`` with the given tensors, so it composes with ``grad``,
+    ``vmap``, ``jacrev``, ``hessian`` and ``torch.compile``. The wrapped module is available as
+    ``.module`` (read only: vmapdp never changes it).
+    """
+
+    __slots__ = ("module", "param_names", "buffer_names")
+
+    def __init__(self, module: nn.Module, param_names: tuple[str, ...], buffer_names: tuple[str, ...]):
+        self.module = module
+        self.param_names = param_names
+        self.buffer_names = buffer_names
+
+    def __call__(self, params: Params, buffers: Buffers, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(params, dict) or not isinstance(buffers, dict):
+            raise TypeError(
+                f"apply(params, buffers, *inputs): expected two dicts of tensors first, got "
+                f"{type(params).__name__} and {type(buffers).__name__}. Call it as "
+                "apply(params, buffers, x) with the dicts returned by vmapdp.functionalize(model)."
+            )
+        if params.keys() & buffers.keys():
+            raise ValueError(
+                f"apply(params, buffers, ...): keys {sorted(params.keys() & buffers.keys())} are in both "
+                "params and buffers; each tensor belongs to exactly one of them."
+            )
+        try:
+            return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
+        except RuntimeError as err:
+            raise _explain(self, params, buffers, err) from err
+
+    def __repr__(self) -> str:
+        return f"FunctionalModel({type(self.module).__name__}, params={len(self.param_names)}, buffers={len(self.buffer_names)})"
+
+
+def _explain(fm: FunctionalModel, params: Params, buffers: Buffers, err: RuntimeError) -> Exception:
+    """Turn torch's internal error into one that names the problem and the fix."""
+    msg = str(err)
+    if "reparametrizing" in msg and ("Missing key" in msg or "Unexpected key" in msg):
+        given = set(params) | set(buffers)
+        expected = set(fm.param_names) | set(fm.buffer_names)
+        return KeyError(
+            f"apply(params, buffers, ...): the tensors passed do not match the module "
+            f"{type(fm.module).__name__}: missing {sorted(expected - given)}, unexpected "
+            f"{sorted(given - expected)}. Pass the params and buffers dicts from "
+            "vmapdp.functionalize(model) (trainable parameters in params; buffers and frozen "
+            "parameters in buffers)."
+        )
+    from vmapdp.validate import explain_failure
+
+    explained = explain_failure(fm.module, err)
+    return explained if explained is not None else err
+
+
+def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
+    """Split a module into a pure ``apply`` function, its trainable params and its buffers.
+
+    Args:
+        module: any ``nn.Module``. It is not modified, now or later.
+
+    Returns:
+        ``(apply, params, buffers)`` where ``apply(params, buffers, *args, **kwargs)`` equals
+        ``module(*args, **kwargs)``; ``params`` holds the parameters with ``requires_grad=True``
+        (tied weights once, under their first name), ``buffers`` the registered buffers and the
+        frozen parameters. Values are detached tensors sharing storage with the module.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> apply, params, buffers = functionalize(model)
+        >>> sorted(params)
+        ['bias', 'weight']
+        >>> apply(params, buffers, torch.ones(1, 3)).shape
+        torch.Size([1, 2])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"functionalize(module): expected an nn.Module, got {type(module).__name__}.")
+    params: Params = {}
+    frozen: Buffers = {}
+    for name, p in module.named_parameters():
+        (params if p.requires_grad else frozen)[name] = p.detach()
+    buffers: Buffers = {name: b.detach() for name, b in module.named_buffers()}
+    buffers.update(frozen)
+    apply = FunctionalModel(module, tuple(params), tuple(buffers))
+    return apply, params, buffers
+

@@ -1,0 +1,224 @@
+"""Per-sample gradients: ``vmap(grad(loss_fn))`` with the details done right.
+
+``loss_fn`` is written for ONE sample (no batch dim) and returns a scalar. The returned function
+maps it over the leading dim of the last argument (the batch); every other argument is shared::
+
+    def loss_fn(params, buffers, sample):
+        x, y = sample
+        return F.cross_entropy(apply(params, buffers, x[None]), y[None])
+
+    grads = per_sample_grads(loss_fn)(params, buffers, (x, y))   # {name: [B, *shape]}
+
+Everything here is pure and traceable: it runs under ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import optree
+import torch
+from torch import Tensor
+from torch.func import grad, grad_and_value, vmap
+
+from vmapdp._tree import batch_size, check_mask, rows
+from vmapdp.clipping import grad_norms
+
+__all__ = ["per_sample_grads", "per_sample_grad_norms"]
+
+Randomness = Literal["error", "different", "same"]
+
+_RANDOMNESS_HELP = (
+    "loss_fn draws random numbers inside vmap (Dropout or another random layer in training mode?). "
+    "vmapdp refuses by default because the choice matters: randomness='different' gives every "
+    "sample its own independent draw, exactly as in a per-sample loop (the right choice for "
+    "DP-SGD); randomness='same' shares one draw across the batch, which couples the samples. "
+    "Pass per_sample_grads(loss_fn, randomness='different'), or call model.eval() if you did not "
+    "mean to use dropout."
+)
+
+_INPLACE_HELP = (
+    "loss_fn writes in place into a tensor it did not create (a module updating a buffer in its "
+    "forward, such as BatchNorm's running statistics, or code that mutates a captured tensor). "
+    "That cannot be done per sample, and for DP it would leak data into the buffer. Run "
+    "vmapdp.validate(model) to find the module and use vmapdp.fix(model) (BatchNorm -> GroupNorm), "
+    "or compute the forward without mutation."
+)
+
+
+def _check_options(call: str, chunk_size: int | None, randomness: str, argnums: Any) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{call}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+    if randomness not in ("error", "different", "same"):
+        raise ValueError(f"{call}: randomness must be 'error', 'different' or 'same', got {randomness!r}.")
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    if not nums or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in nums):
+        raise ValueError(f"{call}: argnums must be a non-negative int or a tuple of them, got {argnums!r}.")
+
+
+def _mapped(
+    loss_fn: Callable[..., Any],
+    call: str,
+    *,
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+    chunk_size: int | None,
+    randomness: str,
+) -> Callable[..., tuple[Any, Tensor, Any, int]]:
+    """``fn(*args) -> (grads, losses, aux, B)`` with the batch mapped over; shared by the public forms."""
+    transform = grad_and_value(loss_fn, argnums=argnums, has_aux=has_aux)
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+
+    def run(*args: Any) -> tuple[Any, Tensor, Any, int]:
+        if len(args) < 2:
+            raise TypeError(
+                f"{call}(*args): expected at least two arguments, (params, ..., batch); got {len(args)}. "
+                "The last argument is the batch, every earlier one is shared by all samples."
+            )
+        if max(nums) >= len(args) - 1:
+            raise ValueError(
+                f"{call}: argnums={argnums!r} points at the batch or past it; only the shared arguments "
+                f"0..{len(args) - 2} can be differentiated."
+            )
+        b = batch_size(args[-1], call=call)
+        in_dims = (None,) * (len(args) - 1) + (0,)
+        mapped = vmap(transform, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
+        try:
+            grads, value = mapped(*args)
+        except RuntimeError as err:
+            raise _explain_runtime_error(call, err) from err
+        if has_aux:
+            losses, aux = value
+        else:
+            losses, aux = value, None
+        if isinstance(losses, Tensor) and losses.shape != (b,):
+            raise ValueError(
+                f"{call}: loss_fn must return a scalar for one sample; it returned shape "
+                f"{tuple(losses.shape[1:])} per sample. Did you write it for a batch? Index the "
+                "sample (x[None]) and reduce the loss to a scalar."
+            )
+        return grads, losses, aux, b
+
+    return run
+
+
+def _explain_runtime_error(call: str, err: RuntimeError) -> Exception:
+    msg = str(err)
+    if "randomness" in msg and "vmap" in msg:
+        return RuntimeError(f"{call}: {_RANDOMNESS_HELP}")
+    if "in-place operation" in msg or "inplace arithmetic" in msg or "mutate a captured Tensor" in msg:
+        return RuntimeError(f"{call}: {_INPLACE_HELP}\nTorch said: {msg.splitlines()[0]}")
+    if "grad requires real-valued outputs" in msg or "expected f(*args) to return a scalar" in msg.lower() or (
+        "only" in msg and "scalar" in msg
+    ):
+        return ValueError(
+            f"{call}: loss_fn must return a scalar tensor for one sample. Reduce the loss "
+            f"(e.g. .sum() or .mean()) inside loss_fn.\nTorch said: {msg.splitlines()[0]}"
+        )
+    return err
+
+
+def _apply_mask(tree: Any, mask: Tensor) -> Any:
+    """Zero the rows where ``mask`` is False, even if they hold NaN or inf."""
+    return optree.tree_map(lambda g: torch.where(rows(mask, g), g, torch.zeros((), dtype=g.dtype)), tree, namespace="torch")
+
+
+def per_sample_grads(
+    loss_fn: Callable[..., Tensor],
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    return_loss: bool = False,
+    chunk_size: int | None = None,
+    randomness: Randomness = "error",
+) -> Callable[..., Any]:
+    """Per-sample gradients of a one-sample loss: ``vmap(grad(loss_fn))``.
+
+    Args:
+        loss_fn: ``loss_fn(params, *shared, sample) -> scalar`` for ONE sample. ``sample`` is one
+            row of the batch (any pytree: a tensor, a tuple ``(x, y)``, a dict).
+        argnums: which argument(s) to differentiate (default 0, the params).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is returned per sample.
+        return_loss: also return the per-sample losses ``[B]``.
+        chunk_size: map this many samples at a time to bound activation memory (the result is
+            the same; the ``[B, ...]`` gradients are still materialised).
+        randomness: ``vmap``'s randomness flag. The default ``'error'`` refuses random ops so that
+            dropout is a decision: ``'different'`` draws independently per sample (use this for
+            DP-SGD), ``'same'`` shares one draw across the batch.
+
+    Returns:
+        ``fn(params, *shared, batch, mask=None)``. Its result is ``grads`` (a pytree like
+        ``params`` with a leading dim ``B`` on every leaf), or a tuple: ``(grads, losses)`` with
+        ``return_loss``, ``(grads, aux)`` with ``has_aux``, ``(grads, losses, aux)`` with both.
+        ``batch`` is any pytree of tensors sharing the leading dim ``B`` (``B = 0`` gives empty
+        leading dims). ``mask`` is an optional bool ``[B]``: rows where it is False get gradients
+        and losses of exactly 0, even if they hold NaN.
+
+    Guarantees:
+        Row ``i`` equals the gradient of ``loss_fn`` at sample ``i`` alone (float tolerance);
+        keys, shapes and dtypes follow ``params``.
+
+    Raises:
+        ValueError / TypeError: at call time, for a batch whose leaves disagree on ``B``, a
+        non-scalar loss, a bad mask; RuntimeError with the fix when ``loss_fn`` uses randomness
+        without a ``randomness`` choice or mutates captured tensors (train-mode BatchNorm).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> apply, params, buffers = vmapdp.functionalize(model)
+        >>> def loss_fn(params, buffers, sample):
+        ...     x, y = sample
+        ...     return torch.nn.functional.cross_entropy(apply(params, buffers, x[None]), y[None])
+        >>> grads = per_sample_grads(loss_fn)(params, buffers, (torch.randn(5, 3), torch.zeros(5, dtype=torch.long)))
+        >>> grads["weight"].shape
+        torch.Size([5, 2, 3])
+    """
+    call = "per_sample_grads(loss_fn)"
+    if not callable(loss_fn):
+        raise TypeError(f"per_sample_grads(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _check_options(call, chunk_size, randomness, argnums)
+    run = _mapped(loss_fn, call, argnums=argnums, has_aux=has_aux, chunk_size=chunk_size, randomness=randomness)
+
+    def fn(*args: Any, mask: Tensor | None = None) -> Any:
+        grads, losses, aux, b = run(*args)
+        if mask is not None:
+            check_mask(mask, b, call=call)
+            grads = _apply_mask(grads, mask)
+            losses = _apply_mask(losses, mask)
+        out: tuple = (grads,)
+        if return_loss:
+            out += (losses,)
+        if has_aux:
+            out += (aux,)
+        return out[0] if len(out) == 1 else out
+
+    fn.__doc__ = f"Per-sample gradients of {getattr(loss_fn, '__name__', 'loss_fn')}; see vmapdp.per_sample_grads."
+    return fn
+
+
+def per_sample_grad_norms(
+    loss_fn: Callable[..., Tensor],
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    return_loss: bool = False,
+    chunk_size: int | None = None,
+    randomness: Randomness = "error",
+) -> Callable[..., Any]:
+    """The ``[B]`` total L2 norms of the per-sample gradients of ``loss_fn``.
+
+    Same arguments and call form as :func:`per_sample_grads`; the result is ``norms`` (float32
+    or wider) in place of ``grads``: ``norms``, ``(norms, losses)``, ``(norms, aux)`` or
+    ``(norms, losses, aux)``. Masked rows get norm 0.
+    """
+    inner = per_sample_grads(
+        loss_fn, argnums=argnums, has_aux=has_aux, return_loss=return_loss, chunk_size=chunk_size, randomness=randomness
+    )
+
+    def fn(*args: Any, mask: Tensor | None = None) -> Any:
+        out = inner(*args, mask=mask)
+        if isinstance(out, tuple):
+            return (grad_norms(out[0]),) + out[1:]
+        return grad_norms(out)
+
+    return fn
