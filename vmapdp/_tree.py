@@ -48,7 +48,12 @@ def batch_size(tree: Any, *, call: str, what: str = "batch") -> int:
         listed = ", ".join(f"{n!r} has {s}" for n, s in bad)
         raise ValueError(
             f"{call}: expected the same batch size on dim 0 of every leaf of {what} "
-            f"({b}, from {first_name!r}); {listed}. Every leaf of the batch must hold one row per sample."
+            f"({b}, from {first_name!r}); {listed}. "
+            + (
+                "Did you pass aggregated instead of per-sample gradients?"
+                if what == "grads"
+                else f"Every leaf of the {what} must hold one row per sample."
+            )
         )
     return b
 

@@ -67,7 +67,7 @@ def grad_norms(grads: Any) -> Tensor:
         raise ValueError("grad_norms(grads): grads has no tensor leaves.")
     sq = None
     for g in leaves:
-        s = g.reshape(g.shape[0], -1).to(_acc_dtype(g.dtype)).square().sum(1)
+        s = g.reshape(g.shape[0], math.prod(g.shape[1:])).to(_acc_dtype(g.dtype)).square().sum(1)
         sq = s if sq is None else sq + s
     return sq.sqrt()
 

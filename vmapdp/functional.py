@@ -58,7 +58,10 @@ class FunctionalModel:
         try:
             return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
         except RuntimeError as err:
-            raise _explain(self, params, buffers, err) from err
+            explained = _explain(self, params, buffers, err)
+            if explained is err:
+                raise
+            raise explained from err
 
     def __repr__(self) -> str:
         return f"FunctionalModel({type(self.module).__name__}, params={len(self.param_names)}, buffers={len(self.buffer_names)})"
@@ -77,6 +80,8 @@ def _explain(fm: FunctionalModel, params: Params, buffers: Buffers, err: Runtime
             "vmapdp.functionalize(model) (trainable parameters in params; buffers and frozen "
             "parameters in buffers)."
         )
+    if "randomness" in msg:
+        return err  # per_sample_grads explains the randomness choice
     from vmapdp.validate import explain_failure
 
     explained = explain_failure(fm.module, err)

@@ -1,0 +1,218 @@
+"""Clipping properties as seeded sweeps, plus known answers and error messages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vmapdp
+from vmapdp import clip_and_sum, clip_and_sum_per_layer, clip_per_sample, grad_norms, per_layer_sensitivity
+
+
+def random_grads(seed: int, b: int = 9, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(b, generator=g) * 2)  # norms spread over orders of magnitude
+    grads = {
+        "fc.weight": torch.randn(b, 4, 3, generator=g, dtype=torch.float64),
+        "fc.bias": torch.randn(b, 4, generator=g, dtype=torch.float64),
+        "out.weight": torch.randn(b, 2, 4, generator=g, dtype=torch.float64),
+    }
+    return {k: (v * scale.view(-1, *([1] * (v.dim() - 1)))).to(dtype) for k, v in grads.items()}
+
+
+def norms64(grads):
+    return torch.sqrt(sum(g.double().reshape(g.shape[0], -1).square().sum(1) for g in grads.values()))
+
+
+SEEDS = range(8)
+CLIPS = [1e-3, 0.5, 1.0, 30.0]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("c", CLIPS)
+def test_clipped_norm_at_most_c_direction_kept_small_unchanged(seed, c):
+    grads = random_grads(seed)
+    clipped = clip_per_sample(grads, c)
+    before, after = norms64(grads), norms64(clipped)
+    assert (after <= c * (1 + 1e-6)).all()
+    small = before <= c
+    for k in grads:
+        assert torch.equal(clipped[k][small], grads[k][small]), "samples within C must be unchanged"
+        assert clipped[k].dtype == grads[k].dtype and clipped[k].shape == grads[k].shape
+    # direction kept: each row is a non-negative multiple of the original
+    flat_in = torch.cat([g.double().reshape(9, -1) for g in grads.values()], 1)
+    flat_out = torch.cat([g.double().reshape(9, -1) for g in clipped.values()], 1)
+    cos = torch.nn.functional.cosine_similarity(flat_in, flat_out, dim=1)
+    torch.testing.assert_close(cos, torch.ones(9, dtype=torch.float64), rtol=0, atol=1e-6)
+    # clipped norms equal min(norm, C)
+    torch.testing.assert_close(after, torch.minimum(before, torch.tensor(c, dtype=torch.float64)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_idempotent_and_identity_when_c_above_max(seed):
+    grads = random_grads(seed)
+    once = clip_per_sample(grads, 0.7)
+    twice = clip_per_sample(once, 0.7)
+    for k in grads:
+        torch.testing.assert_close(twice[k], once[k], rtol=1e-6, atol=0)
+    big = float(norms64(grads).max()) * 2
+    same = clip_per_sample(grads, big)
+    assert all(torch.equal(same[k], grads[k]) for k in grads)
+    inf_sum, _ = clip_and_sum(grads, math.inf)
+    for k in grads:
+        torch.testing.assert_close(inf_sum[k], grads[k].sum(0))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_and_sum_equals_sum_of_float64_clipped(seed, dtype):
+    grads = random_grads(seed, dtype=dtype)
+    c = 0.9
+    summed, norms = clip_and_sum(grads, c)
+    n = norms64(grads)
+    factor = torch.clamp(c / n, max=1.0)
+    for k, g in grads.items():
+        expected = (g.double() * factor.view(-1, *([1] * (g.dim() - 1)))).sum(0)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(summed[k].double(), expected, rtol=tol, atol=tol)
+        assert summed[k].dtype == dtype
+    torch.testing.assert_close(norms.double(), n, rtol=1e-6, atol=0)
+
+
+def test_known_answer():
+    grads = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]])}
+    summed, norms = clip_and_sum(grads, 1.0)
+    torch.testing.assert_close(summed["w"], torch.tensor([0.6 + 0.3, 0.8 + 0.4]))
+    torch.testing.assert_close(norms, torch.tensor([5.0, 0.5, 0.0]))
+
+
+def test_zero_gradient_stays_exactly_zero_without_nan():
+    grads = {"w": torch.zeros(3, 5), "b": torch.zeros(3)}
+    for rule in ("clip", "normalize"):
+        clipped = clip_per_sample(grads, 1.0, rule=rule)
+        assert all(torch.equal(v, torch.zeros_like(v)) for v in clipped.values())
+        summed, norms = clip_and_sum(grads, 1.0, rule=rule)
+        assert all(torch.equal(v, torch.zeros_like(v)) for v in summed.values())
+        assert torch.equal(norms, torch.zeros(3))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_sample_is_dropped_and_visible_in_norms(bad):
+    grads = random_grads(0, b=4)
+    grads["fc.bias"][2, 1] = bad
+    summed, norms = clip_and_sum(grads, 1.0)
+    assert all(torch.isfinite(v).all() for v in summed.values())
+    assert (~torch.isfinite(norms)).sum() == 1 and not torch.isfinite(norms[2])
+    keep = torch.tensor([True, True, False, True])
+    expected, _ = clip_and_sum({k: v[keep] for k, v in grads.items()}, 1.0)
+    for k in grads:
+        torch.testing.assert_close(summed[k], expected[k])
+    clipped = clip_per_sample(grads, 1.0)
+    assert all(torch.equal(v[2], torch.zeros_like(v[2])) for v in clipped.values())
+    with pytest.raises(FloatingPointError, match=r"samples \[2\] are not finite.*nonfinite='zero'"):
+        clip_and_sum(grads, 1.0, nonfinite="raise")
+
+
+def test_masked_rows_contribute_nothing_even_nan():
+    grads = random_grads(3, b=5)
+    mask = torch.tensor([True, False, True, False, True])
+    poisoned = {k: v.clone() for k, v in grads.items()}
+    for v in poisoned.values():
+        v[~mask] = math.nan
+    summed, norms = clip_and_sum(poisoned, 0.5, mask=mask)
+    expected, _ = clip_and_sum({k: v[mask] for k, v in grads.items()}, 0.5)
+    for k in grads:
+        torch.testing.assert_close(summed[k], expected[k])
+    assert torch.equal(norms[~mask], torch.zeros(2)) and torch.isfinite(norms).all()
+    # a masked NaN row never raises, even with nonfinite="raise"
+    clip_and_sum(poisoned, 0.5, mask=mask, nonfinite="raise")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_normalize_rule_bounds_and_formula(seed):
+    grads = random_grads(seed)
+    c, gamma = 2.0, 0.01
+    clipped = clip_per_sample(grads, c, rule="normalize", stability=gamma)
+    n = norms64(grads)
+    after = norms64(clipped)
+    assert (after < c).all()
+    torch.testing.assert_close(after, c * n / (n + gamma), rtol=1e-5, atol=0)
+    summed, _ = clip_and_sum(grads, c, rule="normalize", stability=gamma)
+    for k in grads:
+        torch.testing.assert_close(summed[k], clipped[k].sum(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_per_layer_each_group_within_its_threshold(seed):
+    grads = random_grads(seed)
+    thresholds = {"fc": 0.3, "out": 1.5}
+    groups = {"fc.weight": "fc", "fc.bias": "fc", "out.weight": "out"}
+    summed, norms = clip_and_sum_per_layer(grads, thresholds, groups=groups)
+    for g, keys in {"fc": ["fc.weight", "fc.bias"], "out": ["out.weight"]}.items():
+        sub = {k: grads[k] for k in keys}
+        n = norms64(sub)
+        torch.testing.assert_close(norms[g].double(), n, rtol=1e-6, atol=0)
+        expected_sum, _ = clip_and_sum(sub, thresholds[g])
+        for k in keys:
+            torch.testing.assert_close(summed[k], expected_sum[k])
+    assert list(summed) == list(grads)
+    assert per_layer_sensitivity(thresholds) == pytest.approx(math.sqrt(0.3**2 + 1.5**2))
+    # one sample's total contribution is within the total sensitivity
+    one = {k: v[:1] for k, v in grads.items()}
+    s1, _ = clip_and_sum_per_layer(one, thresholds, groups=groups)
+    assert float(norms64({k: v[None] for k, v in s1.items()})) <= per_layer_sensitivity(thresholds) * (1 + 1e-6)
+
+
+def test_per_layer_refuses_unclipped_keys():
+    grads = random_grads(0)
+    with pytest.raises(ValueError, match=r"keys \['out.weight'\] are in no group.*unclipped"):
+        clip_and_sum_per_layer(grads, {"fc": 1.0}, groups={"fc.weight": "fc", "fc.bias": "fc"})
+    with pytest.raises(ValueError, match=r"groups \['fc.bias'\] have no threshold"):
+        clip_and_sum_per_layer(grads, {"fc.weight": 1.0, "out.weight": 1.0})
+
+
+def test_low_precision_grads_accumulate_in_float32():
+    grads = {k: v.to(torch.bfloat16) for k, v in random_grads(1).items()}
+    summed, norms = clip_and_sum(grads, 1.0)
+    assert norms.dtype == torch.float32 and all(v.dtype == torch.float32 for v in summed.values())
+    expected, _ = clip_and_sum({k: v.float() for k, v in grads.items()}, 1.0)
+    for k in grads:
+        torch.testing.assert_close(summed[k], expected[k], rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norms_known_answer_and_empty_batch():
+    grads = {"a": torch.tensor([[3.0], [0.0]]), "b": torch.tensor([[4.0, 0.0], [0.0, 0.0]])}
+    assert torch.equal(grad_norms(grads), torch.tensor([5.0, 0.0]))
+    empty = {"a": torch.zeros(0, 3, 2), "b": torch.zeros(0)}
+    assert grad_norms(empty).shape == (0,)
+    summed, norms = clip_and_sum(empty, 1.0)
+    assert summed["a"].shape == (3, 2) and torch.equal(summed["a"], torch.zeros(3, 2)) and norms.shape == (0,)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan])
+def test_bad_clip_norm(bad):
+    with pytest.raises(ValueError, match=r"clip_and_sum\(grads, l2_clip_norm\): l2_clip_norm=.* must be > 0"):
+        clip_and_sum(random_grads(0), bad)
+
+
+def test_bad_arguments():
+    grads = random_grads(0)
+    with pytest.raises(ValueError, match=r"rule must be 'clip'"):
+        clip_and_sum(grads, 1.0, rule="auto")
+    with pytest.raises(ValueError, match=r"nonfinite must be"):
+        clip_per_sample(grads, 1.0, nonfinite="ignore")
+    with pytest.raises(ValueError, match=r"expected the same batch size on dim 0 of every leaf of grads.*'out.weight' has 2.*aggregated instead of per-sample"):
+        clip_and_sum({"fc.weight": torch.zeros(9, 3), "out.weight": torch.zeros(2, 4)}, 1.0)
+    with pytest.raises(ValueError, match=r"0-dim tensor"):
+        clip_and_sum({"w": torch.tensor(1.0)}, 1.0)
+    with pytest.raises(TypeError, match=r"mask must have dtype torch.bool"):
+        clip_and_sum(grads, 1.0, mask=torch.ones(9))
+    with pytest.raises(TypeError, match=r"l2_clip_norm must be a positive float"):
+        clip_and_sum(grads, "1.0")
+
+
+def test_public_names():
+    for name in ["clip_per_sample", "clip_and_sum", "clip_and_sum_per_layer", "per_layer_sensitivity", "grad_norms"]:
+        assert name in vmapdp.__all__

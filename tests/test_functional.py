@@ -1,0 +1,75 @@
+"""functionalize: trainable/frozen split, tied weights, buffers, purity, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import vmapdp
+
+
+def test_split_trainable_frozen_buffers():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
+    model[0].weight.requires_grad_(False)
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert sorted(params) == ["0.bias", "1.bias", "1.weight", "2.bias", "2.weight"]
+    assert sorted(buffers) == ["0.weight", "1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(apply(params, buffers, x), model(x))
+
+
+def test_tied_weights_once_and_updates_reach_both_uses():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3, bias=False)
+            self.b = nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Tied()
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert list(params) == ["a.weight"]
+    w = torch.eye(3) * 2
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(apply({"a.weight": w}, buffers, x), 4 * x)
+
+
+def test_no_copy_and_no_mutation():
+    model = nn.Linear(3, 2)
+    apply, params, _ = vmapdp.functionalize(model)
+    assert params["weight"].data_ptr() == model.weight.data_ptr()
+    assert not params["weight"].requires_grad
+    before = model.weight.detach().clone()
+    apply({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, {}, torch.ones(1, 3))
+    assert torch.equal(model.weight, before)
+
+
+def test_kwargs_and_tuple_outputs_pass_through():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x, *, scale=1.0):
+            return self.lin(x) * scale, x
+
+    model = Two()
+    apply, params, buffers = vmapdp.functionalize(model)
+    out, same = apply(params, buffers, torch.ones(1, 2), scale=3.0)
+    torch.testing.assert_close(out, model(torch.ones(1, 2))[0] * 3)
+
+
+def test_errors_name_the_problem():
+    apply, params, buffers = vmapdp.functionalize(nn.Linear(3, 2))
+    with pytest.raises(TypeError, match=r"functionalize\(module\): expected an nn.Module, got function"):
+        vmapdp.functionalize(lambda x: x)
+    with pytest.raises(KeyError, match=r"missing \['bias'\], unexpected \['bais'\]"):
+        apply({"weight": params["weight"], "bais": params["bias"]}, buffers, torch.ones(1, 3))
+    with pytest.raises(ValueError, match=r"keys \['bias'\] are in both params and buffers"):
+        apply(params, {"bias": params["bias"]}, torch.ones(1, 3))
+    with pytest.raises(TypeError, match=r"expected two dicts of tensors first"):
+        apply(torch.ones(1, 3), {}, torch.ones(1, 3))

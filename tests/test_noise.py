@@ -1,0 +1,93 @@
+"""add_noise: distribution (KS test with a negative control), reproducibility, dtype, no global RNG."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import vmapdp
+from vmapdp import add_noise, make_generator
+
+# Each statistical test below runs at a false-alarm rate of ALPHA with fixed seeds (so the suite
+# is deterministic); the negative controls show the same test rejects a std that is 10% off.
+ALPHA = 1e-3
+
+
+def _noise(std, n=20_000, seed=0, dtype=torch.float32):
+    tree = {"a": torch.zeros(n // 2, dtype=dtype), "b": torch.zeros(n // 4, 2, dtype=dtype)}
+    out = add_noise(tree, std, make_generator(seed))
+    return torch.cat([v.reshape(-1) for v in out.values()]).double().numpy()
+
+
+@pytest.mark.parametrize("std", [0.1, 1.0, 3.7])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_noise_is_gaussian_with_the_requested_std(std, seed):
+    z = _noise(std, seed=seed)
+    assert stats.kstest(z, "norm", args=(0.0, std)).pvalue > ALPHA
+    # moments: mean within 4 standard errors, variance by the chi-square interval
+    n = z.size
+    assert abs(z.mean()) < 4 * std / math.sqrt(n)
+    lo, hi = stats.chi2.ppf([ALPHA / 2, 1 - ALPHA / 2], n) / n
+    assert lo * std**2 < z.var() < hi * std**2
+
+
+@pytest.mark.parametrize("wrong", [0.9, 1.1, 1 / math.sqrt(2)])
+def test_negative_control_wrong_std_is_rejected(wrong):
+    # noise drawn at std 1 must fail the same test when the claimed std is off
+    z = _noise(1.0, seed=3)
+    assert stats.kstest(z, "norm", args=(0.0, wrong)).pvalue < ALPHA
+
+
+def test_noise_is_added_not_replaced_and_keys_kept():
+    tree = {"w": torch.full((1000,), 5.0), "b": torch.full((3, 2), -2.0)}
+    out = add_noise(tree, 0.01, make_generator(0))
+    assert set(out) == {"w", "b"} and out["b"].shape == (3, 2)
+    assert abs(float(out["w"].mean()) - 5.0) < 0.01
+    assert torch.equal(add_noise(tree, 0.0, make_generator(0))["w"], tree["w"])
+
+
+def test_same_generator_state_same_noise_different_seed_different_noise():
+    tree = {"w": torch.zeros(100)}
+    a = add_noise(tree, 1.0, make_generator(7))
+    b = add_noise(tree, 1.0, make_generator(7))
+    c = add_noise(tree, 1.0, make_generator(8))
+    assert torch.equal(a["w"], b["w"]) and not torch.equal(a["w"], c["w"])
+    g = make_generator(7)
+    first, second = add_noise(tree, 1.0, g), add_noise(tree, 1.0, g)
+    assert not torch.equal(first["w"], second["w"]), "the generator's state must advance"
+
+
+def test_global_rng_is_never_used():
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    out1 = add_noise({"w": torch.zeros(10)}, 1.0)  # generator=None: OS entropy
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(0)
+    out2 = add_noise({"w": torch.zeros(10)}, 1.0)
+    assert not torch.equal(out1["w"], out2["w"]), "seeding torch's global RNG must not fix the noise"
+
+
+def test_half_precision_leaves_are_noised_in_float32():
+    tree = {"w": torch.zeros(4096, dtype=torch.bfloat16)}
+    out = add_noise(tree, 1.0, make_generator(0))["w"]
+    assert out.dtype == torch.float32
+    # a draw made in bfloat16 would only hold bfloat16-representable values
+    assert not torch.equal(out, out.to(torch.bfloat16).float())
+    assert add_noise({"w": torch.zeros(3, dtype=torch.float64)}, 1.0, make_generator(0))["w"].dtype == torch.float64
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_bad_std(bad):
+    with pytest.raises(ValueError, match=r"add_noise\(tree, std, generator\): std=.* must be a finite float >= 0"):
+        add_noise({"w": torch.zeros(2)}, bad, make_generator(0))
+
+
+def test_bad_generator_and_seed():
+    with pytest.raises(TypeError, match=r"generator must be a torch.Generator or None.*make_generator"):
+        add_noise({"w": torch.zeros(2)}, 1.0, 123)
+    with pytest.raises(ValueError, match=r"seed must be a non-negative int"):
+        make_generator(-1)
+    assert "add_noise" in vmapdp.__all__

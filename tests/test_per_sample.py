@@ -1,0 +1,245 @@
+"""per_sample_grads against the float64 one-sample-at-a-time oracle, on every layer type."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import vmapdp
+from vmapdp.testing import assert_grads_close, microbatch_grads
+from zoo import CASES, setup
+
+IDS = [c.name for c in CASES]
+
+
+@pytest.mark.parametrize("b", [1, 5])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_matches_float64_oracle_every_sample(case, b):
+    model, apply, params, buffers, batch, loss_fn = setup(case, b)
+    grads, losses = vmapdp.per_sample_grads(loss_fn, return_loss=True)(params, buffers, batch)
+    ref = microbatch_grads(loss_fn, params, buffers, batch)
+    assert set(grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert_grads_close(grads, ref, rtol=1e-4, atol=1e-6)
+    for k, g in grads.items():
+        assert g.shape == (b,) + params[k].shape and g.dtype == params[k].dtype
+    ref_losses = torch.stack([loss_fn(params, buffers, tuple(t[i] for t in batch)) for i in range(b)])
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_sum_over_samples_equals_batched_autograd(case):
+    model, apply, params, buffers, batch, loss_fn = setup(case, 6)
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    # ordinary autograd on the whole batch, with the per-sample losses summed
+    live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    total = sum(loss_fn(live, buffers, tuple(t[i] for t in batch)) for i in range(6))
+    ref = torch.autograd.grad(total, list(live.values()))
+    for (k, g), r in zip(grads.items(), ref):
+        torch.testing.assert_close(g.sum(0), r, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_tied_weight_appears_once_and_gets_both_contributions():
+    case = next(c for c in CASES if c.name == "tied_weights")
+    model, apply, params, buffers, batch, loss_fn = setup(case, 3)
+    assert "emb.weight" in params and "out.weight" not in params
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    # untie by hand: the tied gradient is the sum of the two uses' gradients
+    def untied(p, buffers, sample):
+        x, y = sample
+        h = torch.tanh(F.linear(F.embedding(x[None], p["emb.weight"]), p["mix.weight"], p["mix.bias"]))
+        return F.cross_entropy(F.linear(h.mean(1), p["out.weight"]), y[None])
+
+    p2 = dict(params, **{"out.weight": params["emb.weight"]})
+    g2 = vmapdp.per_sample_grads(untied)(p2, buffers, batch)
+    torch.testing.assert_close(grads["emb.weight"], g2["emb.weight"] + g2["out.weight"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4])
+def test_chunked_equals_unchunked(chunk_size):
+    case = next(c for c in CASES if c.name == "conv2d_groups_reflect")
+    _, _, params, buffers, batch, loss_fn = setup(case, 5)
+    full = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    chunked = vmapdp.per_sample_grads(loss_fn, chunk_size=chunk_size)(params, buffers, batch)
+    assert_grads_close(chunked, full, rtol=1e-6, atol=1e-9)
+
+
+def test_mask_zeroes_padding_rows_even_nan():
+    case = CASES[0]
+    _, _, params, buffers, (x, y), loss_fn = setup(case, 6)
+    mask = torch.tensor([True, False, True, True, False, True])
+    x_bad = x.clone()
+    x_bad[~mask] = math.nan
+    grads, losses = vmapdp.per_sample_grads(loss_fn, return_loss=True)(params, buffers, (x_bad, y), mask=mask)
+    clean = vmapdp.per_sample_grads(loss_fn)(params, buffers, (x, y))
+    for k in grads:
+        assert torch.equal(grads[k][~mask], torch.zeros_like(grads[k][~mask])), k
+        torch.testing.assert_close(grads[k][mask], clean[k][mask])
+    assert torch.equal(losses[~mask], torch.zeros(2))
+    norms = vmapdp.per_sample_grad_norms(loss_fn)(params, buffers, (x_bad, y), mask=mask)
+    assert torch.isfinite(norms).all() and torch.equal(norms[~mask], torch.zeros(2))
+
+
+def test_has_aux_and_return_loss_forms():
+    case = CASES[0]
+    _, apply, params, buffers, batch, _ = setup(case, 4)
+
+    def loss_with_aux(p, b, sample):
+        x, y = sample
+        logits = apply(p, b, x[None])
+        return F.cross_entropy(logits, y[None]), {"pred": logits.argmax(-1)[0], "logit0": logits[0, 0]}
+
+    g1 = vmapdp.per_sample_grads(loss_with_aux, has_aux=True)(params, buffers, batch)
+    g2 = vmapdp.per_sample_grads(loss_with_aux, has_aux=True, return_loss=True)(params, buffers, batch)
+    grads, aux = g1
+    grads2, losses, aux2 = g2
+    assert aux["pred"].shape == (4,) and aux["logit0"].shape == (4,)
+    logits = apply(params, buffers, batch[0])
+    torch.testing.assert_close(aux["logit0"], logits[:, 0])
+    assert torch.equal(aux["pred"], logits.argmax(-1))
+    torch.testing.assert_close(losses, F.cross_entropy(logits, batch[1], reduction="none"))
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads2[k])
+
+
+def test_argnums_tuple_and_dict_batch():
+    torch.manual_seed(0)
+    w = torch.randn(3)
+    bias = torch.randn(())
+
+    def loss_fn(w, bias, sample):
+        return (sample["x"] @ w + bias - sample["y"]) ** 2
+
+    batch = {"x": torch.randn(4, 3, dtype=torch.float64).float(), "y": torch.randn(4)}
+    gw, gb = vmapdp.per_sample_grads(loss_fn, argnums=(0, 1))(w, bias, batch)
+    resid = batch["x"] @ w + bias - batch["y"]
+    torch.testing.assert_close(gw, 2 * resid[:, None] * batch["x"])
+    torch.testing.assert_close(gb, 2 * resid)
+
+
+def test_empty_batch_gives_empty_leading_dims():
+    case = CASES[0]
+    _, _, params, buffers, batch, loss_fn = setup(case, 0)
+    grads, losses = vmapdp.per_sample_grads(loss_fn, return_loss=True)(params, buffers, batch)
+    for k, g in grads.items():
+        assert g.shape == (0,) + params[k].shape
+    assert losses.shape == (0,)
+    assert vmapdp.per_sample_grad_norms(loss_fn)(params, buffers, batch).shape == (0,)
+
+
+def test_grad_norms_equal_norms_of_grads():
+    case = next(c for c in CASES if c.name == "embedding_repeated_tokens")
+    _, _, params, buffers, batch, loss_fn = setup(case, 5)
+    ref = microbatch_grads(loss_fn, params, buffers, batch)
+    expected = torch.sqrt(sum(g.reshape(5, -1).square().sum(1) for g in ref.values()))
+    norms, losses = vmapdp.per_sample_grad_norms(loss_fn, return_loss=True)(params, buffers, batch)
+    assert norms.dtype == torch.float32 and losses.shape == (5,)
+    torch.testing.assert_close(norms.double(), expected, rtol=1e-5, atol=1e-8)
+
+
+def test_dropout_requires_a_randomness_choice_and_different_gives_independent_masks():
+    model = nn.Sequential(nn.Linear(50, 50), nn.Dropout(0.5), nn.Linear(50, 1))
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, x):
+        return apply(p, b, x[None]).sum()
+
+    x = torch.ones(4, 50)  # identical samples: only the dropout mask can tell them apart
+    with pytest.raises(RuntimeError, match=r"per_sample_grads\(loss_fn\).*randomness='different'"):
+        vmapdp.per_sample_grads(loss_fn)(params, buffers, x)
+    torch.manual_seed(0)
+    g = vmapdp.per_sample_grads(loss_fn, randomness="different")(params, buffers, x)
+    assert not torch.equal(g["0.weight"][0], g["0.weight"][1])
+    torch.manual_seed(0)
+    g_same = vmapdp.per_sample_grads(loss_fn, randomness="same")(params, buffers, x)
+    assert torch.equal(g_same["0.weight"][0], g_same["0.weight"][1])
+
+
+def test_module_is_never_mutated():
+    case = next(c for c in CASES if c.name == "transformer_encoder_layer")
+    model, apply, params, buffers, batch, loss_fn = setup(case, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = {k: id(p) for k, p in model.named_parameters()}
+    vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    new_params = {k: v + 1 for k, v in params.items()}
+    apply(new_params, buffers, batch[0])
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert ids == {k: id(p) for k, p in model.named_parameters()}
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _linear_setup():
+    model = nn.Linear(3, 2)
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return params, buffers, loss_fn
+
+
+def test_error_batch_leaves_disagree():
+    params, buffers, loss_fn = _linear_setup()
+    with pytest.raises(ValueError, match=r"per_sample_grads\(loss_fn\): expected the same batch size.*\[1\]' has 3"):
+        vmapdp.per_sample_grads(loss_fn)(params, buffers, (torch.randn(4, 3), torch.zeros(3, dtype=torch.long)))
+
+
+def test_error_loss_not_scalar():
+    params, buffers, _ = _linear_setup()
+
+    def batched_loss(p, b, x):
+        return x * p["weight"].sum()
+
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar"):
+        vmapdp.per_sample_grads(batched_loss)(params, buffers, torch.randn(4, 3))
+
+
+def test_error_bad_mask_and_options():
+    params, buffers, loss_fn = _linear_setup()
+    batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"mask must have dtype torch.bool"):
+        vmapdp.per_sample_grads(loss_fn)(params, buffers, batch, mask=torch.ones(4))
+    with pytest.raises(ValueError, match=r"mask must have shape \[4\]"):
+        vmapdp.per_sample_grads(loss_fn)(params, buffers, batch, mask=torch.ones(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"chunk_size must be a positive int"):
+        vmapdp.per_sample_grads(loss_fn, chunk_size=0)
+    with pytest.raises(ValueError, match=r"randomness must be"):
+        vmapdp.per_sample_grads(loss_fn, randomness="per-sample")
+    with pytest.raises(TypeError, match=r"expected at least two arguments"):
+        vmapdp.per_sample_grads(loss_fn)(batch)
+    with pytest.raises(ValueError, match=r"0-dim tensor"):
+        vmapdp.per_sample_grads(lambda p, x: (p["weight"] * x).sum())(params, torch.tensor(1.0))
+
+
+def test_error_wrong_param_keys_names_them():
+    params, buffers, loss_fn = _linear_setup()
+    bad = {"weight": params["weight"]}
+    with pytest.raises(KeyError, match=r"missing \['bias'\]"):
+        vmapdp.per_sample_grads(loss_fn)(bad, buffers, (torch.randn(2, 3), torch.zeros(2, dtype=torch.long)))
+
+
+def test_error_inplace_mutation_is_explained():
+    buf = torch.zeros(3)
+
+    def mutating(p, x):
+        buf.add_(x)  # writes into a captured tensor
+        return (p * x).sum()
+
+    with pytest.raises(RuntimeError, match=r"writes in place into a tensor it did not create.*vmapdp.validate"):
+        vmapdp.per_sample_grads(mutating)(torch.ones(3), torch.randn(4, 3))
+
+
+def test_functional_call_reference_for_apply():
+    case = next(c for c in CASES if c.name == "multihead_attention")
+    model, apply, params, buffers, (x, _), _ = setup(case, 3)
+    torch.testing.assert_close(apply(params, buffers, x), model(x))
+    torch.testing.assert_close(apply(params, buffers, x), functional_call(model, {**params, **buffers}, (x,)))
