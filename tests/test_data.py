@@ -1,0 +1,121 @@
+"""PoissonSampler: Poisson statistics, static shapes, nothing dropped, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from vmapdp.data import PoissonSampler, default_capacity, gather, gather_dataset
+
+# statistical checks at a stated false-alarm rate, with fixed seeds (deterministic suite)
+ALPHA = 1e-4
+
+
+def _sizes_and_counts(sampler):
+    sizes, counts = [], torch.zeros(sampler.num_samples, dtype=torch.int64)
+    for indices, mask in sampler:
+        assert indices.shape == mask.shape and indices.numel() % sampler.capacity == 0
+        real = indices[mask]
+        assert real.unique().numel() == real.numel(), "an example appears twice in one step"
+        assert torch.equal(indices[~mask], torch.zeros_like(indices[~mask]))
+        sizes.append(real.numel())
+        counts[real] += 1
+    return torch.tensor(sizes, dtype=torch.float64), counts
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_batch_sizes_and_inclusion_rates_are_poisson(secure):
+    n, q, steps = 500, 0.05, 2000
+    gen = None if secure else torch.Generator().manual_seed(0)
+    sampler = PoissonSampler(n, q, steps, gen, secure=secure)
+    sizes, counts = _sizes_and_counts(sampler)
+    # batch size ~ Binomial(n, q): mean within its CLT interval, variance by chi-square
+    mean, var = n * q, n * q * (1 - q)
+    z = stats.norm.ppf(1 - ALPHA / 2)
+    assert abs(sizes.mean().item() - mean) < z * math.sqrt(var / steps)
+    lo, hi = stats.chi2.ppf([ALPHA / 2, 1 - ALPHA / 2], steps - 1) / (steps - 1)
+    assert lo * var < sizes.var().item() < hi * var
+    # each example's count ~ Binomial(steps, q), independently: a chi-square goodness of fit over examples
+    expected = steps * q
+    chi2 = (((counts.double() - expected) ** 2) / (expected * (1 - q))).sum().item()
+    assert stats.chi2.sf(chi2, n) > ALPHA and stats.chi2.cdf(chi2, n) > ALPHA
+
+
+def test_negative_control_fixed_size_shuffled_batches_fail_the_variance_check():
+    # fixed-size batches (shuffle + slice) have the right mean but zero variance in batch size
+    n, q, steps = 500, 0.05, 2000
+    sizes = torch.full((steps,), n * q, dtype=torch.float64)
+    var = n * q * (1 - q)
+    lo = stats.chi2.ppf(ALPHA / 2, steps - 1) / (steps - 1)
+    assert not lo * var < sizes.var().item()
+
+
+def test_overflow_never_drops_examples():
+    n, q = 200, 0.5
+    sampler = PoissonSampler(n, q, 50, torch.Generator().manual_seed(1), capacity=16)
+    chunks = set()
+    for indices, mask in sampler:
+        k = int(mask.sum())
+        chunks.add(indices.numel() // 16)
+        assert indices.numel() == max(1, math.ceil(k / 16)) * 16
+    assert len(chunks) > 1  # the step size really varies in whole chunks
+
+
+def test_same_seed_same_batches_and_state_resume():
+    a = PoissonSampler(100, 0.1, 5, torch.Generator().manual_seed(3))
+    b = PoissonSampler(100, 0.1, 5, torch.Generator().manual_seed(3))
+    first = [i[m] for i, m in a]
+    assert all(torch.equal(x, i[m]) for x, (i, m) in zip(first, b))
+    c = PoissonSampler(100, 0.1, 5, torch.Generator().manual_seed(3))
+    c.sample()
+    saved = c.state_dict()
+    d = PoissonSampler(100, 0.1, 5, torch.Generator().manual_seed(99))
+    d.load_state_dict(saved)
+    i, m = d.sample()
+    assert torch.equal(i[m], first[1])
+
+
+def test_default_capacity_bounds_overflow():
+    for n, q in [(60_000, 256 / 60_000), (1438, 128 / 1438), (100, 0.5)]:
+        cap = default_capacity(n, q, 1e-6)
+        assert stats.binom.sf(cap, n, q) <= 1e-6  # P(X > cap)
+        assert cap < n or q > 0.4
+        assert stats.binom.sf(cap - 10, n, q) > 1e-9  # and it is not absurdly large
+    assert default_capacity(10, 1.0) == 10
+
+
+def test_defaults_and_empty_steps():
+    s = PoissonSampler(1000, 0.01, generator=torch.Generator().manual_seed(0))
+    assert len(s) == 100 and s.expected_batch_size == pytest.approx(10.0)
+    tiny = PoissonSampler(3, 1e-9, 4, torch.Generator().manual_seed(0))
+    for indices, mask in tiny:
+        assert not mask.any() and indices.numel() == tiny.capacity
+
+
+def test_gather_pytree_and_dataset():
+    x, y = torch.arange(10.0)[:, None], torch.arange(10)
+    idx = torch.tensor([3, 0, 7])
+    bx, by = gather((x, y), idx)
+    assert torch.equal(by, idx) and torch.equal(bx[:, 0], idx.float())
+    ds = torch.utils.data.TensorDataset(x, y)
+    dx, dy = gather_dataset(ds, idx)
+    assert torch.equal(dy, idx)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_samples=0, sample_rate=0.1), r"num_samples=0 must be an int >= 1"),
+        (dict(num_samples=10, sample_rate=1.5), r"sample_rate=1.5 must be in \(0, 1\]"),
+        (dict(num_samples=10, sample_rate=0.0), r"sample_rate=0.0 must be in \(0, 1\]"),
+        (dict(num_samples=10, sample_rate=0.1, steps=-1), r"steps=-1 must be an int >= 0"),
+        (dict(num_samples=10, sample_rate=0.1, capacity=0), r"capacity=0 must be an int >= 1"),
+        (dict(num_samples=10, sample_rate=0.1, secure=True, generator=torch.Generator()), r"secure=True .* cannot use a seeded generator"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PoissonSampler(**kwargs)
