@@ -243,3 +243,19 @@ def test_functional_call_reference_for_apply():
     model, apply, params, buffers, (x, _), _ = setup(case, 3)
     torch.testing.assert_close(apply(params, buffers, x), model(x))
     torch.testing.assert_close(apply(params, buffers, x), functional_call(model, {**params, **buffers}, (x,)))
+
+
+def test_train_mode_batchnorm_is_named_with_the_fix():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Sequential(nn.BatchNorm2d(4)), nn.Flatten(), nn.Linear(4 * 3 * 3, 2))
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, x):
+        return apply(p, b, x[None]).sum()
+
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"'1.0'.*BatchNorm2d.*GroupNorm"):
+        vmapdp.per_sample_grads(loss_fn)(params, buffers, torch.randn(3, 1, 5, 5))
+    fixed = vmapdp.fix(model)
+    apply, params, buffers = vmapdp.functionalize(fixed)
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, torch.randn(3, 1, 5, 5))
+    assert grads["1.0.weight"].shape == (3, 4)
+    assert isinstance(model[1][0], nn.BatchNorm2d), "fix must not mutate its input"

@@ -96,6 +96,24 @@ class Attention(nn.Module):
         return self.head(y.mean(1))
 
 
+class Recurrent(nn.Module):
+    """A recurrent body (batch_first) whose last output feeds a linear head."""
+
+    def __init__(self, rnn, k=3):
+        super().__init__()
+        self.rnn = rnn
+        self.head = nn.Linear(rnn.hidden_size * (2 if rnn.bidirectional else 1), k)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def _fixed(build):
+    """torch's recurrent layers cannot be vmapped in torch 2.13; vmapdp.fix swaps in equal ones."""
+    return lambda: vmapdp.fix(build())
+
+
 def _frozen_mlp():
     m = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
     m[0].weight.requires_grad_(False)
@@ -143,6 +161,9 @@ CASES = [
         lambda: Pool(nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True), 8, 3),
         _seq(4, 8, 3),
     ),
+    Case("lstm_via_fix", _fixed(lambda: Recurrent(nn.LSTM(4, 5, num_layers=2, batch_first=True))), _seq(6, 4, 3)),
+    Case("gru_bidirectional_via_fix", _fixed(lambda: Recurrent(nn.GRU(4, 5, batch_first=True, bidirectional=True))), _seq(6, 4, 3)),
+    Case("rnn_relu_via_fix", _fixed(lambda: Recurrent(nn.RNN(4, 5, nonlinearity="relu", batch_first=True))), _seq(6, 4, 3)),
     Case("tied_weights", lambda: TiedLM(), _tokens(11, 6, 11)),
     Case("module_called_twice", lambda: CalledTwice(), _images((5,), 3)),
     Case("frozen_params", _frozen_mlp, _images((6,), 3)),

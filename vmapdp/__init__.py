@@ -5,7 +5,7 @@ per-sample gradients are ``vmap(grad(loss_fn))`` (:func:`per_sample_grads`); cli
 accounting and sampling are pure functions over pytrees that compose into a DP-SGD step.
 """
 
-from vmapdp import testing
+from vmapdp import data, datasets, nn, testing
 from vmapdp.clipping import (
     clip_and_sum,
     clip_and_sum_per_layer,
@@ -18,6 +18,7 @@ from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
 from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
+from vmapdp.validate import Problem, explain_failure, fix, validate  # noqa: E402  (shadows the module name on purpose)
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,13 @@ __all__ = [
     "per_layer_sensitivity",
     "add_noise",
     "make_generator",
+    "validate",
+    "fix",
+    "Problem",
+    "explain_failure",
     "UnsupportedModuleError",
+    "data",
+    "datasets",
+    "nn",
     "testing",
 ]

@@ -1,0 +1,653 @@
+"""Find (``validate``) and repair (``fix``) modules that break per-sample gradients or DP.
+
+Per-sample gradients are only per-sample if a sample's output depends on that sample alone,
+and DP training only protects what it noises: anything a forward pass writes into the module
+from private data (running statistics, counters, cached inputs) leaves the training step
+without noise. ``torch.func.vmap`` also refuses in-place updates of captured buffers and cannot
+batch some fused kernels. ``validate`` lists every such problem with one concrete fix, ``fix``
+applies the fixes that have a standard answer, and ``explain_failure`` turns a cryptic error
+raised inside ``vmap``/``grad`` into one that names the offending module and its fix.
+
+What counts as a problem (and what does not):
+
+* ``BatchNorm*`` (1d/2d/3d, ``SyncBatchNorm``, lazy variants) that normalizes with batch
+  statistics: in training mode, or with ``track_running_stats=False`` in any mode. It mixes
+  samples, and in training mode it also writes running statistics of the private batch into
+  its buffers. A BatchNorm in eval mode with running statistics is *not* a problem: it is a
+  fixed affine map applied to each sample on its own (its statistics must then come from
+  public data, or from an earlier privatized computation -- validate cannot tell).
+* ``InstanceNorm*`` with ``track_running_stats=True`` in training mode: normalizes each sample
+  on its own, but updates its running statistics in place from the data.
+* ``torch.nn.GRU``, ``RNN``, ``GRUCell``, ``RNNCell``, ``LSTMCell``: ``vmap`` cannot batch their
+  kernels; ``torch.nn.LSTM`` only runs through a slow per-sample fallback. ``vmapdp.nn`` has
+  drop-in replacements with the same parameters.
+* With example inputs, dynamically: any submodule whose forward changes its own buffers or
+  public attributes, and any failure (or slow fallback) of a two-sample
+  ``vmap(grad(...))`` through the module, attributed to the innermost submodule running.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import warnings
+from typing import Any, Optional
+
+import optree
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from vmapdp import nn as vnn
+from vmapdp.errors import UnsupportedModuleError
+
+__all__ = [
+    "Problem",
+    "validate",
+    "fix",
+    "explain_failure",
+    "group_norm_groups",
+    "BATCH_NORM",
+    "RUNNING_STATS",
+    "BUFFER_UPDATE",
+    "ATTRIBUTE_UPDATE",
+    "VMAP_UNSUPPORTED",
+    "VMAP_SLOW",
+    "VMAP_FAILURE",
+]
+
+# Problem kinds.
+BATCH_NORM = "batch_norm"  # normalizes with batch statistics: mixes samples
+RUNNING_STATS = "running_stats"  # InstanceNorm updating running statistics in forward
+BUFFER_UPDATE = "buffer_update"  # (dynamic) forward changed the module's buffers
+ATTRIBUTE_UPDATE = "attribute_update"  # (dynamic) forward changed public attributes
+VMAP_UNSUPPORTED = "vmap_unsupported"  # known not to work under vmap (by type)
+VMAP_SLOW = "vmap_slow"  # works under vmap through a slow per-sample fallback
+VMAP_FAILURE = "vmap_failure"  # (dynamic) a two-sample vmap(grad(...)) failed here
+
+_MAX_GROUPS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One reason a (sub)module cannot be used as it is for per-sample gradients or DP.
+
+    Attributes:
+      path: qualified name of the submodule, as in ``module.named_modules()``; "" is the root.
+      module: the submodule's type name, e.g. "BatchNorm2d".
+      kind: a short tag (``BATCH_NORM``, ``RUNNING_STATS``, ``BUFFER_UPDATE``,
+        ``ATTRIBUTE_UPDATE``, ``VMAP_UNSUPPORTED``, ``VMAP_SLOW``, ``VMAP_FAILURE``).
+      reason: why it is a problem, including the privacy consequence where there is one.
+      fix: one concrete fix.
+      fixable: whether ``vmapdp.fix`` repairs it.
+    """
+
+    path: str
+    module: str
+    kind: str
+    reason: str
+    fix: str
+    fixable: bool = False
+
+    def __str__(self) -> str:
+        where = repr(self.path) if self.path else "<root module>"
+        return f"{where} ({self.module}): {self.reason}. Fix: {self.fix}."
+
+
+# --- public API ----------------------------------------------------------------------------------
+
+
+def validate(
+    module: nn.Module, *example_args: Any, raise_on_problem: bool = False, **example_kwargs: Any
+) -> list[Problem]:
+    """Lists every problem that breaks per-sample gradients or DP in ``module``, each with a fix.
+
+    Without example inputs the check is static (by type, mode and flags). With example inputs
+    (what ``module(*example_args, **example_kwargs)`` accepts, e.g. a small batch) it also runs,
+    on deep copies so that ``module`` and the inputs are left untouched:
+
+    1. the forward pass, reporting every submodule whose own buffers or public attributes
+       (numbers, strings, tensors) changed;
+    2. ``torch.func.vmap(torch.func.grad(loss))`` over two stacked copies of the inputs, with
+       ``loss`` the sum of all floating-point outputs and the trainable parameters as the
+       argument, reporting a failure or a slow fallback at the innermost submodule running
+       when it happened. The trial runs on a copy with the problems ``fix`` can repair
+       already repaired, and stops at the first failure: fix that one and validate again.
+
+    A submodule with a static problem gets no extra dynamic report. Dynamic checks are skipped
+    while a lazy module has uninitialized buffers (it cannot be copied; the static check asks to
+    initialize it first).
+
+    Args:
+      module: the model to check (its current train/eval mode is what gets checked).
+      *example_args, **example_kwargs: optional example inputs for the dynamic checks.
+      raise_on_problem: raise instead of returning when any problem is found.
+
+    Returns:
+      The problems in ``module.named_modules()`` order; ``[]`` if there are none.
+
+    Raises:
+      UnsupportedModuleError: with ``raise_on_problem=True``, listing every problem.
+
+    Example:
+      >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+      >>> [p.path for p in validate(model)]
+      ['1']
+      >>> validate(vmapdp.fix(model))
+      []
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"validate(module): expected a torch.nn.Module, got {type(module).__name__}")
+    problems = _static_problems(module)
+    if example_args or example_kwargs:
+        problems += _dynamic_problems(module, example_args, example_kwargs, problems)
+    order = {path: i for i, (path, _) in enumerate(module.named_modules())}
+    problems.sort(key=lambda p: order.get(p.path, len(order)))  # stable: static ones first
+    if problems and raise_on_problem:
+        raise UnsupportedModuleError(
+            _format_problems(
+                f"validate({type(module).__name__}): {_count(problems)} that break per-sample "
+                "gradients or differential privacy",
+                problems,
+            )
+        )
+    return problems
+
+
+def fix(module: nn.Module) -> nn.Module:
+    """Returns a repaired deep copy of ``module``; ``module`` itself is never changed.
+
+    Repairs (each exactly where ``validate`` reports the problem):
+
+    * ``BatchNorm*`` / ``SyncBatchNorm`` using batch statistics -> ``nn.GroupNorm(G, C)`` with
+      ``G = group_norm_groups(C)`` (the largest divisor of C that is <= 32 and leaves at least
+      two channels per group), the same ``eps``, affine weight and bias copied, same dtype,
+      device, ``requires_grad`` flags and training mode. GroupNorm normalizes each sample on its
+      own; it is not numerically equal to BatchNorm, so a pretrained model needs fine-tuning.
+    * ``InstanceNorm*`` tracking running statistics in training mode -> the same module with
+      ``track_running_stats=False`` (running buffers dropped, affine parameters kept).
+    * ``torch.nn.RNN`` / ``GRU`` / ``LSTM`` / ``RNNCell`` / ``GRUCell`` / ``LSTMCell`` ->
+      ``vmapdp.nn`` twins with identical parameters and outputs (``from_torch``).
+
+    Shared submodules stay shared (one replacement for all their uses).
+
+    Returns:
+      The fixed copy; ``validate(fixed)`` reports none of the problems above.
+
+    Raises:
+      UnsupportedModuleError: listing the problems ``fix`` cannot repair (e.g. a subclass of
+        ``torch.nn.GRU``, an uninitialized lazy BatchNorm); nothing is returned then.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fix(module): expected a torch.nn.Module, got {type(module).__name__}")
+    unfixable = [p for p in _static_problems(module) if not p.fixable]
+    if not unfixable:
+        fixed = _apply_repairs(copy.deepcopy(module))
+        unfixable = _static_problems(fixed)
+    if unfixable:
+        raise UnsupportedModuleError(
+            _format_problems(
+                f"fix({type(module).__name__}): {_count(unfixable)} that vmapdp.fix cannot repair",
+                unfixable,
+            )
+        )
+    return fixed
+
+
+def explain_failure(module: nn.Module, exc: BaseException) -> Optional[UnsupportedModuleError]:
+    """Turns an error raised inside ``vmap``/``grad`` into one that names the module and the fix.
+
+    Meant for the per-sample engine: ``raise explained from exc`` when this returns an error.
+
+    Args:
+      module: the model whose per-sample gradients failed.
+      exc: the exception torch raised (e.g. "During a grad (vjp, jvp, grad, etc) transform, the
+        function provided attempted to call in-place operation (aten::add_.Tensor) that would
+        mutate a captured Tensor", "vmap: inplace arithmetic(self, *extra_args) is not
+        possible", or nn.GRU's "output with shape [1, H] doesn't match the broadcast shape").
+
+    Returns:
+      An ``UnsupportedModuleError`` listing the statically found problems of ``module`` that
+      match the message, or ``None`` when none does (the error has another cause).
+    """
+    if not isinstance(exc, Exception) or not isinstance(module, nn.Module):
+        return None
+    message = str(exc).lower()
+    matched = [
+        p for p in _static_problems(module)
+        if any(sign in message for sign in _FAILURE_SIGNS.get(p.kind, ()))
+    ]
+    if not matched:
+        return None
+    return UnsupportedModuleError(
+        _format_problems(
+            f"per-sample gradients of {type(module).__name__} failed inside torch.func "
+            f"({type(exc).__name__}: {_first_line(exc)}). The cause: {_count(matched)}",
+            matched,
+        )
+    )
+
+
+def group_norm_groups(num_channels: int) -> int:
+    """The number of GroupNorm groups ``fix`` uses to replace a BatchNorm over ``num_channels``.
+
+    The largest divisor G of C with G <= 32 (Wu & He's default group count) and C / G >= 2, so
+    every group normalizes at least two values even without spatial dimensions (a group of one
+    channel over a ``[N, C]`` input would output its bias only). C = 1 gives 1.
+    Examples: 1 -> 1, 3 -> 1, 6 -> 3, 16 -> 8, 64 -> 32, 100 -> 25.
+
+    References:
+      Wu & He, "Group Normalization", ECCV 2018.
+    """
+    if not isinstance(num_channels, int) or num_channels < 1:
+        raise ValueError(f"group_norm_groups: expected a positive int, got {num_channels=}")
+    if num_channels == 1:
+        return 1
+    return max(g for g in range(1, min(_MAX_GROUPS, num_channels // 2) + 1) if num_channels % g == 0)
+
+
+# --- static checks -------------------------------------------------------------------------------
+
+_MIXING = (
+    "normalizes with the statistics of the whole batch, so each sample's output and gradient "
+    "depend on the other samples: per-sample gradients are not per-sample, clipping them does "
+    "not bound one sample's influence, and the DP guarantee does not hold"
+)
+_BN_FIX = (
+    "replace it by GroupNorm; vmapdp.fix(module) swaps in nn.GroupNorm(G, C) with G the largest "
+    "divisor of C that is <= 32 and leaves >= 2 channels per group, copying the affine weight "
+    "and bias (or, if its running statistics come from public data, put it in eval mode)"
+)
+_INITIALIZE_FIRST = (
+    "it is an uninitialized lazy module: run one forward pass (on public or dummy data) to "
+    "initialize it, then call vmapdp.fix(module)"
+)
+_TORCH_RECURRENT = {
+    nn.RNN: vnn.RNN,
+    nn.GRU: vnn.GRU,
+    nn.LSTM: vnn.LSTM,
+    nn.RNNCell: vnn.RNNCell,
+    nn.GRUCell: vnn.GRUCell,
+    nn.LSTMCell: vnn.LSTMCell,
+}
+# Lower-case fragments of the errors each kind of problem causes inside vmap/grad.
+_IN_PLACE_SIGNS = (
+    "captured tensor",
+    "in-place operation",
+    "inplace arithmetic",
+    "batched tensor as input while the running_mean",
+    "running_mean",
+    "running_var",
+)
+_FAILURE_SIGNS = {
+    BATCH_NORM: _IN_PLACE_SIGNS + ("expected more than 1 value per channel when training",),
+    RUNNING_STATS: _IN_PLACE_SIGNS,
+    VMAP_UNSUPPORTED: ("doesn't match the broadcast shape",),
+}
+
+
+def _uses_batch_statistics(m: _BatchNorm) -> bool:
+    return m.training or not m.track_running_stats or m.running_mean is None
+
+
+def _is_uninitialized(m: nn.Module) -> bool:
+    return isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+
+
+def _has_uninitialized_buffers(m: nn.Module) -> bool:
+    return any(isinstance(b, nn.parameter.UninitializedBuffer) for b in m._buffers.values())
+
+
+def _static_problems(module: nn.Module) -> list[Problem]:
+    problems = []
+    for path, m in module.named_modules():
+        name = type(m).__name__
+        if isinstance(m, _BatchNorm) and _uses_batch_statistics(m):
+            if m.training:
+                reason = f"in training mode it {_MIXING}"
+                if m.track_running_stats:
+                    reason += (
+                        "; it also writes running_mean/running_var of the private batch into its "
+                        "buffers in every forward pass, and those leave training without noise"
+                    )
+            else:
+                reason = f"it has no running statistics, so even in eval mode it {_MIXING}"
+            if _is_uninitialized(m):
+                problems.append(Problem(path, name, BATCH_NORM, reason, _INITIALIZE_FIRST))
+            else:
+                problems.append(Problem(path, name, BATCH_NORM, reason, _BN_FIX, fixable=True))
+        elif isinstance(m, _InstanceNorm) and m.training and m.track_running_stats:
+            reason = (
+                "track_running_stats=True in training mode: every forward pass updates "
+                "running_mean/running_var in place from the data, which releases data-dependent "
+                "statistics without noise and fails under torch.func.vmap/grad"
+            )
+            if _is_uninitialized(m):
+                problems.append(Problem(path, name, RUNNING_STATS, reason, _INITIALIZE_FIRST))
+            else:
+                problems.append(Problem(
+                    path, name, RUNNING_STATS, reason,
+                    "construct it with track_running_stats=False (vmapdp.fix(module) does this "
+                    "and keeps the affine parameters)",
+                    fixable=True,
+                ))
+        elif isinstance(m, tuple(_TORCH_RECURRENT)):
+            base = next(c for c in _TORCH_RECURRENT if isinstance(m, c))
+            twin = _TORCH_RECURRENT[base].__name__
+            slow = base is nn.LSTM
+            reason = (
+                "torch.func.vmap has no batching rule for its fused kernel "
+                "(aten::mkldnn_rnn_layer on CPU) and falls back to a slow per-sample loop"
+                if slow else
+                "torch.func.vmap cannot batch its fused kernel: vmap(grad(...)) fails with "
+                "\"output with shape [...] doesn't match the broadcast shape [...]\""
+            )
+            kind = VMAP_SLOW if slow else VMAP_UNSUPPORTED
+            if type(m) is base:
+                problems.append(Problem(
+                    path, name, kind, reason,
+                    f"vmapdp.fix(module) swaps in vmapdp.nn.{twin} (same parameter names and "
+                    "outputs, a plain-tensor loop over time steps)",
+                    fixable=True,
+                ))
+            else:
+                problems.append(Problem(
+                    path, name, kind, reason,
+                    f"derive {name} from vmapdp.nn.{twin} instead of torch.nn.{base.__name__} "
+                    "(vmapdp.fix only swaps the exact torch classes)",
+                ))
+    return problems
+
+
+# --- fix -----------------------------------------------------------------------------------------
+
+
+def _apply_repairs(module: nn.Module) -> nn.Module:
+    """Repairs ``module`` in place (swapping submodules); returns the root (maybe replaced)."""
+    replacements: dict[int, tuple[nn.Module, nn.Module]] = {}  # id -> (old kept alive, new)
+    for submodule in module.modules():
+        new = _repair(submodule)
+        if new is not None and new is not submodule:
+            replacements[id(submodule)] = (submodule, new)
+    if id(module) in replacements:
+        module = replacements[id(module)][1]
+    for parent in list(module.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                setattr(parent, name, replacements[id(child)][1])
+    return module
+
+
+def _repair(m: nn.Module) -> Optional[nn.Module]:
+    """Returns the replacement of ``m`` (``m`` itself if repaired in place), or None."""
+    if isinstance(m, _BatchNorm) and _uses_batch_statistics(m) and not _is_uninitialized(m):
+        return _batch_norm_to_group_norm(m)
+    if isinstance(m, _InstanceNorm) and m.training and m.track_running_stats:
+        m.track_running_stats = False
+        for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+            if buffer in m._buffers:
+                m._buffers[buffer] = None
+        return m
+    twin = _TORCH_RECURRENT.get(type(m))
+    if twin is not None:
+        return twin.from_torch(m)
+    return None
+
+
+def _batch_norm_to_group_norm(bn: _BatchNorm) -> nn.GroupNorm:
+    reference = next(
+        (t for t in (bn.weight, bn.running_mean) if t is not None),
+        torch.empty(0),
+    )
+    gn = nn.GroupNorm(
+        group_norm_groups(bn.num_features),
+        bn.num_features,
+        eps=bn.eps,
+        affine=bn.affine,
+        device=reference.device,
+        dtype=reference.dtype,
+    )
+    if bn.affine:
+        with torch.no_grad():
+            gn.weight.copy_(bn.weight)
+            gn.bias.copy_(bn.bias)
+        gn.weight.requires_grad_(bn.weight.requires_grad)
+        gn.bias.requires_grad_(bn.bias.requires_grad)
+    gn.train(bn.training)
+    return gn
+
+
+# --- dynamic checks ------------------------------------------------------------------------------
+
+_VMAP_FAILURE_FIX = (
+    "rewrite the failing operation with ops torch.func supports: no in-place updates of "
+    "buffers or captured tensors, no .item()/.tolist() or Python control flow on tensor values "
+    "(use torch.where), no .numpy(); see the torch.func 'UX limitations' page"
+)
+
+
+def _dynamic_problems(
+    module: nn.Module, args: tuple, kwargs: dict, static: list[Problem]
+) -> list[Problem]:
+    if any(_has_uninitialized_buffers(m) for m in module.modules()):
+        return []  # cannot be deep-copied; the static check asks to initialize it first
+    work = copy.deepcopy(module)
+    paths: dict[int, str] = {id(m): p for p, m in work.named_modules()}
+    types = {p: type(m).__name__ for p, m in module.named_modules()}
+    # Uninitialized lazy modules change on their first forward by design.
+    lazy = {id(m) for m in work.modules() if _is_uninitialized(m)}
+    before = {id(m): _state_of(m) for m in work.modules() if id(m) not in lazy}
+    args, kwargs = optree.tree_map(_clone_tensor, (args, kwargs))
+    try:
+        with torch.no_grad():
+            output = work(*args, **kwargs)
+    except Exception as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                f"validate({type(module).__name__}, *example_args, **example_kwargs): the "
+                "forward pass on the example inputs failed before any check ran; pass inputs "
+                "that module(*example_args, **example_kwargs) accepts"
+            )
+        raise
+
+    flagged = {p.path for p in static}
+    problems = []
+    for m in work.modules():
+        if id(m) not in before or paths[id(m)] in flagged:
+            continue  # lazy, or created by the forward pass itself
+        buffers, attributes = _changes(before[id(m)], _state_of(m))
+        path = paths[id(m)]
+        if buffers:
+            problems.append(Problem(
+                path, types[path], BUFFER_UPDATE,
+                f"its forward pass changes buffer(s) {_names(buffers)}: state computed from the "
+                "inputs leaves the training step without noise (a privacy leak), and in-place "
+                "buffer updates fail under torch.func.vmap/grad",
+                "keep state out of the forward pass: compute it outside the private step (from "
+                "public data, or privatized), or pass it in and return it explicitly; for "
+                "normalization statistics use GroupNorm or LayerNorm",
+            ))
+        if attributes:
+            problems.append(Problem(
+                path, types[path], ATTRIBUTE_UPDATE,
+                f"its forward pass changes attribute(s) {_names(attributes)}: hidden state that "
+                "function transforms do not see (a value computed from the inputs escapes vmap "
+                "and DP noise; a changing attribute also makes torch.compile recompile)",
+                "return the value from forward (or keep it outside the module) instead of "
+                "storing it on self",
+            ))
+    flagged |= {p.path for p in problems}
+    if _has_floating_leaf(output):
+        # Try vmap on a copy with the fixable problems repaired, to find the ones beyond them.
+        work = _apply_repairs(work)
+        paths = {id(m): p for p, m in work.named_modules()}
+        problems += _vmap_trial(work, args, kwargs, paths, types, flagged)
+    return problems
+
+
+def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
+    trainable = {n: p for n, p in work.named_parameters() if p.requires_grad}
+    constants = {n: p.detach() for n, p in work.named_parameters() if not p.requires_grad}
+    constants.update(work.named_buffers())
+    leaves, spec = optree.tree_flatten((args, kwargs))
+    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if not trainable or not tensor_at:
+        return []
+    stacked = [torch.stack([leaves[i], leaves[i]]) for i in tensor_at]
+
+    def loss(params, batched):
+        filled = list(leaves)
+        for i, t in zip(tensor_at, batched):
+            filled[i] = t
+        a, k = optree.tree_unflatten(spec, filled)
+        out = torch.func.functional_call(work, (params, constants), a, k)
+        return sum(leaf.sum() for leaf in optree.tree_leaves(out) if _is_floating(leaf))
+
+    running: list[nn.Module] = []  # the forward call stack, innermost last
+
+    def push(m, _args):
+        running.append(m)
+
+    def pop(m, _args, _out):
+        if running and running[-1] is m:
+            running.pop()
+
+    def where() -> Optional[str]:
+        return paths.get(id(running[-1])) if running else None
+
+    slow: dict[str, Optional[str]] = {}  # op name -> path where it first ran
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        found = re.search(r"performance drop.*?(aten::[\w.]+)", str(message), re.S)
+        if found:
+            op = found.group(1).rstrip(".")
+            if slow.get(op) is None:
+                slow[op] = where()
+
+    handles = []
+    for m in work.modules():
+        handles.append(m.register_forward_pre_hook(push))
+        handles.append(m.register_forward_hook(pop))
+    problems = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(
+                trainable, stacked
+            )
+    except Exception as exc:
+        path = where()
+        if path is None and not flagged:
+            path, place = "", "outside any submodule's forward (in the loss or the backward pass)"
+        else:
+            place = "in this module's forward"
+        if path is not None and path not in flagged:
+            problems.append(Problem(
+                path, types.get(path, type(work).__name__), VMAP_FAILURE,
+                f"torch.func.vmap(torch.func.grad(...)) over two copies of the example inputs "
+                f"failed {place} with {type(exc).__name__}: {_first_line(exc)}",
+                _VMAP_FAILURE_FIX,
+            ))
+            flagged.add(path)
+    finally:
+        for handle in handles:
+            handle.remove()
+    attributed = any(path is not None for path in slow.values())
+    for op, path in slow.items():
+        if path is None:  # ran in the backward pass: blame the root only if nothing else
+            if attributed or flagged:
+                continue
+            path = ""
+        if path not in flagged:
+            problems.append(Problem(
+                path, types.get(path, type(work).__name__), VMAP_SLOW,
+                f"torch.func.vmap has no batching rule for {op} and runs it as a slow per-sample "
+                "loop",
+                "replace the module with one built from batched ops (see vmapdp.nn for "
+                "recurrent layers)",
+            ))
+            flagged.add(path)
+    return problems
+
+
+def _state_of(m: nn.Module) -> tuple[dict, dict]:
+    """Snapshot of a module's own buffers and public plain attributes."""
+    buffers = {name: _tensor_state(b) for name, b in m._buffers.items()}
+    attributes = {
+        name: _tensor_state(value) if isinstance(value, torch.Tensor) else value
+        for name, value in vars(m).items()
+        if not name.startswith("_")
+        and name != "training"
+        and isinstance(value, (torch.Tensor, int, float, complex, str, bytes, type(None)))
+    }
+    return buffers, attributes
+
+
+def _tensor_state(t: Optional[torch.Tensor]):
+    if t is None:
+        return None
+    return (t, t._version, t.detach().clone())
+
+
+def _changes(old: tuple[dict, dict], new: tuple[dict, dict]) -> tuple[list[str], list[str]]:
+    def changed(a, b) -> bool:
+        if isinstance(a, tuple) and isinstance(b, tuple):  # tensors: (tensor, version, copy)
+            (tensor_a, version_a, copy_a), (tensor_b, version_b, _) = a, b
+            if tensor_a is tensor_b:
+                return version_a != version_b  # written in place (even with equal values)
+            current = tensor_b.detach()
+            return not (
+                copy_a.shape == current.shape
+                and copy_a.dtype == current.dtype
+                and torch.allclose(copy_a, current, rtol=0, atol=0, equal_nan=True)
+            )
+        return not (a is b or (type(a) is type(b) and a == b))
+
+    result = []
+    for old_part, new_part in zip(old, new):
+        names = sorted(set(old_part) | set(new_part))
+        result.append([
+            n for n in names
+            if n not in old_part or n not in new_part or changed(old_part[n], new_part[n])
+        ])
+    return result[0], result[1]
+
+
+def _clone_tensor(leaf):
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+
+
+def _is_floating(leaf) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+
+
+def _has_floating_leaf(tree) -> bool:
+    return any(_is_floating(leaf) for leaf in optree.tree_leaves(tree))
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+
+def _count(problems: list[Problem]) -> str:
+    return f"{len(problems)} problem" + ("" if len(problems) == 1 else "s")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else "(no message)"
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _format_problems(header: str, problems: list[Problem]) -> str:
+    lines = [header + ":"]
+    lines += [f"  - {p}" for p in problems]
+    if any(p.fixable for p in problems):
+        lines.append("vmapdp.fix(module) returns a copy with the fixable ones repaired.")
+    return "\n".join(lines)
