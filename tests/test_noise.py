@@ -34,6 +34,18 @@ def test_noise_is_gaussian_with_the_requested_std(std, seed):
     assert lo * std**2 < z.var() < hi * std**2
 
 
+def test_secure_noise_is_gaussian_and_rejects_generators():
+    tree = {"a": torch.zeros(20_000)}
+    z = add_noise(tree, 2.0, secure=True)["a"].double().numpy()
+    assert stats.kstest(z, "norm", args=(0.0, 2.0)).pvalue > ALPHA
+    assert stats.kstest(z, "norm", args=(0.0, 2.0 * 1.1)).pvalue < ALPHA  # negative control
+    torch.manual_seed(0)
+    again = add_noise(tree, 2.0, secure=True)["a"].double().numpy()
+    assert not (z == again).all()
+    with pytest.raises(ValueError, match=r"secure=True .* takes no generator"):
+        add_noise(tree, 1.0, make_generator(0), secure=True)
+
+
 @pytest.mark.parametrize("wrong", [0.9, 1.1, 1 / math.sqrt(2)])
 def test_negative_control_wrong_std_is_rejected(wrong):
     # noise drawn at std 1 must fail the same test when the claimed std is off

@@ -21,7 +21,29 @@ import optree
 import torch
 from torch import Tensor
 
-__all__ = ["add_noise", "make_generator"]
+__all__ = ["add_noise", "make_generator", "secure_normal"]
+
+
+def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
+    """Standard normal samples from the operating system's CSPRNG (``secrets``), via Box-Muller.
+
+    What this defends against: an adversary who knows or guesses the seed of a pseudo-random
+    generator (torch's generators are not cryptographic; their output can be predicted from a
+    seed or from enough past output). What it does NOT defend against: attacks on the floating-
+    point representation of Gaussian samples (Mironov 2012; Jin et al. 2022, "Are We There Yet?
+    Timing and Floating-Point Attacks on Differential Privacy Systems"; Haney et al. 2022), which
+    need a discrete or snapped mechanism that vmapdp does not implement. Samples are computed in
+    float64 from 53-bit uniforms and then cast.
+    """
+    n = 1
+    for d in shape:
+        n *= d
+    m = (n + 1) // 2
+    raw = torch.frombuffer(bytearray(secrets.token_bytes(16 * m)), dtype=torch.int64).reshape(2, m)
+    u = ((raw & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1)
+    r = torch.sqrt(-2.0 * torch.log(u[0]))
+    z = torch.cat([r * torch.cos(2 * math.pi * u[1]), r * torch.sin(2 * math.pi * u[1])])[:n]
+    return z.reshape(shape).to(dtype=dtype, device=device)
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
@@ -35,7 +57,7 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
     return gen
 
 
-def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None = None) -> Any:
+def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None = None, *, secure: bool = False) -> Any:
     """Add independent Gaussian noise ``N(0, std**2)`` to every element of every leaf.
 
     Args:
@@ -44,6 +66,7 @@ def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None 
             l2_clip_norm``, before dividing by the batch size).
         generator: the source of randomness; its state advances. ``None``: a fresh generator
             seeded from OS entropy (never torch's global RNG).
+        secure: draw from the OS CSPRNG (:func:`secure_normal`) instead; no generator allowed.
 
     Returns:
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
@@ -65,7 +88,14 @@ def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None 
             "Make one with vmapdp.make_generator(seed)."
         )
 
+    if secure and generator is not None:
+        raise ValueError(f"{call}: secure=True draws from the OS CSPRNG and takes no generator (a seeded generator is predictable).")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
+    if secure:
+        return optree.tree_unflatten(
+            spec,
+            [leaf.to(_dt(leaf)) + secure_normal(leaf.shape, dtype=_dt(leaf), device=leaf.device) * std for leaf in leaves],
+        )
     if generator is None and leaves:
         generator = make_generator(device=leaves[0].device)
     out = []
@@ -75,7 +105,11 @@ def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None 
                 f"{call}: the generator is on {generator.device} but a leaf is on {leaf.device}; "
                 f"make the generator with vmapdp.make_generator(seed, device={str(leaf.device)!r})."
             )
-        dtype = torch.promote_types(leaf.dtype, torch.float32)
+        dtype = _dt(leaf)
         noise = torch.randn(leaf.shape, dtype=dtype, device=leaf.device, generator=generator)
         out.append(leaf.to(dtype) + noise * std)
     return optree.tree_unflatten(spec, out)
+
+
+def _dt(leaf: Tensor) -> torch.dtype:
+    return torch.promote_types(leaf.dtype, torch.float32)
