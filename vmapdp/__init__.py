@@ -5,7 +5,8 @@ per-sample gradients are ``vmap(grad(loss_fn))`` (:func:`per_sample_grads`); cli
 accounting and sampling are pure functions over pytrees that compose into a DP-SGD step.
 """
 
-from vmapdp import data, datasets, nn, testing
+from vmapdp import accounting, data, datasets, nn, optim, testing
+from vmapdp.checkpoint import load_state, save_state
 from vmapdp.clipping import (
     clip_and_sum,
     clip_and_sum_per_layer,
@@ -18,6 +19,7 @@ from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
 from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
+from vmapdp.train import PrivacyBudgetExceeded, TrainState, init_train_state, make_train_step
 from vmapdp.validate import Problem, explain_failure, fix, validate  # noqa: E402  (shadows the module name on purpose)
 
 __version__ = "0.1.0"
@@ -35,11 +37,19 @@ __all__ = [
     "per_layer_sensitivity",
     "add_noise",
     "make_generator",
+    "make_train_step",
+    "init_train_state",
+    "TrainState",
+    "PrivacyBudgetExceeded",
+    "save_state",
+    "load_state",
     "validate",
     "fix",
     "Problem",
     "explain_failure",
     "UnsupportedModuleError",
+    "accounting",
+    "optim",
     "data",
     "datasets",
     "nn",

@@ -1,0 +1,285 @@
+"""The DP-SGD step: exactly the update the accountant assumes, nothing more, nothing less."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from scipy import stats
+from torch import nn
+
+import vmapdp
+from vmapdp import accounting, optim
+from vmapdp.data import PoissonSampler, gather
+from vmapdp.train import PrivacyBudgetExceeded
+
+ALPHA = 1e-3  # false-alarm rate of the statistical tests (fixed seeds: the suite is deterministic)
+
+
+def problem(n=40, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    apply, params, buffers = vmapdp.functionalize(model)
+    g = torch.Generator().manual_seed(seed + 1)
+    data = (torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return apply, params, buffers, data, loss_fn
+
+
+def make(loss_fn, *, noise=1.0, clip=1.0, ebs=8.0, q=0.2, lr=0.5, compile=False, **kw):
+    return vmapdp.make_train_step(
+        loss_fn, optim.sgd(lr), l2_clip_norm=clip, noise_multiplier=noise, expected_batch_size=ebs, sample_rate=q, compile=compile, **kw
+    )
+
+
+def no_noise_step(loss_fn, **kw):
+    with pytest.warns(UserWarning, match=r"noise_multiplier=0 trains WITHOUT differential privacy"):
+        return make(loss_fn, noise=0.0, **kw)
+
+
+def test_no_noise_no_clipping_equals_sgd_on_the_mean_gradient():
+    apply, params, buffers, (x, y), loss_fn = problem()
+    b = 8
+    step = no_noise_step(loss_fn, clip=math.inf, ebs=float(b), lr=0.3)
+    state = vmapdp.init_train_state(params, optim.sgd(0.3), seed=0)
+    new, metrics = step(state, (x[:b], y[:b]), torch.ones(b, dtype=torch.bool), buffers)
+    live = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    loss = F.cross_entropy(apply(live, buffers, x[:b]), y[:b])
+    grads = torch.autograd.grad(loss, list(live.values()))
+    for (k, p), g in zip(params.items(), grads):
+        torch.testing.assert_close(new.params[k], p - 0.3 * g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    assert new.step == 1 and math.isinf(new.epsilon(1e-5))
+
+
+def test_divisor_is_the_expected_batch_size_never_the_realised_one():
+    apply, params, buffers, (x, y), loss_fn = problem()
+    step = no_noise_step(loss_fn, clip=math.inf, ebs=10.0, lr=1.0)
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=0)
+    mask = torch.tensor([True, True, True, False, False, False])
+    new, metrics = step(state, (x[:6], y[:6]), mask, buffers)
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, (x[:3], y[:3]))
+    for k in params:
+        torch.testing.assert_close(params[k] - new.params[k], grads[k].sum(0) / 10.0, rtol=1e-5, atol=1e-7)
+    assert metrics["batch_size"] == 3
+
+
+def test_padded_rows_contribute_nothing_even_nan():
+    _, params, buffers, (x, y), loss_fn = problem()
+    step = make(loss_fn)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
+    mask = torch.tensor([True] * 5 + [False] * 3)
+    x_bad = x[:8].clone()
+    x_bad[5:] = math.nan
+    poisoned, m1 = step(state, (x_bad, y[:8]), mask, buffers)
+    # the same real rows with other (finite) padding: the same update, bit for bit
+    clean, m2 = step(state, (x[:8], y[:8]), mask, buffers)
+    for k in params:
+        assert torch.isfinite(poisoned.params[k]).all()
+        assert torch.equal(poisoned.params[k], clean.params[k])
+    assert m1["nonfinite"] == 0 and m1["batch_size"] == 5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_added_example_moves_the_update_by_at_most_lr_c_over_ebs(seed):
+    _, params, buffers, (x, y), loss_fn = problem(seed=seed)
+    lr, clip, ebs = 0.7, 0.05, 8.0
+    step = no_noise_step(loss_fn, clip=clip, ebs=ebs, lr=lr)
+    state = vmapdp.init_train_state(params, optim.sgd(lr), seed=0)
+    mask = torch.tensor([True] * 6 + [False])
+    with_x = mask.clone()
+    with_x[6] = True
+    x_adv = x[:7].clone()
+    x_adv[6] *= 1000.0  # an adversarial, huge-gradient example
+    a, _ = step(state, (x_adv, y[:7]), mask, buffers)
+    b, _ = step(state, (x_adv, y[:7]), with_x, buffers)
+    diff = math.sqrt(sum(float((a.params[k] - b.params[k]).double().square().sum()) for k in params))
+    assert diff <= lr * clip / ebs * (1 + 1e-5)
+    assert diff > 0.5 * lr * clip / ebs  # the example was clipped to (about) C, not dropped
+
+
+def _released_noise(noise_multiplier, clip, ebs, seed=0, n_params=4000):
+    """The update of a model whose gradients are all zero: pure noise / expected batch size."""
+    params = {"w": torch.zeros(n_params)}
+
+    def loss_fn(p, sample):
+        return (p["w"] * 0.0).sum() + sample.sum() * 0.0
+
+    step = vmapdp.make_train_step(
+        loss_fn, optim.sgd(1.0), l2_clip_norm=clip, noise_multiplier=noise_multiplier, expected_batch_size=ebs, sample_rate=0.1, compile=False
+    )
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=seed)
+    deltas = []
+    for _ in range(3):
+        new, _ = step(state, torch.zeros(4, 1), torch.ones(4, dtype=torch.bool))
+        deltas.append(state.params["w"] - new.params["w"])
+        state = new
+    return torch.cat(deltas).double().numpy()
+
+
+@pytest.mark.parametrize("sigma, clip, ebs", [(1.0, 1.0, 10.0), (2.5, 0.3, 64.0)])
+def test_noise_std_is_sigma_c_over_ebs(sigma, clip, ebs):
+    z = _released_noise(sigma, clip, ebs)
+    std = sigma * clip / ebs
+    assert stats.kstest(z, "norm", args=(0.0, std)).pvalue > ALPHA
+    for wrong in (std / math.sqrt(2), std * 1.1):  # negative controls: a std off by sqrt(2) or 10% fails
+        assert stats.kstest(z, "norm", args=(0.0, wrong)).pvalue < ALPHA
+
+
+def test_noise_is_fresh_each_step_and_fixed_by_the_state():
+    z1 = _released_noise(1.0, 1.0, 1.0, seed=5)
+    z2 = _released_noise(1.0, 1.0, 1.0, seed=5)
+    z3 = _released_noise(1.0, 1.0, 1.0, seed=6)
+    assert (z1 == z2).all() and not (z1 == z3).all()
+    n = z1.size // 3
+    assert abs(stats.pearsonr(z1[:n], z1[n : 2 * n])[0]) < 0.1  # consecutive steps are not reusing noise
+
+
+def test_ledger_and_epsilon_follow_the_steps():
+    _, params, buffers, (x, y), loss_fn = problem()
+    step = make(loss_fn, noise=1.3, q=0.2)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
+    for _ in range(5):
+        state, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    assert state.ledger == accounting.Ledger().record(noise_multiplier=1.3, sample_rate=0.2, count=5)
+    assert state.epsilon(1e-5) == pytest.approx(accounting.epsilon(noise_multiplier=1.3, sample_rate=0.2, steps=5, delta=1e-5))
+
+
+def test_budget_stops_before_the_step_that_would_exceed_it():
+    _, params, buffers, (x, y), loss_fn = problem()
+    eps_after = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5) for t in (1, 2, 3, 4)]
+    budget = (eps_after[2] + eps_after[3]) / 2  # three steps fit, the fourth would not
+    step = make(loss_fn, noise=1.0, q=0.2, budget=(budget, 1e-5))
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
+    for _ in range(3):
+        state, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    with pytest.raises(PrivacyBudgetExceeded, match=r"step 4 would spend epsilon=.* > budget"):
+        step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    assert state.step == 3 and state.epsilon(1e-5) <= budget
+
+
+def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
+    _, params, buffers, data, loss_fn = problem(n=60)
+    sampler = PoissonSampler(60, 0.1, 6, torch.Generator().manual_seed(0))
+    batches = [(gather(data, i), m) for i, m in sampler]
+    eager = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity)
+    torch._dynamo.reset()
+    compiled = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity, compile=True)
+    s_e = s_c = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
+    for batch, mask in batches:
+        s_e, m_e = eager(s_e, batch, mask, buffers)
+        s_c, m_c = compiled(s_c, batch, mask, buffers)
+    for k in params:
+        torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m_c["loss"], m_e["loss"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import vmapdp
+    from vmapdp import optim
+    from vmapdp.data import PoissonSampler, gather
+    from test_train import problem, make
+    _, params, buffers, data, loss_fn = problem(n=50)
+    sampler = PoissonSampler(50, 0.2, 3, torch.Generator().manual_seed(123))
+    state = vmapdp.load_state({path!r}, sampler=sampler)
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    vmapdp.save_state({out!r}, state, sampler=sampler)
+    """
+)
+
+
+def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
+    _, params, buffers, data, loss_fn = problem(n=50)
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=None)
+    sampler = PoissonSampler(50, 0.2, 6, torch.Generator().manual_seed(7))
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=11)
+    for t, (indices, mask) in enumerate(sampler):
+        state, _ = step(state, gather(data, indices), mask, buffers)
+        if t == 2:
+            vmapdp.save_state(tmp_path / "mid.pt", state, sampler=sampler)
+    out = tmp_path / "end.pt"
+    script = RESUME_SCRIPT.format(tests=os.path.dirname(__file__), path=str(tmp_path / "mid.pt"), out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+    resumed = vmapdp.load_state(out)
+    assert resumed.step == state.step == 6 and resumed.ledger == state.ledger
+    for k in params:
+        assert torch.equal(resumed.params[k], state.params[k]), k
+
+
+def test_checkpoint_round_trip_with_adam_and_bad_files(tmp_path):
+    _, params, buffers, (x, y), loss_fn = problem()
+    opt = optim.adam(1e-2)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, sample_rate=0.2, compile=False)
+    state = vmapdp.init_train_state(params, opt, seed=0)
+    state, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    path = tmp_path / "s.pt"
+    vmapdp.save_state(path, state)
+    loaded = vmapdp.load_state(path)
+    assert loaded.step == 1 and loaded.noise_seed == 0 and loaded.ledger == state.ledger
+    assert torch.equal(loaded.opt_state.exp_avg["0.weight"], state.opt_state.exp_avg["0.weight"])
+    # the loaded state steps exactly like the original
+    a, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    b, _ = step(loaded, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    assert all(torch.equal(a.params[k], b.params[k]) for k in params)
+    raw = path.read_bytes()
+    (tmp_path / "cut.pt").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match=r"not a complete vmapdp checkpoint.*truncated or corrupted"):
+        vmapdp.load_state(tmp_path / "cut.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"not a vmapdp checkpoint"):
+        vmapdp.load_state(tmp_path / "other.pt")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".vmapdp-")] == []  # no temp files left
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(l2_clip_norm=0.0), r"l2_clip_norm=0.0 must be finite and > 0"),
+        (dict(l2_clip_norm=math.inf), r"l2_clip_norm=inf must be finite and > 0"),
+        (dict(noise_multiplier=-1.0), r"noise_multiplier=-1.0 must be finite and >= 0"),
+        (dict(expected_batch_size=0), r"expected_batch_size=0 must be finite and > 0"),
+        (dict(sample_rate=0.0), r"sample_rate=0.0 must be in \(0, 1\]"),
+        (dict(physical_batch_size=0), r"physical_batch_size=0 must be a positive int"),
+        (dict(budget=(1.0, 2.0)), r"budget delta=2.0 must be in \(0, 1\)"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    _, _, _, _, loss_fn = problem()
+    args = dict(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, sample_rate=0.1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), **args)
+
+
+def test_bad_state_and_batch():
+    _, params, buffers, (x, y), loss_fn = problem()
+    step = make(loss_fn)
+    with pytest.raises(ValueError, match=r"secure=True rejects seeds"):
+        vmapdp.init_train_state(params, optim.sgd(0.1), seed=1, secure=True)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=1)
+    with pytest.raises(TypeError, match=r"mask must have dtype torch.bool"):
+        step(state, (x[:4], y[:4]), torch.ones(4), buffers)
+    secure_step = make(loss_fn, secure=True)
+    with pytest.raises(ValueError, match=r"secure=True but the state holds a noise seed"):
+        secure_step(state, (x[:4], y[:4]), torch.ones(4, dtype=torch.bool), buffers)
+    s_state = vmapdp.init_train_state(params, optim.sgd(0.1), secure=True)
+    new, _ = secure_step(s_state, (x[:4], y[:4]), torch.ones(4, dtype=torch.bool), buffers)
+    assert new.noise_seed is None and new.step == 1

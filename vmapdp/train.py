@@ -1,0 +1,252 @@
+"""The DP-SGD step: ``step(state, batch, mask) -> (state, metrics)``, composed from the pure parts.
+
+One logical step, in this fixed order::
+
+    grads   = per_sample_grads(loss_fn)(params, chunk)          # [capacity, ...] per chunk
+    summed += clip_and_sum(grads, l2_clip_norm, mask=mask)       # masked rows add exactly 0
+    ledger  = ledger.record(noise_multiplier, sample_rate)       # before anything is released
+    noisy   = add_noise(summed, noise_multiplier * l2_clip_norm)  # once per logical step
+    update  = noisy / expected_batch_size                        # the EXPECTED size, never the realised one
+    params, opt_state = optimizer.update(update, opt_state, params)
+
+The tensor work of a chunk (per-sample grads, clipping, the masked sum) runs under
+``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
+once. Noise is drawn outside the compiled graph, after aggregation, from a generator derived from
+``(state.noise_seed, state.step)``: the same state always gives the same step, and a run resumed
+from a checkpoint continues exactly as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from vmapdp import accounting
+from vmapdp._tree import batch_size, check_mask
+from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
+from vmapdp.clipping import clip_and_sum
+from vmapdp.noise import add_noise
+from vmapdp.per_sample import per_sample_grads
+
+__all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded"]
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """The next step would take epsilon past the budget given to ``make_train_step``."""
+
+
+class TrainState(NamedTuple):
+    """Everything a DP training run needs to continue; a plain value (save it, compare it)."""
+
+    params: dict[str, Tensor]  # trainable params, keyed like named_parameters()
+    opt_state: Any  # the optimizer's state (NamedTuple of tensors)
+    noise_seed: int | None  # secret seed of the noise (None: noise from the OS CSPRNG)
+    step: int  # logical steps taken
+    ledger: Ledger  # privacy events recorded so far
+
+    def epsilon(self, delta: float, *, accountant: str = "rdp") -> float:
+        """Epsilon spent so far at ``delta`` (from the ledger; host-side float math)."""
+        return accountant_epsilon(self.ledger, delta, accountant)
+
+
+def accountant_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
+    if not ledger.events:
+        return 0.0
+    return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
+
+
+def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | None = None, secure: bool = False) -> TrainState:
+    """The state before the first step.
+
+    Args:
+        params: trainable params (from :func:`vmapdp.functionalize`); they are cloned, so the
+            module they came from is never written to.
+        optimizer: an init/update pair from :mod:`vmapdp.optim`.
+        seed: the secret seed of the noise. Anyone who knows it can subtract the noise, so keep it
+            as secret as the data; ``None`` draws one from OS entropy.
+        secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
+            such a state holds no seed (``seed`` must be None) and is not reproducible.
+    """
+    call = "init_train_state(params, optimizer)"
+    if not isinstance(params, dict) or not params:
+        raise TypeError(f"{call}: params must be a non-empty dict of tensors (from vmapdp.functionalize), got {type(params).__name__}.")
+    if secure and seed is not None:
+        raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"{call}: seed={seed!r} must be a non-negative int or None.")
+    if not secure and seed is None:
+        seed = secrets.randbits(63)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    return TrainState(params=params, opt_state=optimizer.init(params), noise_seed=seed, step=0, ledger=Ledger())
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A 63-bit seed for step ``step``'s noise: SHA-256 of (seed, step), so steps never share noise."""
+    digest = hashlib.sha256(f"vmapdp-noise:{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{call}: {name} must be a number, got {type(value).__name__}.")
+    ok = (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
+    if not ok:
+        rng = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{call}: {name}={value!r} must be finite and {rng}.")
+    return float(value)
+
+
+def make_train_step(
+    loss_fn: Callable[..., Tensor],
+    optimizer: Any,
+    *,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    physical_batch_size: int | None = None,
+    rule: str = "clip",
+    nonfinite: str = "zero",
+    randomness: str = "error",
+    compile: bool = True,
+    budget: tuple[float, float] | None = None,
+    accountant: str = "rdp",
+    secure: bool = False,
+) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
+    """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
+
+    Args:
+        loss_fn: ``loss_fn(params, *shared, sample) -> scalar`` for ONE sample (as for
+            :func:`vmapdp.per_sample_grads`; ``shared`` are e.g. the buffers).
+        optimizer: an init/update pair from :mod:`vmapdp.optim`.
+        l2_clip_norm: each sample's gradient is clipped to this L2 norm (the sensitivity).
+        noise_multiplier: noise std / l2_clip_norm, > 0. ``0`` trains without privacy: the
+            ledger then records a :class:`NonPrivateEvent` and epsilon is infinite (with a warning).
+        expected_batch_size: the divisor of the noisy sum: ``sample_rate * dataset size``, a public
+            constant. Never the realised batch size, which depends on the data and is private.
+        sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger).
+        physical_batch_size: split each batch into chunks of this many rows (use the sampler's
+            ``capacity``: a rare overflowing step then reuses the compiled chunk). Default: one
+            chunk of whatever size the batch has.
+        rule, nonfinite: see :func:`vmapdp.clip_and_sum`.
+        randomness: for random layers (dropout): ``"different"`` per sample; see
+            :func:`vmapdp.per_sample_grads`.
+        compile: run each chunk's tensor work under ``torch.compile(fullgraph=True)``.
+        budget: ``(epsilon, delta)``: a step that would take epsilon past it raises
+            :class:`PrivacyBudgetExceeded` before computing anything.
+        accountant: the accountant for the budget check.
+        secure: draw the noise from the OS CSPRNG (the state must hold no seed).
+
+    Returns:
+        ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
+        (a multiple of ``physical_batch_size`` when given), ``mask`` a bool ``[n]`` (False rows are
+        padding and contribute exactly nothing, even if they hold NaN). ``metrics`` are
+        **non-private telemetry** computed from the data without noise (mean loss over real rows,
+        number of real rows, clip fraction, mean per-sample norm, non-finite samples dropped):
+        fine for debugging, not for release.
+    """
+    call = "make_train_step(loss_fn, optimizer)"
+    if not callable(loss_fn):
+        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(optimizer).__name__}.")
+    l2_clip_norm = _check_positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0)
+    noise_multiplier = _check_positive(call, "noise_multiplier", noise_multiplier, allow_zero=True)
+    expected_batch_size = _check_positive(call, "expected_batch_size", expected_batch_size)
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+        raise ValueError(f"{call}: sample_rate={sample_rate!r} must be in (0, 1]: the Poisson rate the batches were sampled with.")
+    if physical_batch_size is not None and (isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1):
+        raise ValueError(f"{call}: physical_batch_size={physical_batch_size!r} must be a positive int or None.")
+    if budget is not None:
+        if not (isinstance(budget, tuple) and len(budget) == 2):
+            raise ValueError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
+        _check_positive(call, "budget epsilon", budget[0])
+        if not 0 < budget[1] < 1:
+            raise ValueError(f"{call}: budget delta={budget[1]!r} must be in (0, 1).")
+    if noise_multiplier == 0:
+        warnings.warn(
+            f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a "
+            "NonPrivateEvent and epsilon is infinite.",
+            UserWarning,
+            stacklevel=2,
+        )
+        event: Any = NonPrivateEvent()
+    else:
+        event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+    noise_std = noise_multiplier * l2_clip_norm if noise_multiplier > 0 else 0.0
+    grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
+
+    def chunk_sums(params, mask, shared, chunk):
+        """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
+        grads, losses = grads_fn(params, *shared, chunk, mask=mask)
+        summed, norms = clip_and_sum(grads, l2_clip_norm, mask=mask, rule=rule, nonfinite=nonfinite)
+        finite = torch.isfinite(norms)
+        stats = torch.stack(
+            [
+                torch.where(mask & finite, losses, 0.0).sum().float(),
+                mask.sum().float(),
+                (mask & finite & (norms > l2_clip_norm)).sum().float(),
+                torch.where(mask & finite, norms, 0.0).sum().float(),
+                (mask & ~finite).sum().float(),
+            ]
+        )
+        return summed, stats
+
+    run_chunk = torch.compile(chunk_sums, fullgraph=True, dynamic=False) if compile else chunk_sums
+
+    def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
+        scall = "step(state, batch, mask)"
+        if not isinstance(state, TrainState):
+            raise TypeError(f"{scall}: state must be a TrainState from vmapdp.init_train_state, got {type(state).__name__}.")
+        if secure != (state.noise_seed is None):
+            raise ValueError(
+                f"{scall}: the step was made with secure={secure} but the state "
+                + ("holds no noise seed (made with secure=True)." if state.noise_seed is None else "holds a noise seed; secure=True rejects seeds.")
+                + " Use the same secure setting in init_train_state and make_train_step."
+            )
+        n = batch_size(batch, call=scall)
+        check_mask(mask, n, call=scall)
+        new_ledger = state.ledger.append(event)
+        if budget is not None:
+            eps = accountant_epsilon(new_ledger, budget[1], accountant)
+            if eps > budget[0]:
+                raise PrivacyBudgetExceeded(
+                    f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {budget[0]:g} "
+                    f"(delta={budget[1]:g}, {accountant}). Training stops here; the state is unchanged."
+                )
+        size = physical_batch_size or n
+        if n % size:
+            raise ValueError(f"{scall}: the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
+        summed, stats = None, None
+        for start in range(0, n, size):
+            chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
+            s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
+            summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
+            stats = st if stats is None else stats + st
+        if secure:
+            noisy = add_noise(summed, noise_std, secure=True)
+        else:
+            device = next(iter(summed.values())).device
+            gen = torch.Generator(device=device)
+            gen.manual_seed(_step_seed(state.noise_seed, state.step))
+            noisy = add_noise(summed, noise_std, gen)
+        update = {k: v / expected_batch_size for k, v in noisy.items()}
+        params, opt_state = optimizer.update(update, state.opt_state, state.params)
+        real = stats[1].clamp_min(1.0)
+        metrics = {
+            "loss": stats[0] / real,
+            "batch_size": stats[1],
+            "clip_fraction": stats[2] / real,
+            "mean_grad_norm": stats[3] / real,
+            "nonfinite": stats[4],
+        }
+        return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger), metrics
+
+    return step
