@@ -1,0 +1,171 @@
+"""Tests for the tight accountant (privacy loss distributions, accountant="pld"/"prv").
+
+Independent anchors: the exact privacy curve of the (unsampled) Gaussian mechanism
+(Balle & Wang 2018), Google's dp-accounting PLD accountant, and the RDP accountant (an
+upper bound the tight one must not exceed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import dp_accounting
+import pytest
+import torch
+from scipy import optimize, stats
+
+from vmapdp import accounting as acc
+from vmapdp.accounting import Ledger, pld
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Accounting is host-side math on small tensors; on a busy 2-core runner OpenMP
+    spin-waiting makes such ops many times slower with 2 threads. Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def dp_accounting_pld(events, delta, interval):
+    """dp-accounting's PLD epsilon for [(noise, rate, count)], add/remove neighbours."""
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=interval)
+    for noise, rate, count in events:
+        gaussian = dp_accounting.GaussianDpEvent(noise)
+        event = gaussian if rate == 1.0 else dp_accounting.PoissonSampledDpEvent(rate, gaussian)
+        accountant.compose(event, count)
+    return accountant.get_epsilon(delta)
+
+
+def gaussian_delta(mu, eps):
+    """Exact delta(eps) of the Gaussian mechanism with sensitivity/std ratio mu (Balle & Wang 2018)."""
+    return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+
+
+@pytest.mark.parametrize(
+    "noise, rate, steps, delta",
+    [(1.5, 0.04, 2250, 1e-5), (1.0, 0.01, 3000, 1e-6), (0.8, 0.2, 50, 1e-5), (5.0, 0.001, 1000, 1e-5)],
+)
+def test_pld_within_one_percent_of_dp_accounting_and_above_the_truth(noise, rate, steps, delta):
+    bounds = acc.epsilon_bounds(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)
+    eps = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, accountant="pld")
+    assert eps == bounds.upper
+    # dp-accounting at a fine grid: also an upper bound, and within ~1e-4 of the truth here
+    fine = dp_accounting_pld([(noise, rate, steps)], delta, interval=1e-4 if rate > 0.005 else 1e-5)
+    assert eps == pytest.approx(fine, rel=0.01)
+    assert eps >= fine * (1 - 2e-4)  # never below the truth (dp-accounting's own error allowed)
+    assert bounds.lower <= fine * (1 + 1e-9)  # our certified lower bound is below any upper bound
+    assert bounds.upper - bounds.lower <= max(0.01 * bounds.upper, 1e-4)  # the stated error
+    assert eps <= acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)  # <= RDP
+
+
+@pytest.mark.parametrize("noise, steps, delta", [(2.0, 10, 1e-5), (0.9, 1, 1e-6), (20.0, 400, 1e-8)])
+def test_gaussian_mechanism_bracket_contains_the_exact_epsilon(noise, steps, delta):
+    mu = math.sqrt(steps) / noise  # T Gaussian steps compose to one with sensitivity sqrt(T)
+    exact = optimize.brentq(lambda e: gaussian_delta(mu, e) - delta, 0.0, 100.0, xtol=1e-13)
+    bounds = acc.epsilon_bounds(noise_multiplier=noise, sample_rate=1.0, steps=steps, delta=delta, eps_error=1e-3)
+    assert bounds.lower - 1e-9 <= exact <= bounds.upper + 1e-9
+    assert bounds.upper - bounds.lower <= 1e-3
+    d = acc.delta(noise_multiplier=noise, sample_rate=1.0, steps=steps, epsilon=exact, accountant="pld")
+    assert gaussian_delta(mu, exact) * (1 - 1e-9) <= d <= gaussian_delta(mu, exact - 0.01 * exact)
+
+
+def sampled_gaussian_delta(noise, rate, eps):
+    """Exact delta(eps) of ONE Poisson-subsampled Gaussian step, worse of remove and add.
+
+    remove: P = (1-q) N(0,s^2) + q N(1,s^2) vs Q = N(0,s^2); the loss is increasing in x, so
+    the optimal set is {x > t} with t solving loss(t) = eps. add: (Q, P); the set is {x < t'}.
+    """
+    s, q = noise, rate
+    sf = stats.norm.sf
+    cdf = stats.norm.cdf
+    t = s * s * math.log((math.exp(eps) - 1 + q) / q) + 0.5
+    remove = q * sf((t - 1) / s) - (math.exp(eps) - 1 + q) * sf(t / s)
+    add = 0.0
+    if math.exp(-eps) > 1 - q:
+        t2 = s * s * math.log((math.exp(-eps) - 1 + q) / q) + 0.5
+        add = cdf(t2 / s) - math.exp(eps) * ((1 - q) * cdf(t2 / s) + q * cdf((t2 - 1) / s))
+    return max(remove, add)
+
+
+@pytest.mark.parametrize(
+    "noise, rate, delta", [(0.7, 0.3, 1e-5), (2.0, 0.05, 1e-4), (0.5, 0.01, 1e-6), (1.0, 0.9, 1e-5)]
+)
+def test_one_sampled_step_bracket_contains_the_exact_epsilon(noise, rate, delta):
+    exact = optimize.brentq(lambda e: sampled_gaussian_delta(noise, rate, e) - delta, 1e-9, 60.0, xtol=1e-13)
+    for eps_error in (None, 1e-4):
+        b = acc.epsilon_bounds(noise_multiplier=noise, sample_rate=rate, steps=1, delta=delta, eps_error=eps_error)
+        assert b.lower - 1e-9 <= exact <= b.upper + 1e-9
+        assert b.upper - b.lower <= (eps_error or 0.01 * b.upper)
+
+
+@pytest.mark.parametrize("noise, rate", [(0.7, 0.3), (1.5, 0.02), (3.0, 0.5)])
+def test_one_step_delta_curve_is_bracketed(noise, rate):
+    # the discretised pairs dominate / are dominated by the true pair at every epsilon
+    for h in (0.05, 0.003):
+        for eps in (0.0, 0.01, 0.1, 0.5, 1.0, 2.0, 4.0):
+            exact = sampled_gaussian_delta(noise, rate, eps)
+            b = pld.pld_delta_bounds([(noise, rate, 1)], epsilon=eps, value_discretization_interval=h)
+            # at grid points the upper bound touches the curve: allow float rounding there
+            tol = 1e-9 * exact + 1e-15
+            assert b.lower - tol <= exact <= b.upper + tol, (h, eps, b, exact)
+
+
+def test_schedule_matches_dp_accounting_and_is_order_independent():
+    events = [(1.2, 0.02, 700), (0.8, 0.05, 300), (3.0, 1.0, 2)]
+    ledger = Ledger()
+    for noise, rate, count in events:
+        ledger = ledger.record(noise_multiplier=noise, sample_rate=rate, count=count)
+    eps = acc.epsilon(ledger, delta=1e-6, accountant="pld")
+    assert eps == pytest.approx(dp_accounting_pld(events, 1e-6, interval=1e-3), rel=0.01)
+    reversed_ledger = Ledger(tuple(reversed(ledger.events)))
+    h = acc.epsilon_bounds(ledger, delta=1e-6).value_discretization_interval
+    same_grid = acc.epsilon(ledger, delta=1e-6, accountant="pld", value_discretization_interval=h)
+    swapped = acc.epsilon(reversed_ledger, delta=1e-6, accountant="pld", value_discretization_interval=h)
+    assert swapped == pytest.approx(same_grid, rel=1e-9)
+    assert eps <= acc.epsilon(ledger, delta=1e-6)
+
+
+def _random_settings(n, seed):
+    rng = random.Random(seed)
+    return [
+        (
+            math.exp(rng.uniform(math.log(0.6), math.log(6.0))),
+            math.exp(rng.uniform(math.log(2e-3), math.log(0.5))),
+            int(math.exp(rng.uniform(0, math.log(5000)))),
+            10 ** rng.uniform(-8, -4),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("noise, rate, steps, delta", _random_settings(5, seed=2))
+def test_pld_properties(noise, rate, steps, delta):
+    kw = dict(noise_multiplier=noise, sample_rate=rate, steps=steps)
+    h = 2e-3  # a fixed grid: the properties hold exactly for one discretisation
+    e = acc.epsilon(**kw, delta=delta, accountant="pld", value_discretization_interval=h)
+    assert 0.0 <= e <= acc.epsilon(**kw, delta=delta) + 1e-12
+
+    def eps(**over):
+        args = {**kw, "delta": delta, **over}
+        return acc.epsilon(**args, accountant="pld", value_discretization_interval=h)
+
+    assert eps(steps=steps + 1 + steps // 3) >= e - 1e-9
+    assert eps(sample_rate=min(1.0, rate * 1.3)) >= e - 1e-9
+    assert eps(noise_multiplier=noise * 1.2) <= e + 1e-9
+    assert eps(delta=delta * 3) <= e + 1e-9
+    if e > 0:  # round trip on the same grid: delta at the returned epsilon is the target
+        d = acc.delta(**kw, epsilon=e, accountant="pld", value_discretization_interval=h)
+        assert d == pytest.approx(delta, rel=1e-6)
+
+
+def test_prv_is_an_alias_and_eps_error_is_honoured():
+    kw = dict(noise_multiplier=1.0, sample_rate=0.02, steps=1000, delta=1e-5)
+    assert acc.epsilon(**kw, accountant="prv") == acc.epsilon(**kw, accountant="pld")
+    loose = acc.epsilon_bounds(**kw, eps_error=0.2)
+    tight = acc.epsilon_bounds(**kw, eps_error=0.005)
+    assert loose.upper - loose.lower <= 0.2 and tight.upper - tight.lower <= 0.005
+    assert tight.value_discretization_interval < loose.value_discretization_interval
+    assert loose.lower <= tight.lower <= tight.upper <= loose.upper + 1e-9

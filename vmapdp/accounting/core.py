@@ -1,0 +1,484 @@
+"""Accountants as pure functions of a ledger: epsilon, delta, grids and noise calibration."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from vmapdp.accounting import _checks, gdp as _gdp, pld as _pld, rdp as _rdp
+from vmapdp.accounting.events import Ledger, NonPrivateEvent, PoissonGaussianEvent
+
+__all__ = ["epsilon", "delta", "epsilon_bounds", "epsilon_grid", "calibrate_noise"]
+
+_F64 = torch.float64
+_MIN_NOISE = 0.1
+_MAX_NOISE = 1e4
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------
+
+
+def _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private) -> Ledger:
+    """A Ledger from either the positional ledger or the keyword form."""
+    kwargs = {"noise_multiplier": noise_multiplier, "sample_rate": sample_rate, "steps": steps}
+    given = [k for k, v in kwargs.items() if v is not None]
+    if ledger is not None:
+        if given:
+            raise ValueError(
+                f"{where}: got a ledger and also {', '.join(f'{k}=' for k in given)}; pass either "
+                f"a ledger ({where.split('(')[0]}(ledger, delta=...)) or noise_multiplier=, "
+                "sample_rate= and steps=, not both."
+            )
+        if isinstance(ledger, Ledger):
+            return ledger
+        if isinstance(ledger, (PoissonGaussianEvent, NonPrivateEvent)):
+            return Ledger((ledger,))
+        inner = getattr(ledger, "ledger", None)
+        if isinstance(inner, Ledger):  # e.g. a TrainState carrying its ledger
+            return inner
+        raise ValueError(
+            f"{where}: expected a Ledger, an event, or an object with a .ledger Ledger "
+            f"(a train state); got {type(ledger).__name__}. Build one with "
+            "Ledger().record(noise_multiplier=..., sample_rate=..., count=...)."
+        )
+    missing = [k for k, v in kwargs.items() if v is None]
+    if missing:
+        raise ValueError(
+            f"{where}: missing {', '.join(f'{k}=' for k in missing)}; pass noise_multiplier=, "
+            "sample_rate= and steps= (all three), or a ledger as the first argument."
+        )
+    sigma = _checks.check_noise_multiplier(where, noise_multiplier, allow_zero=allow_non_private)
+    q = _checks.check_sample_rate(where, sample_rate)
+    steps = _checks.check_steps(where, steps)
+    if steps == 0 or q == 0.0:  # nothing about any example was released
+        return Ledger()
+    if sigma == 0.0:
+        return Ledger((NonPrivateEvent(count=steps),))
+    return Ledger((PoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, count=steps),))
+
+
+def _triples(ledger: Ledger):
+    """(noise_multiplier, sample_rate, count) of the private events; None if any is non-private."""
+    out = []
+    for e in ledger.events:
+        if isinstance(e, NonPrivateEvent):
+            return None
+        if e.sample_rate > 0.0:
+            out.append((e.noise_multiplier, e.sample_rate, e.count))
+    return out
+
+
+def _options(where, accountant, orders, eps_error, value_discretization_interval):
+    accountant = _checks.check_accountant(where, accountant)
+    if orders is not None:
+        if accountant != "rdp":
+            raise ValueError(
+                f"{where}: orders= applies to accountant='rdp' only (got accountant={accountant!r}). "
+                "Drop orders=, or use accountant='rdp'."
+            )
+        orders = _checks.check_orders(where, orders)
+    if (eps_error is not None or value_discretization_interval is not None) and accountant != "pld":
+        raise ValueError(
+            f"{where}: eps_error= and value_discretization_interval= apply to accountant='pld' "
+            f"only (got accountant={accountant!r}). Drop them, or use accountant='pld'."
+        )
+    if eps_error is not None:
+        eps_error = _checks.check_positive(
+            where, "eps_error", eps_error, hint="it is the accepted discretisation error of epsilon, e.g. 0.01."
+        )
+    if value_discretization_interval is not None:
+        value_discretization_interval = _checks.check_positive(
+            where,
+            "value_discretization_interval",
+            value_discretization_interval,
+            hint="it is the PLD grid spacing in loss units, e.g. 1e-3.",
+        )
+    return accountant, orders or _rdp.DEFAULT_ORDERS, eps_error, value_discretization_interval
+
+
+def _total_rdp(triples, orders) -> torch.Tensor:
+    total = torch.zeros(len(orders), dtype=_F64)
+    for s, q, c in triples:
+        total += c * torch.tensor(_rdp._rdp_cached(s, q, tuple(orders)), dtype=_F64)
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+# Internal, unchecked: triples -> number
+# ---------------------------------------------------------------------------------------
+
+
+def _epsilon(triples, delta, accountant, orders, eps_error, h) -> float:
+    if triples is None:
+        return math.inf
+    if not triples:
+        return 0.0
+    if accountant == "rdp":
+        return float(_rdp.rdp_to_epsilon(_total_rdp(triples, orders), orders, delta))
+    if accountant == "pld":
+        return _pld.pld_epsilon_bounds(
+            triples, delta=delta, eps_error=eps_error, value_discretization_interval=h
+        ).upper
+    return _gdp.gdp_epsilon(_gdp.gdp_mu(triples), delta)
+
+
+def _delta(triples, epsilon, accountant, orders, eps_error, h) -> float:
+    if triples is None:
+        return 1.0
+    if not triples:
+        return 0.0
+    if accountant == "rdp":
+        return float(_rdp.rdp_to_delta(_total_rdp(triples, orders), orders, epsilon))
+    if accountant == "pld":
+        return _pld.pld_delta_bounds(
+            triples, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h
+        ).upper
+    return _gdp.gdp_delta(_gdp.gdp_mu(triples), epsilon)
+
+
+# ---------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------
+
+
+def epsilon(
+    ledger=None,
+    /,
+    *,
+    delta: float,
+    noise_multiplier: float | None = None,
+    sample_rate: float | None = None,
+    steps: int | None = None,
+    accountant: str = "rdp",
+    orders: Sequence[float] | None = None,
+    eps_error: float | None = None,
+    value_discretization_interval: float | None = None,
+    num_samples: int | None = None,
+    allow_non_private: bool = False,
+) -> float:
+    """Epsilon spent for a given delta: a pure function of the ledger (or of the keywords).
+
+    Call either ``epsilon(ledger, delta=...)`` (any schedule; a ``Ledger``, one event, or an
+    object with a ``.ledger`` such as a train state) or ``epsilon(noise_multiplier=...,
+    sample_rate=..., steps=..., delta=...)`` (constant hyperparameters).
+
+    Args:
+      ledger: the privacy ledger (positional only).
+      delta: target delta in (0, 1); keep it well below 1/num_samples.
+      noise_multiplier: noise std / l2_clip_norm, > 0 (0 only with ``allow_non_private``).
+      sample_rate: Poisson sampling probability in [0, 1] (0: no data used, epsilon 0).
+      steps: number of noisy steps, an integer >= 0.
+      accountant: ``"rdp"`` (Renyi DP, upper bound, fast), ``"pld"`` or its alias ``"prv"``
+        (privacy loss distributions, tight upper bound), ``"gdp"`` (CLT approximation, NOT a
+        bound; warns).
+      orders: Renyi orders for ``"rdp"`` (default :data:`DEFAULT_ORDERS`, up to 8192).
+      eps_error: for ``"pld"``: largest certified discretisation error accepted; default 1%
+        of the result (at least 1e-4).
+      value_discretization_interval: for ``"pld"``: fixed loss grid spacing (no refinement).
+      num_samples: dataset size, if known: warns when delta >= 1/num_samples.
+      allow_non_private: accept noise_multiplier=0 and return ``inf``.
+
+    Returns:
+      epsilon >= 0 (``inf`` if the ledger holds a non-private step). For ``"rdp"`` and
+      ``"pld"`` an upper bound on the true epsilon of the add/remove neighbouring relation.
+
+    Raises:
+      ValueError: an argument is out of range, or both/neither of the two call forms.
+
+    Example:
+      >>> round(epsilon(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14070, delta=1e-5), 3)
+      2.597
+
+    References:
+      Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian); Balle et al. 2020 (RDP
+      conversion); Doroshenko et al. 2022 (connect-the-dots PLD); Bu et al. 2020 (GDP CLT).
+    """
+    where = "epsilon"
+    ledger = _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private)
+    delta = _checks.check_delta(where, delta)
+    accountant, orders, eps_error, h = _options(where, accountant, orders, eps_error, value_discretization_interval)
+    _checks.check_num_samples(where, num_samples, delta)
+    if accountant == "gdp":
+        _gdp.warn_gdp(where)
+    return _epsilon(_triples(ledger), delta, accountant, orders, eps_error, h)
+
+
+def delta(
+    ledger=None,
+    /,
+    *,
+    epsilon: float,
+    noise_multiplier: float | None = None,
+    sample_rate: float | None = None,
+    steps: int | None = None,
+    accountant: str = "rdp",
+    orders: Sequence[float] | None = None,
+    eps_error: float | None = None,
+    value_discretization_interval: float | None = None,
+    allow_non_private: bool = False,
+) -> float:
+    """Delta at a given epsilon; the inverse of :func:`epsilon` (same call forms).
+
+    Args:
+      epsilon: epsilon >= 0.
+      eps_error: for ``"pld"``: the returned delta is certified to be at most the true delta
+        at ``epsilon - eps_error`` (default 1% of epsilon, at least 1e-4).
+      (others): as in :func:`epsilon`.
+
+    Returns:
+      delta in [0, 1]; an upper bound for ``"rdp"`` and ``"pld"``; 1.0 for a non-private
+      ledger.
+
+    Raises:
+      ValueError: an argument is out of range.
+
+    Example:
+      >>> d = delta(noise_multiplier=1.0, sample_rate=0.01, steps=1000, epsilon=2.0)
+      >>> 0 < d < 1e-4
+      True
+    """
+    where = "delta"
+    ledger = _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private)
+    epsilon = _checks.check_epsilon(where, epsilon)
+    accountant, orders, eps_error, h = _options(where, accountant, orders, eps_error, value_discretization_interval)
+    if accountant == "gdp":
+        _gdp.warn_gdp(where)
+    return _delta(_triples(ledger), epsilon, accountant, orders, eps_error, h)
+
+
+def epsilon_bounds(
+    ledger=None,
+    /,
+    *,
+    delta: float,
+    noise_multiplier: float | None = None,
+    sample_rate: float | None = None,
+    steps: int | None = None,
+    eps_error: float | None = None,
+    value_discretization_interval: float | None = None,
+    allow_non_private: bool = False,
+) -> _pld.PLDBounds:
+    """Certified bracket ``lower <= true epsilon <= upper`` from the PLD accountant.
+
+    ``upper`` is what ``epsilon(..., accountant="pld")`` returns; ``upper - lower`` states the
+    discretisation error (see :mod:`vmapdp.accounting.pld`). Same call forms as
+    :func:`epsilon`.
+
+    Returns:
+      ``PLDBounds(upper, lower, value_discretization_interval)``.
+
+    Example:
+      >>> b = epsilon_bounds(noise_multiplier=1.0, sample_rate=0.01, steps=1000, delta=1e-5)
+      >>> 0 <= b.upper - b.lower <= 0.01 * b.upper
+      True
+    """
+    where = "epsilon_bounds"
+    ledger = _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private)
+    delta = _checks.check_delta(where, delta)
+    _, _, eps_error, h = _options(where, "pld", None, eps_error, value_discretization_interval)
+    triples = _triples(ledger)
+    if triples is None:
+        return _pld.PLDBounds(math.inf, math.inf, h or 0.0)
+    return _pld.pld_epsilon_bounds(triples, delta=delta, eps_error=eps_error, value_discretization_interval=h)
+
+
+def _as_list(where, name, value):
+    if isinstance(value, torch.Tensor):
+        value = value.reshape(-1).tolist() if value.dim() > 0 else value.item()
+    elif hasattr(value, "tolist") and not isinstance(value, (int, float)):  # numpy arrays
+        value = value.tolist()
+    if isinstance(value, (list, tuple, range)):
+        if len(value) == 0:
+            raise ValueError(f"{where}: {name} is an empty sequence; pass at least one value.")
+        return list(value)
+    return [value]
+
+
+def epsilon_grid(
+    *,
+    noise_multiplier,
+    sample_rate,
+    steps,
+    delta,
+    accountant: str = "rdp",
+    orders: Sequence[float] | None = None,
+    eps_error: float | None = None,
+    num_samples: int | None = None,
+) -> list[float]:
+    """Epsilon over a grid in one call, e.g. a curve over steps or over noise multipliers.
+
+    Each of ``noise_multiplier``, ``sample_rate``, ``steps`` and ``delta`` is a scalar or a
+    sequence (list, tuple, range, 1-D tensor or array); sequences must share one length and
+    scalars are broadcast. With ``"rdp"`` the per-step RDP of every distinct
+    (noise_multiplier, sample_rate) pair is computed in one vectorised pass, so a curve of a
+    few hundred points takes milliseconds.
+
+    Returns:
+      list of float, one epsilon per grid point (same meaning as :func:`epsilon`).
+
+    Raises:
+      ValueError: a value is out of range (the message names it and its position), or the
+        sequences have different lengths.
+
+    Example:
+      >>> eps = epsilon_grid(noise_multiplier=1.0, sample_rate=0.01, steps=[100, 1000, 10000], delta=1e-5)
+      >>> eps == sorted(eps)
+      True
+    """
+    where = "epsilon_grid"
+    cols = {
+        "noise_multiplier": _as_list(where, "noise_multiplier", noise_multiplier),
+        "sample_rate": _as_list(where, "sample_rate", sample_rate),
+        "steps": _as_list(where, "steps", steps),
+        "delta": _as_list(where, "delta", delta),
+    }
+    lengths = {k: len(v) for k, v in cols.items() if len(v) > 1}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"{where}: the sequences have different lengths ({lengths}); pass sequences of one "
+            "length, and scalars for the rest."
+        )
+    n = max([1, *lengths.values()])
+    cols = {k: v * n if len(v) == 1 else v for k, v in cols.items()}
+    sig = [_checks.check_noise_multiplier(f"{where}[{i}]", v) for i, v in enumerate(cols["noise_multiplier"])]
+    qs = [_checks.check_sample_rate(f"{where}[{i}]", v) for i, v in enumerate(cols["sample_rate"])]
+    ts = [_checks.check_steps(f"{where}[{i}]", v) for i, v in enumerate(cols["steps"])]
+    ds = [_checks.check_delta(f"{where}[{i}]", v) for i, v in enumerate(cols["delta"])]
+    accountant, orders, eps_error, _ = _options(where, accountant, orders, eps_error, None)
+    if num_samples is not None:
+        _checks.check_num_samples(where, num_samples, max(ds))
+    if accountant == "gdp":
+        _gdp.warn_gdp(where)
+    if accountant != "rdp":
+        return [
+            _epsilon([(s, q, t)] if t > 0 and q > 0 else [], d, accountant, orders, eps_error, None)
+            for s, q, t, d in zip(sig, qs, ts, ds)
+        ]
+    pairs = sorted(set(zip(sig, qs)))
+    index = {p: i for i, p in enumerate(pairs)}
+    rdp_one = _rdp.rdp_poisson_gaussian_batch(
+        torch.tensor([p[0] for p in pairs], dtype=_F64), torch.tensor([p[1] for p in pairs], dtype=_F64), orders
+    )
+    rows = torch.tensor([index[(s, q)] for s, q in zip(sig, qs)])
+    total = rdp_one[rows] * torch.tensor(ts, dtype=_F64)[:, None]
+    return _rdp.rdp_to_epsilon(total, orders, torch.tensor(ds, dtype=_F64)).tolist()
+
+
+def calibrate_noise(
+    *,
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    orders: Sequence[float] | None = None,
+    eps_error: float | None = None,
+    value_discretization_interval: float | None = None,
+    num_samples: int | None = None,
+    rtol: float = 0.01,
+) -> float:
+    """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
+
+    Searches ``noise_multiplier`` in [0.1, 1e4] (log-space bracketing, then safeguarded
+    log-log interpolation/bisection) against exactly what ``epsilon(noise_multiplier=...,
+    sample_rate=..., steps=..., delta=..., accountant=..., <same options>)`` returns.
+
+    Guarantees:
+      ``epsilon(noise_multiplier=result, ...) <= target_epsilon`` (never overshoots), and
+      ``>= (1 - rtol) * target_epsilon``.
+
+    Args:
+      target_epsilon: the budget, > 0.
+      delta, sample_rate, steps, accountant, orders, eps_error,
+        value_discretization_interval, num_samples: as in :func:`epsilon` (steps >= 1,
+        sample_rate > 0).
+      rtol: accepted relative shortfall of the achieved epsilon below the target.
+
+    Returns:
+      noise_multiplier (float).
+
+    Raises:
+      ValueError: bad arguments; the budget needs noise_multiplier > 1e4 (target too small);
+        or the budget is met even at noise_multiplier = 0.1 (delta too large for the
+        sampling: no meaningful calibration).
+
+    Example:
+      >>> s = calibrate_noise(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=1000)
+      >>> epsilon(noise_multiplier=s, sample_rate=0.01, steps=1000, delta=1e-5) <= 3.0
+      True
+    """
+    where = "calibrate_noise"
+    target = _checks.check_epsilon(where, target_epsilon, name="target_epsilon", positive=True)
+    delta = _checks.check_delta(where, delta)
+    q = _checks.check_sample_rate(where, sample_rate)
+    steps = _checks.check_steps(where, steps, minimum=1)
+    if q == 0.0:
+        raise ValueError(
+            f"{where}: sample_rate=0.0 uses no data, so every noise multiplier gives epsilon 0; "
+            "pass the real sample_rate (expected batch size / dataset size)."
+        )
+    accountant, orders, eps_error, h = _options(where, accountant, orders, eps_error, value_discretization_interval)
+    rtol = _checks.check_positive(where, "rtol", rtol, hint="e.g. rtol=0.01 (within 1% below the target).")
+    if rtol >= 1.0:
+        raise ValueError(f"{where}: rtol={rtol!r} must be below 1, e.g. 0.01.")
+    _checks.check_num_samples(where, num_samples, delta)
+    if accountant == "gdp":
+        _gdp.warn_gdp(where)
+
+    cache: dict[float, float] = {}
+
+    def f(sigma: float) -> float:
+        if sigma not in cache:
+            cache[sigma] = _epsilon([(sigma, q, steps)], delta, accountant, orders, eps_error, h)
+        return cache[sigma]
+
+    # bracket: lo infeasible (eps > target), hi feasible (eps <= target)
+    sigma = 1.0
+    if f(sigma) <= target:
+        hi = sigma
+        lo = sigma / 2
+        while f(lo) <= target:
+            if lo <= _MIN_NOISE:
+                raise ValueError(
+                    f"{where}: even noise_multiplier={lo:.3g} gives epsilon={f(lo):.4g} <= "
+                    f"target_epsilon={target!r} (delta={delta!r}, sample_rate={q!r}, steps={steps}): "
+                    "delta is so large next to the chance of ever sampling an example that "
+                    "the budget says nothing. Use a smaller delta or a smaller target_epsilon."
+                )
+            hi, lo = lo, max(lo / 2, _MIN_NOISE)
+    else:
+        lo = sigma
+        hi = sigma * 2
+        while f(hi) > target:
+            if hi >= _MAX_NOISE:
+                raise ValueError(
+                    f"{where}: target_epsilon={target!r} needs noise_multiplier > {_MAX_NOISE:g} "
+                    f"(epsilon at {_MAX_NOISE:g} is {f(hi):.4g}); the budget is too small for "
+                    f"steps={steps}, sample_rate={q!r}, delta={delta!r}. Raise target_epsilon, "
+                    "or lower steps or sample_rate."
+                )
+            lo, hi = hi, min(hi * 2, _MAX_NOISE)
+    goal = target * (1.0 - rtol / 2)
+    for it in range(200):
+        e_hi = f(hi)
+        if e_hi >= (1.0 - rtol) * target or hi / lo <= 1.0 + 1e-12:
+            return hi
+        e_lo = f(lo)
+        a, b = math.log(lo), math.log(hi)
+        mid = 0.5 * (a + b)
+        if it % 3 != 2 and math.isfinite(e_lo) and e_lo > 0 and e_hi > 0:
+            # epsilon is close to a power of sigma: interpolate log(eps) linearly in log(sigma)
+            la, lb = math.log(e_lo), math.log(e_hi)
+            cand = a + (math.log(goal) - la) * (b - a) / (lb - la)
+            width = b - a
+            mid = min(max(cand, a + 0.02 * width), b - 0.02 * width)
+        sigma = math.exp(mid)
+        if f(sigma) <= target:
+            hi = sigma
+        else:
+            lo = sigma
+    return hi
