@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import vmapdp
+from vmapdp import accounting
+from vmapdp.data import PoissonSampler, gather
 from vmapdp.datasets import load_digits
 
 
@@ -53,43 +55,43 @@ def _accuracy(apply, params, buffers, images, labels) -> float:
         return float((apply(params, buffers, images).argmax(1) == labels).float().mean())
 
 
-def _train(apply, params, buffers, loss_fn, data, *, steps, sample_rate, lr, l2_clip_norm, noise_multiplier, seed, private):
-    """SGD on Poisson-sampled batches; with ``private`` each step is a DP-SGD step."""
-    images, labels = data
-    n = images.shape[0]
-    expected_batch_size = sample_rate * n
-    sampler = torch.Generator().manual_seed(seed)  # which examples are in each step
-    noise_gen = vmapdp.make_generator(seed + 1)  # the noise; never torch's global RNG
-    grads_fn = vmapdp.per_sample_grads(loss_fn)
-    params = {k: v.clone() for k, v in params.items()}
-    for _ in range(steps):
-        # Poisson sampling: every example is in with probability sample_rate, independently
-        idx = (torch.rand(n, generator=sampler) < sample_rate).nonzero().flatten()
-        if private:
-            if idx.numel():
-                grads = grads_fn(params, buffers, (images[idx], labels[idx]))
-                summed, _ = vmapdp.clip_and_sum(grads, l2_clip_norm)
-            else:  # an empty step still releases noise
-                summed = {k: torch.zeros_like(v) for k, v in params.items()}
-            noisy = vmapdp.add_noise(summed, noise_multiplier * l2_clip_norm, noise_gen)
-            update = {k: v / expected_batch_size for k, v in noisy.items()}
-        else:
-            if not idx.numel():
-                continue
-            live = {k: v.requires_grad_(True) for k, v in params.items()}
-            loss = F.cross_entropy(apply(live, buffers, images[idx]), labels[idx])
-            update = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
-        params = {k: (v - lr * update[k]).detach() for k, v in params.items()}
-    return params
+def _train(apply, params, buffers, loss_fn, data, *, steps, sample_rate, lr, l2_clip_norm, noise_multiplier, seed, private, compile):
+    """SGD on Poisson-sampled batches padded to a fixed capacity; ``private``: the DP-SGD step."""
+    n = data[0].shape[0]
+    sampler = PoissonSampler(n, sample_rate, steps, torch.Generator().manual_seed(seed))
+    opt = vmapdp.optim.sgd(lr)
+    state = vmapdp.init_train_state(params, opt, seed=seed + 1)
+    if private:
+        step = vmapdp.make_train_step(
+            loss_fn,
+            opt,
+            l2_clip_norm=l2_clip_norm,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=sampler.expected_batch_size,
+            sample_rate=sample_rate,
+            physical_batch_size=sampler.capacity,
+            compile=compile,
+        )
+    else:
+        grad_fn = torch.func.grad(lambda p, x, y, m: (F.cross_entropy(apply(p, buffers, x), y, reduction="none") * m).sum() / m.sum().clamp_min(1))
+
+        def step(state, batch, mask, buffers):
+            grads = grad_fn(state.params, *batch, mask.float())
+            params, opt_state = opt.update(grads, state.opt_state, state.params)
+            return state._replace(params=params, opt_state=opt_state, step=state.step + 1), {}
+
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    return state
 
 
 def demo(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m vmapdp demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=float, default=30.0, help="passes over the training set (default 30)")
-    parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (Poisson sampling)")
-    parser.add_argument("--noise-multiplier", type=float, default=1.0, help="noise std / clip norm")
+    parser.add_argument("--batch-size", type=int, default=256, help="expected batch size (Poisson sampling)")
+    parser.add_argument("--epsilon", type=float, default=3.0, help="privacy budget: the noise is calibrated to reach it at --delta")
     parser.add_argument("--l2-clip-norm", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=2.0)
+    parser.add_argument("--lr", type=float, default=2.0, help="DP-SGD learning rate (the non-private baseline uses 0.2)")
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile timing (saves ~15 s)")
@@ -143,31 +145,26 @@ def demo(argv: Sequence[str]) -> int:
     # 4. DP-SGD vs non-private training, same steps
     sample_rate = args.batch_size / n
     steps = max(1, round(args.epochs / sample_rate))
-    common = dict(steps=steps, sample_rate=sample_rate, lr=args.lr, l2_clip_norm=args.l2_clip_norm, noise_multiplier=args.noise_multiplier, seed=args.seed)
+    noise_multiplier = accounting.calibrate_noise(target_epsilon=args.epsilon, delta=args.delta, sample_rate=sample_rate, steps=steps)
+    common = dict(steps=steps, sample_rate=sample_rate, lr=args.lr, l2_clip_norm=args.l2_clip_norm, noise_multiplier=noise_multiplier, seed=args.seed)
     t0 = time.perf_counter()
-    dp_params = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=True, **common)
+    dp_state = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=True, compile=not args.no_compile, **common)
     dp_time = time.perf_counter() - t0
-    plain_params = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=False, **dict(common, lr=0.5))
-    dp_acc = _accuracy(apply, dp_params, buffers, split.test_images, split.test_labels)
-    plain_acc = _accuracy(apply, plain_params, buffers, split.test_images, split.test_labels)
-    print(f"\nDP-SGD: {steps} steps, sample rate {sample_rate:.4f} (expected batch {args.batch_size}), noise multiplier {args.noise_multiplier}, clip {args.l2_clip_norm} ({dp_time:.1f} s)")
-    eps = _epsilon(args.noise_multiplier, sample_rate, steps, args.delta)
-    print(f"  test accuracy, DP-SGD:      {dp_acc:.3f}   ({eps})")
+    plain_state = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=False, compile=False, **dict(common, lr=0.2))
+    dp_acc = _accuracy(apply, dp_state.params, buffers, split.test_images, split.test_labels)
+    plain_acc = _accuracy(apply, plain_state.params, buffers, split.test_images, split.test_labels)
+    print(f"\nDP-SGD: {steps} steps, sample rate {sample_rate:.4f} (expected batch {args.batch_size}), noise multiplier {noise_multiplier:.3f} (calibrated to epsilon {args.epsilon:g}), clip {args.l2_clip_norm} ({dp_time:.1f} s{'' if args.no_compile else ', compile included'})")
+    eps = dp_state.epsilon(args.delta)
+    tight = accounting.epsilon(dp_state.ledger, delta=args.delta, accountant="pld")
+    print(f"  test accuracy, DP-SGD:      {dp_acc:.3f}   (epsilon = {eps:.2f} by RDP, {tight:.2f} by PLD; delta = {args.delta:g})")
     print(f"  test accuracy, non-private: {plain_acc:.3f}")
     return 0
-
-
-def _epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> str:
-    from vmapdp import accounting
-
-    eps = accounting.epsilon(noise_multiplier=noise_multiplier, sample_rate=sample_rate, steps=steps, delta=delta)
-    return f"(epsilon = {eps:.2f}, delta = {delta:g}) by RDP accounting"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m vmapdp demo [--quick] [--epochs E] [--noise-multiplier S] ...\n\ncommands:\n  demo    per-sample gradients and DP-SGD on the shipped digits dataset")
+        print("usage: python -m vmapdp demo [--quick] [--epochs E] [--epsilon EPS] ...\n\ncommands:\n  demo    per-sample gradients and DP-SGD on the shipped digits dataset")
         return 0
     if argv[0] == "demo":
         return demo(argv[1:])
