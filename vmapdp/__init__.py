@@ -19,6 +19,7 @@ from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
 from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
+from vmapdp.private import PrivateTrainer, make_private
 from vmapdp.train import PrivacyBudgetExceeded, TrainState, init_train_state, make_train_step
 from vmapdp.validate import Problem, explain_failure, fix, validate  # noqa: E402  (shadows the module name on purpose)
 
@@ -41,6 +42,8 @@ __all__ = [
     "init_train_state",
     "TrainState",
     "PrivacyBudgetExceeded",
+    "make_private",
+    "PrivateTrainer",
     "save_state",
     "load_state",
     "validate",

@@ -1,0 +1,94 @@
+"""make_private: the Opacus-style wrapper is the pure core underneath, nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp.train import PrivacyBudgetExceeded
+
+
+def data(n=120, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()  # a learnable rule
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_wrapper_equals_the_functional_path_and_writes_weights_back():
+    ds = data()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9)
+    trainer = vmapdp.make_private(m, opt, ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=0.8, delta=1e-3, seed=4, compile=False)
+    metrics = list(trainer.train_epoch())
+    assert len(metrics) == 10 and trainer.state.step == 10
+    for name, p in m.named_parameters():
+        assert torch.equal(p.detach(), trainer.state.params[name])
+
+    # the same run, by hand from the pure parts
+    m2 = model()
+    apply, params, buffers = vmapdp.functionalize(m2)
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    sampler = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(vmapdp.private._sampler_seed(4)))
+    sgd = vmapdp.optim.sgd(0.5, momentum=0.9)
+    step = vmapdp.make_train_step(
+        loss_fn, sgd, l2_clip_norm=1.0, noise_multiplier=0.8, expected_batch_size=12.0, sample_rate=0.1, physical_batch_size=sampler.capacity, compile=False
+    )
+    state = vmapdp.init_train_state(params, sgd, seed=4)
+    for indices, mask in sampler:
+        state, _ = step(state, vmapdp.data.gather(ds.tensors, indices), mask, buffers)
+    for k in params:
+        torch.testing.assert_close(state.params[k], trainer.state.params[k], rtol=0, atol=0)
+    assert trainer.epsilon() == pytest.approx(vmapdp.accounting.epsilon(noise_multiplier=0.8, sample_rate=0.1, steps=10, delta=1e-3))
+
+
+def test_learns_with_little_noise_and_a_dataloader():
+    ds = data(400)
+    m = model()
+    loader = torch.utils.data.DataLoader(ds, batch_size=40)
+    trainer = vmapdp.make_private(m, torch.optim.Adam(m.parameters(), lr=0.05), loader, l2_clip_norm=1.0, noise_multiplier=0.3, delta=1e-3, seed=0, compile=False)
+    assert trainer.expected_batch_size == pytest.approx(40.0)
+    losses = trainer.fit(epochs=4)
+    x, y = ds.tensors
+    acc = float((m(x).argmax(1) == y).float().mean())
+    assert losses[-1] < losses[0] and acc > 0.85
+
+
+def test_target_epsilon_is_calibrated_and_enforced():
+    ds = data()
+    m = model()
+    trainer = vmapdp.make_private(
+        m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=24, l2_clip_norm=1.0, target_epsilon=2.0, epochs=2, delta=1e-3, seed=0, compile=False
+    )
+    trainer.fit(epochs=2)
+    assert trainer.epsilon() <= 2.0
+    assert trainer.epsilon() > 1.9  # calibration lands within a few percent of the target
+    with pytest.raises(PrivacyBudgetExceeded):
+        trainer.fit(epochs=1)
+
+
+def test_rejects_batchnorm_and_bad_arguments():
+    ds = data()
+    bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"BatchNorm1d.*GroupNorm"):
+        vmapdp.make_private(bn, torch.optim.SGD(bn.parameters(), lr=0.1), ds, batch_size=10, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"give exactly one of noise_multiplier= or target_epsilon="):
+        vmapdp.make_private(m, opt, ds, batch_size=10, l2_clip_norm=1.0, delta=1e-3)
+    with pytest.raises(ValueError, match=r"batch_size is required"):
+        vmapdp.make_private(m, opt, ds, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)
+    with pytest.raises(ValueError, match=r"target_epsilon needs epochs="):
+        vmapdp.make_private(m, opt, ds, batch_size=10, l2_clip_norm=1.0, target_epsilon=1.0, delta=1e-3)
