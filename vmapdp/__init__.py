@@ -15,6 +15,17 @@ from vmapdp.clipping import (
     grad_norms,
     per_layer_sensitivity,
 )
+from vmapdp.curvature import (
+    empirical_fisher_diag,
+    empirical_ntk,
+    grad_similarity,
+    hutchinson_trace,
+    influence_scores,
+    per_sample_gnvp,
+    per_sample_hessian,
+    per_sample_hvp,
+    per_sample_jacobian,
+)
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
 from vmapdp.noise import add_noise, make_generator
@@ -38,6 +49,15 @@ __all__ = [
     "per_layer_sensitivity",
     "add_noise",
     "make_generator",
+    "per_sample_hessian",
+    "per_sample_hvp",
+    "per_sample_jacobian",
+    "per_sample_gnvp",
+    "empirical_fisher_diag",
+    "hutchinson_trace",
+    "empirical_ntk",
+    "grad_similarity",
+    "influence_scores",
     "make_train_step",
     "init_train_state",
     "TrainState",
