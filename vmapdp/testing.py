@@ -1,8 +1,13 @@
-"""Oracles and assertions for checking per-sample gradients, public so users can test their models.
+"""Oracles, assertions and privacy self-checks, public so users can test their own models and steps.
 
 ``microbatch_grads`` is the reference every fast path in vmapdp is tested against: one sample at
 a time, ordinary ``torch.autograd``, float64, CPU. ``assert_grads_close`` compares two pytrees of
 per-sample gradients key by key and sample by sample and reports every mismatch at once.
+
+The privacy self-checks (from :mod:`vmapdp.audit`) run on your own ``loss_fn`` or train step and
+raise :class:`PrivacyCheckError` with figures when a DP bug shows: samples that influence each
+other, a sensitivity above ``lr * C / E[B]``, noise of the wrong scale, a sampler that is not
+Poisson, a ledger that does not match the steps, and a white-box audit's epsilon lower bound.
 """
 
 from __future__ import annotations
@@ -14,8 +19,30 @@ import torch
 from torch import Tensor
 
 from vmapdp._tree import batch_size, leaves_with_paths
+from vmapdp.audit import (
+    PrivacyCheckError,
+    audit_epsilon_lower_bound,
+    check_ledger,
+    check_noise_calibration,
+    check_per_sample_independence,
+    check_sampler,
+    check_sensitivity,
+    clopper_pearson_upper,
+)
 
-__all__ = ["microbatch_grads", "assert_grads_close"]
+__all__ = [
+    "microbatch_grads",
+    "assert_grads_close",
+    # privacy self-checks for your own step (vmapdp.audit)
+    "PrivacyCheckError",
+    "check_per_sample_independence",
+    "check_sensitivity",
+    "check_noise_calibration",
+    "check_sampler",
+    "check_ledger",
+    "audit_epsilon_lower_bound",
+    "clopper_pearson_upper",
+]
 
 
 def _to(tree: Any, dtype: torch.dtype, device: torch.device | str) -> Any:
