@@ -175,6 +175,7 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
     batches = [(gather(data, i), m) for i, m in sampler]
     eager = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity)
     torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity, compile=True)
     s_e = s_c = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
     for batch, mask in batches:
@@ -183,7 +184,7 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
     for k in params:
         torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m_c["loss"], m_e["loss"])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1  # six Poisson steps, one graph
 
 
 RESUME_SCRIPT = textwrap.dedent(
