@@ -1,0 +1,74 @@
+"""Smoke test of benchmarks/: the script runs, and the benchmark models are the published ones.
+
+The timings themselves are never asserted (they depend on the machine); the benchmark is only
+meaningful if its models have the sizes the papers report and vmapdp's per-sample gradients on
+them are right, which is what this checks. Nothing is compiled here (too slow for a unit test).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vmapdp
+from vmapdp.testing import assert_grads_close, microbatch_grads
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    module_name = f"vmapdp_benchmarks_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+bench = _load("per_sample_grads")
+models = _load("models")  # the same module object the script uses
+
+
+def test_quick_run_mnist(capsys):
+    rows = bench.main(["--quick", "--no-compile", "--models", "mnist", "--batch-sizes", "4"])
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["model"], row["batch_size"], row["params"]) == ("mnist", 4, 26_010)
+    for method in ("torch", "eager", "clip_eager", "microbatch", "opacus"):
+        assert row[method]["ms"] > 0 and row[method]["repeats"] >= 1, method
+    assert "compiled" not in row
+    # the Opacus hooks and vmapdp computed the same per-sample gradients on the timed batch
+    assert row["opacus_max_rel_diff"] < 1e-4
+    out = capsys.readouterr().out
+    assert "| MNIST CNN | 26,010 | 4 |" in out
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("mnist", 26_010), ("cifar10", 605_226), ("embedding", 160_098), ("lstm", 1_081_002)],
+)
+def test_model_size_and_per_sample_grads(name, expected):
+    spec = models.MODELS[name]
+    net = spec.build(seed=0)
+    assert models.num_params(net) == expected
+    vnet, _ = models.for_vmapdp(net)  # the LSTM becomes vmapdp.nn.LSTM when available
+    assert models.num_params(vnet) == expected
+    assert models.num_params(models.for_opacus(net)) == expected
+
+    # short sequences keep the 256-step LSTM loop out of the test time; sizes do not depend on them
+    x, y = spec.make_batch(2, generator=torch.Generator().manual_seed(0), seq_len=32)
+    assert x.dtype == (torch.int64 if name in ("embedding", "lstm") else torch.float32)
+
+    apply, params, buffers = vmapdp.functionalize(vnet)
+    grads = vmapdp.per_sample_grads(models.one_sample_loss(apply))(params, buffers, (x, y))
+
+    # reference: the model exactly as torch defines it (torch.nn.LSTM), float64, one sample at a time
+    ref_apply, ref_params, ref_buffers = vmapdp.functionalize(net)
+    expected_grads = microbatch_grads(models.one_sample_loss(ref_apply), ref_params, ref_buffers, (x, y))
+    assert grads.keys() == expected_grads.keys()
+    assert_grads_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
