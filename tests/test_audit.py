@@ -34,7 +34,7 @@ from vmapdp.clipping import clip_and_sum
 from vmapdp.data import PoissonSampler
 from vmapdp.noise import add_noise
 from vmapdp.per_sample import per_sample_grads
-from vmapdp.train import TrainState, _step_seed
+from vmapdp.train import TrainState, _step_key
 
 ALPHA = 1e-3  # false-alarm rate of every statistical check here (sampler, noise)
 BETA = 0.05  # the audit's lower bound holds with confidence 1 - BETA
@@ -81,8 +81,7 @@ def mutant_train_step(
         m = mask if use_mask else torch.ones_like(mask)  # bug: padded rows are summed
         grads = grads_fn(state.params, *shared, batch, mask=m)
         summed, _ = clip_and_sum(grads, l2_clip_norm if clip else math.inf, mask=m)  # bug: no clipping
-        gen = torch.Generator().manual_seed(_step_seed(state.noise_seed, state.step))
-        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, gen)  # bug: noise x scale
+        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, key=_step_key(state.noise_seed, state.step))  # bug: noise x scale
         div = expected_batch_size if divisor == "expected" else m.sum().clamp_min(1)  # bug: realised size
         update = {k: v / div for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)

@@ -103,3 +103,24 @@ def test_bad_generator_and_seed():
     with pytest.raises(ValueError, match=r"seed must be a non-negative int"):
         make_generator(-1)
     assert "add_noise" in vmapdp.__all__
+
+
+def test_keyed_noise_is_reproducible_per_key_and_gaussian():
+    tree = {"a": torch.zeros(20_000), "b": torch.zeros(3)}
+    n1 = add_noise(tree, 1.5, key=b"k1")
+    n2 = add_noise(tree, 1.5, key=b"k1")
+    n3 = add_noise(tree, 1.5, key=b"k2")
+    assert torch.equal(n1["a"], n2["a"]) and not torch.equal(n1["a"], n3["a"])
+    assert not torch.equal(n1["a"][:3], n1["b"]), "leaves must get different noise"
+    z = n1["a"].double().numpy()
+    assert stats.kstest(z, "norm", args=(0.0, 1.5)).pvalue > ALPHA
+    assert stats.kstest(z, "norm", args=(0.0, 1.5 * 1.1)).pvalue < ALPHA  # negative control
+    with pytest.raises(ValueError, match=r"at most one source of randomness"):
+        add_noise(tree, 1.0, make_generator(0), key=b"k")
+
+
+def test_keys_beyond_32_bits_matter():
+    # torch's CPU generator keeps 32 bits of a seed; keyed noise must depend on the whole key
+    a = vmapdp.noise.keyed_normal((8,), 5)
+    b = vmapdp.noise.keyed_normal((8,), 5 + 2**32)
+    assert not torch.equal(a, b)

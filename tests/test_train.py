@@ -284,3 +284,42 @@ def test_bad_state_and_batch():
     s_state = vmapdp.init_train_state(params, optim.sgd(0.1), secure=True)
     new, _ = secure_step(s_state, (x[:4], y[:4]), torch.ones(4, dtype=torch.bool), buffers)
     assert new.noise_seed is None and new.step == 1
+
+
+def test_empty_batch_still_releases_noise_without_a_physical_batch_size():
+    _, params, buffers, (x, y), loss_fn = problem()
+    step = make(loss_fn, noise=1.0)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
+    new, metrics = step(state, (x[:0], y[:0]), torch.zeros(0, dtype=torch.bool), buffers)
+    assert new.step == 1 and metrics["batch_size"] == 0
+    assert any(not torch.equal(new.params[k], params[k]) for k in params)  # noise moved the params
+
+
+def test_budget_needs_an_upper_bound_accountant_and_distributed_is_not_silently_ignored():
+    _, _, _, _, loss_fn = problem()
+    for bad in ("gdp", "bogus"):
+        with pytest.raises(ValueError, match=r"accountant=.* must be 'rdp' or 'pld'"):
+            make(loss_fn, budget=(1.0, 1e-5), accountant=bad)
+    with pytest.raises(NotImplementedError, match=r"distributed=True is not built yet"):
+        make(loss_fn, distributed=True)
+
+
+def test_state_repr_never_shows_the_noise_seed():
+    _, params, _, _, _ = problem()
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=123456789)
+    assert "123456789" not in repr(state) and "<secret>" in repr(state)
+
+
+def test_many_compiled_steps_in_one_process_do_not_exhaust_the_compile_cache():
+    params = {"w": torch.zeros(3)}
+
+    def loss_fn(p, x):
+        return (p["w"] * x).sum()
+
+    x, mask = torch.ones(4, 3), torch.ones(4, dtype=torch.bool)
+    for i in range(10):  # more than dynamo's default limit of 8 recompiles per code object
+        step = vmapdp.make_train_step(
+            loss_fn, optim.sgd(1.0), l2_clip_norm=0.5 + i, noise_multiplier=1.0, expected_batch_size=4, sample_rate=0.5, compile=True
+        )
+        state, metrics = step(vmapdp.init_train_state(params, optim.sgd(1.0), seed=i), x, mask)
+        assert metrics["clip_fraction"] == (1.0 if 0.5 + i < 3**0.5 else 0.0)

@@ -67,8 +67,9 @@ def grad_norms(grads: Any) -> Tensor:
         raise ValueError("grad_norms(grads): grads has no tensor leaves.")
     sq = None
     for g in leaves:
-        s = g.reshape(g.shape[0], math.prod(g.shape[1:])).to(_acc_dtype(g.dtype)).square().sum(1)
-        sq = s if sq is None else sq + s
+        # one fused pass per leaf, accumulated in float32 or wider, no squared copy of the grads
+        n = torch.linalg.vector_norm(g.reshape(g.shape[0], math.prod(g.shape[1:])), dim=1, dtype=_acc_dtype(g.dtype))
+        sq = n.square() if sq is None else sq + n.square()
     return sq.sqrt()
 
 
@@ -133,6 +134,9 @@ def _weighted_sum(grads: Any, weights: Tensor) -> Any:
 
 
 def _zero_rows(grads: Any, keep: Tensor) -> Any:
+    """Rows not kept set to exactly 0 (they may hold NaN). Eager and nothing to drop: no copy."""
+    if not torch.compiler.is_compiling() and bool(keep.all()):
+        return grads
     return optree.tree_map(lambda g: torch.where(rows(keep, g), g, torch.zeros((), dtype=g.dtype)), grads, namespace="torch")
 
 

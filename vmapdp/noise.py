@@ -1,18 +1,29 @@
-"""Gaussian noise for DP-SGD, from an explicit generator.
+"""Gaussian noise for DP-SGD, from an explicit source of randomness.
 
-``add_noise(tree, std, generator)`` adds independent ``N(0, std**2)`` to every element of every
-leaf. The noise is drawn in float32 or wider (float64 stays float64) whatever the leaves' dtype,
-and the sum is returned in that dtype: a half-precision gradient is never noised in half
-precision.
+``add_noise(tree, std, ...)`` adds independent ``N(0, std**2)`` to every element of every leaf.
+The noise is drawn in float32 or wider (float64 stays float64) whatever the leaves' dtype, and
+the sum is returned in that dtype: a half-precision gradient is never noised in half precision.
+
+Sources, exactly one per call:
+
+* ``key=`` (bytes or int): reproducible noise that only the key's holder can predict. Each leaf
+  is the normalised sum of four streams of torch's generator seeded with 32-bit words of
+  ``SHA-256(key, leaf index)``, so recovering the noise means searching 2**128 seeds. (A single
+  torch CPU generator keeps only 32 bits of its seed: one brute-forceable stream, and streams of
+  different steps would collide by the birthday bound within ~10**5 steps.) ``make_train_step``
+  uses ``key = (secret seed, step)``.
+* ``secure=True``: the operating system's CSPRNG (not reproducible).
+* ``generator=``: a ``torch.Generator`` you manage. Only as secret as its seed, which on CPU is
+  32 bits: fine for tests, not for releasing models.
+* none of them: a fresh random key from OS entropy (unpredictable, not reproducible).
 
 The noise never comes from torch's global RNG: that one is routinely seeded (``torch.manual_seed
-(0)`` for reproducible experiments), and noise from a known seed protects nothing. Pass a
-``torch.Generator`` you seeded (reproducible runs) or ``generator=None`` for a fresh generator
-seeded from the operating system's entropy (unpredictable, not reproducible).
+(0)`` for reproducible experiments), and noise from a known seed protects nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from typing import Any
@@ -21,7 +32,33 @@ import optree
 import torch
 from torch import Tensor
 
-__all__ = ["add_noise", "make_generator", "secure_normal"]
+__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
+
+_STREAMS = 4  # 4 x 32-bit seeds: 128 bits of key material behind every draw
+
+
+def _key_bytes(key: bytes | int | str) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (int, str)) and not isinstance(key, bool):
+        return str(key).encode()
+    raise TypeError(f"noise key must be bytes, int or str, got {type(key).__name__}.")
+
+
+def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
+    """Standard normal samples determined by ``key`` (same key, same samples), 128-bit strong.
+
+    The sum of ``4`` independent standard normal streams divided by 2 is exactly standard normal;
+    each stream comes from a torch generator seeded with one 32-bit word of ``SHA-256(key)``.
+    """
+    digest = hashlib.sha256(b"vmapdp-keyed-normal:" + _key_bytes(key)).digest()
+    out = None
+    for i in range(_STREAMS):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int.from_bytes(digest[4 * i : 4 * i + 4], "little"))
+        z = torch.randn(shape, dtype=dtype, device=device, generator=gen)
+        out = z if out is None else out.add_(z)
+    return out.mul_(1.0 / math.sqrt(_STREAMS))
 
 
 def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
@@ -47,7 +84,12 @@ def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
-    """A ``torch.Generator`` on ``device``, seeded with ``seed`` or, if None, from OS entropy."""
+    """A ``torch.Generator`` on ``device``, seeded with ``seed`` or, if None, from OS entropy.
+
+    Torch's CPU generator keeps only 32 bits of its seed, so noise drawn from it can be recovered
+    by a 2**32 search: use it for tests and reproducible experiments; for noise that protects
+    data use ``add_noise(..., key=secret)`` (128-bit) or ``secure=True``.
+    """
     if seed is None:
         seed = secrets.randbits(63)
     elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -57,16 +99,20 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
     return gen
 
 
-def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None = None, *, secure: bool = False) -> Any:
+def add_noise(
+    tree: Any, std: float | Tensor, generator: torch.Generator | None = None, *, key: bytes | int | str | None = None, secure: bool = False
+) -> Any:
     """Add independent Gaussian noise ``N(0, std**2)`` to every element of every leaf.
 
     Args:
         tree: a pytree of tensors (e.g. the clipped sum of per-sample gradients).
         std: the noise standard deviation, ``>= 0`` (for DP-SGD, ``noise_multiplier *
             l2_clip_norm``, before dividing by the batch size).
-        generator: the source of randomness; its state advances. ``None``: a fresh generator
-            seeded from OS entropy (never torch's global RNG).
-        secure: draw from the OS CSPRNG (:func:`secure_normal`) instead; no generator allowed.
+        generator: a ``torch.Generator`` to draw from (its state advances); see the module
+            docstring for why a ``key`` is the better choice for real releases.
+        key: draw reproducibly from this secret key (128-bit strong, :func:`keyed_normal`).
+        secure: draw from the OS CSPRNG (:func:`secure_normal`).
+        With none of the three, a fresh random key from OS entropy is used.
 
     Returns:
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
@@ -90,14 +136,23 @@ def add_noise(tree: Any, std: float | Tensor, generator: torch.Generator | None 
 
     if secure and generator is not None:
         raise ValueError(f"{call}: secure=True draws from the OS CSPRNG and takes no generator (a seeded generator is predictable).")
+    if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
+        raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
     if secure:
         return optree.tree_unflatten(
             spec,
             [leaf.to(_dt(leaf)) + secure_normal(leaf.shape, dtype=_dt(leaf), device=leaf.device) * std for leaf in leaves],
         )
-    if generator is None and leaves:
-        generator = make_generator(device=leaves[0].device)
+    if generator is None:
+        base = _key_bytes(key) if key is not None else secrets.token_bytes(32)
+        return optree.tree_unflatten(
+            spec,
+            [
+                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base + b":leaf:" + str(i).encode(), dtype=_dt(leaf), device=leaf.device) * std
+                for i, leaf in enumerate(leaves)
+            ],
+        )
     out = []
     for leaf in leaves:
         if generator.device.type != leaf.device.type:

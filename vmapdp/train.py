@@ -18,9 +18,9 @@ from a checkpoint continues exactly as if it had not stopped.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import secrets
+import types
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -51,6 +51,10 @@ class TrainState(NamedTuple):
     step: int  # logical steps taken
     ledger: Ledger  # privacy events recorded so far
 
+    def __repr__(self) -> str:  # never print the secret noise seed
+        seed = "None" if self.noise_seed is None else "<secret>"
+        return f"TrainState(params={{{len(self.params)} tensors}}, opt_state={type(self.opt_state).__name__}, noise_seed={seed}, step={self.step}, ledger={self.ledger!r})"
+
     def epsilon(self, delta: float, *, accountant: str = "rdp") -> float:
         """Epsilon spent so far at ``delta`` (from the ledger; host-side float math)."""
         return accountant_epsilon(self.ledger, delta, accountant)
@@ -70,7 +74,8 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
             module they came from is never written to.
         optimizer: an init/update pair from :mod:`vmapdp.optim`.
         seed: the secret seed of the noise. Anyone who knows it can subtract the noise, so keep it
-            as secret as the data; ``None`` draws one from OS entropy.
+            as secret as the data, and large (a small int can be guessed; use it for tests and
+            reproducible experiments only); ``None`` draws 128 bits from OS entropy.
         secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
             such a state holds no seed (``seed`` must be None) and is not reproducible.
     """
@@ -82,15 +87,24 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"{call}: seed={seed!r} must be a non-negative int or None.")
     if not secure and seed is None:
-        seed = secrets.randbits(63)
+        seed = secrets.randbits(128)
     params = {k: v.detach().clone() for k, v in params.items()}
     return TrainState(params=params, opt_state=optimizer.init(params), noise_seed=seed, step=0, ledger=Ledger())
 
 
-def _step_seed(seed: int, step: int) -> int:
-    """A 63-bit seed for step ``step``'s noise: SHA-256 of (seed, step), so steps never share noise."""
-    digest = hashlib.sha256(f"vmapdp-noise:{seed}:{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+def _step_key(seed: int, step: int) -> bytes:
+    """The noise key of step ``step``: distinct for every (seed, step), hashed by add_noise(key=)."""
+    return f"vmapdp-noise:{seed}:{step}".encode()
+
+
+def _fresh_function(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object, so torch.compile caches it apart from other steps.
+
+    Dynamo keeps one cache per code object; every make_train_step closure shares ``chunk_sums``'
+    code, and a process that builds many steps (a sweep over epsilons) would hit its recompile
+    limit. A fresh code object gives each step its own cache.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
@@ -119,6 +133,7 @@ def make_train_step(
     budget: tuple[float, float] | None = None,
     accountant: str = "rdp",
     secure: bool = False,
+    distributed: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -141,8 +156,10 @@ def make_train_step(
         compile: run each chunk's tensor work under ``torch.compile(fullgraph=True)``.
         budget: ``(epsilon, delta)``: a step that would take epsilon past it raises
             :class:`PrivacyBudgetExceeded` before computing anything.
-        accountant: the accountant for the budget check.
+        accountant: the accountant for the budget check: ``"rdp"`` or ``"pld"`` (upper bounds;
+            ``"gdp"`` is an approximation and is refused here).
         secure: draw the noise from the OS CSPRNG (the state must hold no seed).
+        distributed: run on ``torch.distributed`` (not built yet; raises NotImplementedError).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -170,6 +187,16 @@ def make_train_step(
         _check_positive(call, "budget epsilon", budget[0])
         if not 0 < budget[1] < 1:
             raise ValueError(f"{call}: budget delta={budget[1]!r} must be in (0, 1).")
+    if distributed:
+        raise NotImplementedError(
+            f"{call}: distributed=True is not built yet (see the project's open issue on torch.distributed); "
+            "run one process, or accumulate clipped sums with physical_batch_size."
+        )
+    if accountant not in ("rdp", "pld", "prv"):
+        raise ValueError(
+            f"{call}: accountant={accountant!r} must be 'rdp' or 'pld' ('prv'): a budget is only enforced "
+            "against an upper bound on epsilon ('gdp' is an approximation that can under-report)."
+        )
     if noise_multiplier == 0:
         warnings.warn(
             f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a "
@@ -185,7 +212,7 @@ def make_train_step(
 
     def chunk_sums(params, mask, shared, chunk):
         """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
-        grads, losses = grads_fn(params, *shared, chunk, mask=mask)
+        grads, losses = grads_fn(params, *shared, chunk)  # padding rows are dropped by the masked clip_and_sum
         summed, norms = clip_and_sum(grads, l2_clip_norm, mask=mask, rule=rule, nonfinite=nonfinite)
         finite = torch.isfinite(norms)
         stats = torch.stack(
@@ -199,7 +226,7 @@ def make_train_step(
         )
         return summed, stats
 
-    run_chunk = torch.compile(chunk_sums, fullgraph=True, dynamic=False) if compile else chunk_sums
+    run_chunk = torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
@@ -213,6 +240,8 @@ def make_train_step(
             )
         n = batch_size(batch, call=scall)
         check_mask(mask, n, call=scall)
+        device = next(iter(state.params.values())).device
+        mask = mask.to(device)  # samplers make masks on the CPU
         new_ledger = state.ledger.append(event)
         if budget is not None:
             eps = accountant_epsilon(new_ledger, budget[1], accountant)
@@ -221,7 +250,7 @@ def make_train_step(
                     f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {budget[0]:g} "
                     f"(delta={budget[1]:g}, {accountant}). Training stops here; the state is unchanged."
                 )
-        size = physical_batch_size or n
+        size = physical_batch_size or max(n, 1)
         if n % size:
             raise ValueError(f"{scall}: the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
         summed, stats = None, None
@@ -230,13 +259,13 @@ def make_train_step(
             s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
+        if summed is None:  # an empty batch: the step still releases noise
+            summed = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
+            stats = torch.zeros(5, device=device)
         if secure:
             noisy = add_noise(summed, noise_std, secure=True)
         else:
-            device = next(iter(summed.values())).device
-            gen = torch.Generator(device=device)
-            gen.manual_seed(_step_seed(state.noise_seed, state.step))
-            noisy = add_noise(summed, noise_std, gen)
+            noisy = add_noise(summed, noise_std, key=_step_key(state.noise_seed, state.step))
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
         real = stats[1].clamp_min(1.0)
