@@ -92,3 +92,35 @@ def test_rejects_batchnorm_and_bad_arguments():
         vmapdp.make_private(m, opt, ds, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)
     with pytest.raises(ValueError, match=r"target_epsilon needs epochs="):
         vmapdp.make_private(m, opt, ds, batch_size=10, l2_clip_norm=1.0, target_epsilon=1.0, delta=1e-3)
+
+
+def test_optimizer_hyperparameters_are_kept():
+    m = model()
+    decoupled = torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
+    opt = vmapdp.private._functional_optimizer(decoupled)
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    new, _ = opt.update(grads, opt.init(params), params)
+    ref = vmapdp.optim.adamw(0.01, weight_decay=0.1)
+    expected, _ = ref.update(grads, ref.init(params), params)
+    assert all(torch.equal(new[k], expected[k]) for k in params), "decoupled Adam must be AdamW, not L2 Adam"
+    rprop = vmapdp.private._functional_optimizer(torch.optim.Rprop(m.parameters(), lr=0.01, etas=(0.3, 1.5)))
+    new, _ = rprop.update(grads, rprop.init(params), params)
+    t = torch.optim.Rprop([p.clone().detach().requires_grad_(True) for p in params.values()], lr=0.01, etas=(0.3, 1.5))
+    for p, g in zip(t.param_groups[0]["params"], grads.values()):
+        p.grad = g
+    t.step()
+    assert all(torch.equal(new[k], p.detach()) for k, p in zip(params, t.param_groups[0]["params"]))
+
+
+def test_secure_trainer_saves_and_resumes(tmp_path):
+    ds = data()
+    m = model()
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, secure=True, compile=False)
+    trainer.fit(epochs=1)
+    trainer.save(str(tmp_path / "s.pt"))
+    trainer.load(str(tmp_path / "s.pt"))
+    assert trainer.state.step == 10 and trainer.state.noise_seed is None
+    seeded = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"comes from a secure sampler"):
+        vmapdp.load_state(tmp_path / "s.pt", sampler=seeded)

@@ -74,3 +74,24 @@ def check_mask(mask: Any, b: int, *, call: str) -> Tensor:
 def rows(mask: Tensor, like: Tensor) -> Tensor:
     """``mask`` [B] reshaped to broadcast against ``like`` [B, ...]."""
     return mask.reshape(mask.shape + (1,) * (like.dim() - 1))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and norms are accumulated in: float32 or wider (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def zero_rows(tree: Any, keep: Tensor) -> Any:
+    """Rows where ``keep`` [B] is False set to exactly 0 (they may hold NaN or inf).
+
+    ``keep`` may live on another device than the leaves (samplers make masks on the CPU). In eager
+    mode, when every row is kept, the tree is returned as is (no copy).
+    """
+
+    def one(g: Tensor) -> Tensor:
+        k = keep.to(g.device)
+        return torch.where(rows(k, g), g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+    if not torch.compiler.is_compiling() and bool(keep.all()):
+        return tree
+    return optree.tree_map(one, tree, namespace="torch")

@@ -15,8 +15,11 @@ Keep checkpoints as private as the training data.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import tempfile
+import zipfile
 from typing import Any
 
 import torch
@@ -66,6 +69,14 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
         raise
 
 
+def _allowing(classes: tuple) -> Any:
+    """A context that lets ``torch.load(weights_only=True)`` rebuild vmapdp's optimizer states."""
+    if hasattr(torch.serialization, "safe_globals"):  # torch >= 2.5
+        return torch.serialization.safe_globals(list(classes))
+    torch.serialization.add_safe_globals(list(classes))  # torch 2.4: a process-wide allowlist
+    return contextlib.nullcontext()
+
+
 def load_state(path: str | os.PathLike, *, sampler: Any = None, map_location: Any = None) -> TrainState:
     """Read a checkpoint written by :func:`save_state`.
 
@@ -81,11 +92,9 @@ def load_state(path: str | os.PathLike, *, sampler: Any = None, map_location: An
     path = os.fspath(path)
     call = f"load_state({path!r})"
     try:
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with _allowing(SAFE_GLOBALS):
             payload = torch.load(path, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as err:  # truncated zip, foreign pickle, disallowed globals
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as err:  # truncated, foreign, disallowed
         raise ValueError(
             f"{call}: not a complete vmapdp checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
             "The file is truncated or corrupted, or was not written by vmapdp.save_state; nothing was loaded."

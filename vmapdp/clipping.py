@@ -37,7 +37,7 @@ import optree
 import torch
 from torch import Tensor
 
-from vmapdp._tree import batch_size, check_mask, rows
+from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
 
 __all__ = [
     "grad_norms",
@@ -52,10 +52,6 @@ Rule = Literal["clip", "normalize"]
 NonFinite = Literal["zero", "raise"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def grad_norms(grads: Any) -> Tensor:
     """Per-sample L2 norms over all leaves of per-sample gradients ``{name: [B, ...]}`` -> ``[B]``.
 
@@ -68,7 +64,7 @@ def grad_norms(grads: Any) -> Tensor:
     sq = None
     for g in leaves:
         # one fused pass per leaf, accumulated in float32 or wider, no squared copy of the grads
-        n = torch.linalg.vector_norm(g.reshape(g.shape[0], math.prod(g.shape[1:])), dim=1, dtype=_acc_dtype(g.dtype))
+        n = torch.linalg.vector_norm(g.reshape(g.shape[0], math.prod(g.shape[1:])), dim=1, dtype=acc_dtype(g.dtype))
         sq = n.square() if sq is None else sq + n.square()
     return sq.sqrt()
 
@@ -127,24 +123,19 @@ def _weighted_sum(grads: Any, weights: Tensor) -> Any:
     """``sum_i weights[i] * grads[i]`` per leaf, accumulated in float32 or wider."""
 
     def one(g: Tensor) -> Tensor:
-        dtype = _acc_dtype(g.dtype)
+        dtype = acc_dtype(g.dtype)
         return torch.tensordot(weights.to(dtype), g.to(dtype), dims=1)
 
     return optree.tree_map(one, grads, namespace="torch")
 
 
-def _zero_rows(grads: Any, keep: Tensor) -> Any:
-    """Rows not kept set to exactly 0 (they may hold NaN). Eager and nothing to drop: no copy."""
-    if not torch.compiler.is_compiling() and bool(keep.all()):
-        return grads
-    return optree.tree_map(lambda g: torch.where(rows(keep, g), g, torch.zeros((), dtype=g.dtype)), grads, namespace="torch")
-
-
-def _prepare(call: str, grads: Any, mask: Tensor | None) -> int:
+def _prepare(call: str, grads: Any, mask: Tensor | None) -> Tensor | None:
+    """Check the grads' batch dim and the mask; the mask on the grads' device."""
     b = batch_size(grads, call=call, what="grads")
-    if mask is not None:
-        check_mask(mask, b, call=call)
-    return b
+    if mask is None:
+        return None
+    check_mask(mask, b, call=call)
+    return mask.to(optree.tree_leaves(grads, namespace="torch")[0].device)
 
 
 def clip_per_sample(
@@ -180,7 +171,7 @@ def clip_per_sample(
     factors = clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
 
     def one(g: Tensor) -> Tensor:
-        scaled = (g.to(_acc_dtype(g.dtype)) * rows(factors, g)).to(g.dtype)
+        scaled = (g.to(acc_dtype(g.dtype)) * rows(factors, g)).to(g.dtype)
         return torch.where(rows(keep, g), scaled, torch.zeros((), dtype=g.dtype))
 
     return optree.tree_map(one, grads, namespace="torch")
@@ -218,11 +209,11 @@ def clip_and_sum(
     call = "clip_and_sum(grads, l2_clip_norm)"
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
-    _prepare(call, grads, mask)
+    mask = _prepare(call, grads, mask)
     norms = grad_norms(grads)
     keep = _keep(norms, mask, nonfinite, call)
     weights = torch.where(keep, clip_factors(norms, l2_clip_norm, rule=rule, stability=stability), 0.0)
-    summed = _weighted_sum(_zero_rows(grads, keep), weights)
+    summed = _weighted_sum(zero_rows(grads, keep), weights)
     if mask is not None:
         norms = torch.where(mask, norms, 0.0)
     return summed, norms
@@ -298,14 +289,14 @@ def clip_and_sum_per_layer(
     call = "clip_and_sum_per_layer(grads, l2_clip_norms)"
     _check_rule(call, "clip", 0.01, nonfinite)
     members = _groups_of(call, grads, l2_clip_norms, groups)
-    _prepare(call, grads, mask)
+    mask = _prepare(call, grads, mask)
     norms = {g: grad_norms({k: grads[k] for k in keys}) for g, keys in members.items()}
     finite = torch.stack([n for n in norms.values()]).isfinite().all(0)
     keep = _keep(torch.where(finite, 0.0, math.nan), mask, nonfinite, call)
     summed: dict[str, Tensor] = {}
     for g, keys in members.items():
         weights = torch.where(keep, clip_factors(norms[g], l2_clip_norms[g]), 0.0)
-        summed.update(_weighted_sum(_zero_rows({k: grads[k] for k in keys}, keep), weights))
+        summed.update(_weighted_sum(zero_rows({k: grads[k] for k in keys}, keep), weights))
     if mask is not None:
         norms = {g: torch.where(mask, n, 0.0) for g, n in norms.items()}
     return {k: summed[k] for k in grads}, norms

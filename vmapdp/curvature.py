@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
-from vmapdp._tree import batch_size, check_mask, leaves_with_paths
+from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
 __all__ = [
@@ -188,10 +188,6 @@ def _check_vector(call: str, params: Any, vector: Any, b: int, per_sample: bool)
             raise ValueError(f"{call}: vector[{k!r}] has shape {tuple(x.shape)}, expected {want} (params[{k!r}] is {tuple(t.shape)}). {hint}")
         if x.dtype != t.dtype:
             raise TypeError(f"{call}: vector[{k!r}] has dtype {x.dtype} but params[{k!r}] has {t.dtype}; cast it with .to({t.dtype}).")
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _dot(a: Any, b: Any) -> Tensor:
@@ -418,7 +414,7 @@ def empirical_fisher_diag(loss_fn: Callable[..., Tensor], *, chunk_size: int | N
         n: Any = max(b, 1) if mask is None else check_mask(mask, b, call=call).sum().clamp_min(1)
 
         def one(g: Tensor) -> Tensor:
-            acc = g.to(_acc_dtype(g.dtype))
+            acc = g.to(acc_dtype(g.dtype))
             return (acc.square().sum(0) / n).to(g.dtype)
 
         return optree.tree_map(one, grads, namespace="torch")
@@ -528,7 +524,7 @@ def empirical_ntk(apply_fn: Callable[..., Tensor], *, chunk_size: int | None = N
         out_shape: tuple[int, ...] = ()
         for (k, a), (_, b), (_, p) in zip(leaves_with_paths(ja), leaves_with_paths(jb), leaves_with_paths(params)):
             out_shape = tuple(a.shape[1 : a.dim() - p.dim()])
-            n_out, dtype = math.prod(out_shape), _acc_dtype(a.dtype)
+            n_out, dtype = math.prod(out_shape), acc_dtype(a.dtype)
             a2 = a.reshape(a.shape[0], n_out, -1).to(dtype)
             b2 = b.reshape(b.shape[0], n_out, -1).to(dtype)
             term = torch.einsum("iap,jbp->ijab", a2, b2)
@@ -570,7 +566,7 @@ def grad_similarity(grads_a: Any, grads_b: Any, *, normalize: bool = False) -> T
         x, y = a[k], b[k]
         if x.shape[1:] != y.shape[1:]:
             raise ValueError(f"{call}: {k!r} has per-sample shape {tuple(x.shape[1:])} in grads_a but {tuple(y.shape[1:])} in grads_b.")
-        dtype = _acc_dtype(torch.promote_types(x.dtype, y.dtype))
+        dtype = acc_dtype(torch.promote_types(x.dtype, y.dtype))
         term = x.reshape(ba, -1).to(dtype) @ y.reshape(bb, -1).to(dtype).T
         total = term if total is None else total + term
     if normalize:

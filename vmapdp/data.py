@@ -162,9 +162,17 @@ class PoissonSampler:
         return {"generator": None if self.generator is None else self.generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.generator is None or state.get("generator") is None:
-            raise ValueError("PoissonSampler.load_state_dict: a secure sampler has no RNG state to restore.")
-        self.generator.set_state(state["generator"])
+        saved = state.get("generator")
+        if self.secure:
+            if saved is not None:
+                raise ValueError("PoissonSampler.load_state_dict: this sampler is secure (OS CSPRNG) but the state comes from a seeded sampler.")
+            return  # a secure sampler has no state: it keeps drawing from the OS
+        if saved is None:
+            raise ValueError(
+                "PoissonSampler.load_state_dict: the state comes from a secure sampler (no RNG state); "
+                "resume it with PoissonSampler(..., secure=True)."
+            )
+        self.generator.set_state(saved)
 
     def __repr__(self) -> str:
         return (

@@ -32,6 +32,8 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp._tree import acc_dtype
+
 __all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
 
 _STREAMS = 4  # 4 x 32-bit seeds: 128 bits of key material behind every draw
@@ -167,4 +169,4 @@ def add_noise(
 
 
 def _dt(leaf: Tensor) -> torch.dtype:
-    return torch.promote_types(leaf.dtype, torch.float32)
+    return acc_dtype(leaf.dtype)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
-from vmapdp._tree import batch_size, check_mask, rows
+from vmapdp._tree import batch_size, check_mask, zero_rows
 from vmapdp.clipping import grad_norms
 
 __all__ = ["per_sample_grads", "per_sample_grad_norms"]
@@ -118,11 +118,6 @@ def _explain_runtime_error(call: str, err: RuntimeError) -> Exception:
     return err
 
 
-def _apply_mask(tree: Any, mask: Tensor) -> Any:
-    """Zero the rows where ``mask`` is False, even if they hold NaN or inf."""
-    return optree.tree_map(lambda g: torch.where(rows(mask, g), g, torch.zeros((), dtype=g.dtype)), tree, namespace="torch")
-
-
 def per_sample_grads(
     loss_fn: Callable[..., Tensor],
     *,
@@ -183,8 +178,8 @@ def per_sample_grads(
         grads, losses, aux, b = run(*args)
         if mask is not None:
             check_mask(mask, b, call=call)
-            grads = _apply_mask(grads, mask)
-            losses = _apply_mask(losses, mask)
+            grads = zero_rows(grads, mask)
+            losses = zero_rows(losses, mask)
         out: tuple = (grads,)
         if return_loss:
             out += (losses,)

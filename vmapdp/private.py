@@ -11,6 +11,7 @@ the reason this lives outside the core).
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import Any, Callable, Iterator
 
@@ -40,10 +41,12 @@ def _functional_optimizer(optimizer: torch.optim.Optimizer) -> optim.Optimizer:
     if type(optimizer) is torch.optim.SGD:
         return optim.sgd(lr, momentum=d["momentum"], dampening=d["dampening"], nesterov=d["nesterov"], weight_decay=d["weight_decay"], maximize=d["maximize"])
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        make = optim.adam if type(optimizer) is torch.optim.Adam else optim.adamw
+        decoupled = type(optimizer) is torch.optim.AdamW or d.get("decoupled_weight_decay", False)
+        make = optim.adamw if decoupled else optim.adam
         return make(lr, betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"], amsgrad=d["amsgrad"], maximize=d["maximize"])
-    keys = ("lr", "momentum", "alpha", "eps", "weight_decay", "centered", "betas", "lr_decay", "initial_accumulator_value", "rho")
-    return optim.from_torch(type(optimizer), **{k: d[k] for k in keys if k in d})
+    # any other optimizer: every hyperparameter of its group, through the general adapter
+    implementation = ("params", "foreach", "fused", "capturable", "differentiable")
+    return optim.from_torch(type(optimizer), **{k: v for k, v in d.items() if k not in implementation})
 
 
 def _tensors_of(dataset: Any) -> tuple[Tensor, ...] | None:
@@ -207,5 +210,8 @@ def make_private(
 
 
 def _sampler_seed(seed: int | None) -> int:
-    """The sampler's seed: from OS entropy, or derived from (and distinct from) the noise seed."""
-    return secrets.randbits(63) if seed is None else (seed * 2654435761 + 97) % (1 << 63)
+    """The sampler's seed: from OS entropy, or hashed from the noise seed under its own label
+    (one-way: the sampler's generator state never reveals the noise seed)."""
+    if seed is None:
+        return secrets.randbits(63)
+    return int.from_bytes(hashlib.sha256(f"vmapdp-sampler:{seed}".encode()).digest()[:8], "little") >> 1
