@@ -129,6 +129,16 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
     return run
 
 
+def _vm_hwm_mib() -> float:
+    """This process's peak resident memory (Linux VmHWM; unlike ru_maxrss it is not inherited
+    from the parent across fork + exec, which made every method read the parent's peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _peak_memory_mib(method: str, name: str, batch_size: int, seq_len: int, device: torch.device) -> float | None:
     """Peak memory of 3 steps of ``method`` in a fresh process, above a process that only built the model."""
     code = (
@@ -137,7 +147,7 @@ def _peak_memory_mib(method: str, name: str, batch_size: int, seq_len: int, devi
         "run = b.build_step({m!r}, {n!r}, {bs}, dev, seq_len={sl}) if {m!r} != 'none' else (lambda: None);"
         "torch.cuda.reset_peak_memory_stats() if dev.type == 'cuda' else None;"
         "[run() for _ in range(3)];"
-        "print(torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        "print(torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else b._vm_hwm_mib())"
     )
     out = {}
     for m in ("none", method) if device.type != "cuda" else (method,):
