@@ -7,8 +7,8 @@ the sum is returned in that dtype: a half-precision gradient is never noised in 
 Sources, exactly one per call:
 
 * ``key=`` (bytes or int): reproducible noise that only the key's holder can predict. Each leaf
-  is the normalised sum of four streams of torch's generator seeded with 32-bit words of
-  ``SHA-256(key, leaf index)``, so recovering the noise means searching 2**128 seeds. (A single
+  is drawn (Box-Muller) from the XOR of four streams of torch's generator seeded with the 32-bit
+  words of ``SHA-256(key, leaf index)``, so recovering the noise means searching 2**128 seeds. (A single
   torch CPU generator keeps only 32 bits of its seed: one brute-forceable stream, and streams of
   different steps would collide by the birthday bound within ~10**5 steps.) ``make_train_step``
   uses ``key = (secret seed, step)``.
@@ -50,17 +50,26 @@ def _key_bytes(key: bytes | int | str) -> bytes:
 def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
     """Standard normal samples determined by ``key`` (same key, same samples), 128-bit strong.
 
-    The sum of ``4`` independent standard normal streams divided by 2 is exactly standard normal;
-    each stream comes from a torch generator seeded with one 32-bit word of ``SHA-256(key)``.
+    Four torch generators are seeded with the four 32-bit words of ``SHA-256(key)``; their random
+    bits are XOR-ed together and turned into normals by Box-Muller in float64. XOR (unlike a sum of
+    four normal streams) gives away nothing about one stream while the others are unknown, so the
+    seeds cannot be searched one at a time: recovering the noise means searching 2**128 keys.
     """
     digest = hashlib.sha256(b"vmapdp-keyed-normal:" + _key_bytes(key)).digest()
-    out = None
+    n = math.prod(shape)
+    bits = torch.zeros(2 * ((n + 1) // 2), dtype=torch.int64, device=device)
     for i in range(_STREAMS):
         gen = torch.Generator(device=device)
         gen.manual_seed(int.from_bytes(digest[4 * i : 4 * i + 4], "little"))
-        z = torch.randn(shape, dtype=dtype, device=device, generator=gen)
-        out = z if out is None else out.add_(z)
-    return out.mul_(1.0 / math.sqrt(_STREAMS))
+        bits ^= torch.empty_like(bits).random_(generator=gen)
+    return _box_muller(bits, n).reshape(shape).to(dtype)
+
+
+def _box_muller(bits: Tensor, n: int) -> Tensor:
+    """``n`` standard normals (float64) from an even number of random int64 words (53 bits each used)."""
+    u = ((bits.reshape(2, -1) & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1)
+    r = torch.sqrt(-2.0 * torch.log(u[0]))
+    return torch.cat([r * torch.cos(2 * math.pi * u[1]), r * torch.sin(2 * math.pi * u[1])])[:n]
 
 
 def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
@@ -74,15 +83,9 @@ def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
     need a discrete or snapped mechanism that vmapdp does not implement. Samples are computed in
     float64 from 53-bit uniforms and then cast.
     """
-    n = 1
-    for d in shape:
-        n *= d
-    m = (n + 1) // 2
-    raw = torch.frombuffer(bytearray(secrets.token_bytes(16 * m)), dtype=torch.int64).reshape(2, m)
-    u = ((raw & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1)
-    r = torch.sqrt(-2.0 * torch.log(u[0]))
-    z = torch.cat([r * torch.cos(2 * math.pi * u[1]), r * torch.sin(2 * math.pi * u[1])])[:n]
-    return z.reshape(shape).to(dtype=dtype, device=device)
+    n = math.prod(shape)
+    raw = torch.frombuffer(bytearray(secrets.token_bytes(16 * ((n + 1) // 2))), dtype=torch.int64)
+    return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
