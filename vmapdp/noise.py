@@ -6,15 +6,15 @@ the sum is returned in that dtype: a half-precision gradient is never noised in 
 
 Sources, exactly one per call:
 
-* ``key=`` (bytes or int): reproducible noise that only the key's holder can predict. Each leaf
-  is drawn (Box-Muller) from the XOR of four streams of torch's generator seeded with the 32-bit
-  words of ``SHA-256(key, leaf index)``, so recovering the noise means searching 2**128 seeds. (A single
-  torch CPU generator keeps only 32 bits of its seed: one brute-forceable stream, and streams of
-  different steps would collide by the birthday bound within ~10**5 steps.) ``make_train_step``
-  uses ``key = (secret seed, step)``.
+* ``key=`` (bytes or int): reproducible noise that only the key's holder can predict: each leaf
+  is drawn (Box-Muller, float64) from the SHAKE-256 stream of ``(key, leaf index)``
+  (:func:`keyed_normal`). ``make_train_step`` uses ``key = (secret seed, step)``. torch's
+  generators cannot play this role: the CPU one keeps only 32 bits of a seed (a brute-forceable
+  search, and streams of different steps collide by the birthday bound within ~10**5 steps), and
+  Mersenne Twister's output is linear in its state, which can be solved for from outputs.
 * ``secure=True``: the operating system's CSPRNG (not reproducible).
-* ``generator=``: a ``torch.Generator`` you manage. Only as secret as its seed, which on CPU is
-  32 bits: fine for tests, not for releasing models.
+* ``generator=``: a ``torch.Generator`` you manage: predictable (see above), fine for tests, not
+  for releasing models.
 * none of them: a fresh random key from OS entropy (unpredictable, not reproducible).
 
 The noise never comes from torch's global RNG: that one is routinely seeded (``torch.manual_seed
@@ -36,9 +36,6 @@ from vmapdp._tree import acc_dtype
 
 __all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
 
-_STREAMS = 4  # 4 x 32-bit seeds: 128 bits of key material behind every draw
-
-
 def _key_bytes(key: bytes | int | str) -> bytes:
     if isinstance(key, bytes):
         return key
@@ -48,21 +45,20 @@ def _key_bytes(key: bytes | int | str) -> bytes:
 
 
 def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
-    """Standard normal samples determined by ``key`` (same key, same samples), 128-bit strong.
+    """Standard normal samples determined by ``key`` (same key, same samples).
 
-    Four torch generators are seeded with the four 32-bit words of ``SHA-256(key)``; their random
-    bits are XOR-ed together and turned into normals by Box-Muller in float64. XOR (unlike a sum of
-    four normal streams) gives away nothing about one stream while the others are unknown, so the
-    seeds cannot be searched one at a time: recovering the noise means searching 2**128 keys.
+    The random bits are the output of SHAKE-256 (an extendable-output hash, used as a keyed
+    stream) on ``key``; Box-Muller turns them into normals in float64. Predicting them without the
+    key means breaking SHAKE-256. (torch's own generators are no substitute: the CPU generator
+    keeps 32 bits of a seed, and Mersenne Twister output is linear in its state, so its state can
+    be solved for from enough outputs.)
     """
-    digest = hashlib.sha256(b"vmapdp-keyed-normal:" + _key_bytes(key)).digest()
     n = math.prod(shape)
-    bits = torch.zeros(2 * ((n + 1) // 2), dtype=torch.int64, device=device)
-    for i in range(_STREAMS):
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int.from_bytes(digest[4 * i : 4 * i + 4], "little"))
-        bits ^= torch.empty_like(bits).random_(generator=gen)
-    return _box_muller(bits, n).reshape(shape).to(dtype)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    stream = hashlib.shake_256(b"vmapdp-keyed-normal:" + _key_bytes(key)).digest(16 * ((n + 1) // 2))
+    raw = torch.frombuffer(bytearray(stream), dtype=torch.int64)
+    return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
 
 
 def _box_muller(bits: Tensor, n: int) -> Tensor:
@@ -84,6 +80,8 @@ def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
     float64 from 53-bit uniforms and then cast.
     """
     n = math.prod(shape)
+    if n == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
     raw = torch.frombuffer(bytearray(secrets.token_bytes(16 * ((n + 1) // 2))), dtype=torch.int64)
     return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
 
@@ -93,7 +91,7 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
 
     Torch's CPU generator keeps only 32 bits of its seed, so noise drawn from it can be recovered
     by a 2**32 search: use it for tests and reproducible experiments; for noise that protects
-    data use ``add_noise(..., key=secret)`` (128-bit) or ``secure=True``.
+    data use ``add_noise(..., key=secret)`` (a SHAKE-256 stream) or ``secure=True``.
     """
     if seed is None:
         seed = secrets.randbits(63)
@@ -115,7 +113,7 @@ def add_noise(
             l2_clip_norm``, before dividing by the batch size).
         generator: a ``torch.Generator`` to draw from (its state advances); see the module
             docstring for why a ``key`` is the better choice for real releases.
-        key: draw reproducibly from this secret key (128-bit strong, :func:`keyed_normal`).
+        key: draw reproducibly from this secret key (a SHAKE-256 stream, :func:`keyed_normal`).
         secure: draw from the OS CSPRNG (:func:`secure_normal`).
         With none of the three, a fresh random key from OS entropy is used.
 
