@@ -26,11 +26,11 @@ def _sizes_and_counts(sampler):
     return torch.tensor(sizes, dtype=torch.float64), counts
 
 
-@pytest.mark.parametrize("secure", [False, True])
-def test_batch_sizes_and_inclusion_rates_are_poisson(secure):
+@pytest.mark.parametrize("source", ["generator", "key", "secure"])
+def test_batch_sizes_and_inclusion_rates_are_poisson(source):
     n, q, steps = 500, 0.05, 2000
-    gen = None if secure else torch.Generator().manual_seed(0)
-    sampler = PoissonSampler(n, q, steps, gen, secure=secure)
+    kwargs = {"generator": dict(generator=torch.Generator().manual_seed(0)), "key": dict(key=b"k"), "secure": dict(secure=True)}[source]
+    sampler = PoissonSampler(n, q, steps, **kwargs)
     sizes, counts = _sizes_and_counts(sampler)
     # batch size ~ Binomial(n, q): mean within its CLT interval, variance by chi-square
     mean, var = n * q, n * q * (1 - q)
@@ -119,3 +119,21 @@ def test_gather_pytree_and_dataset():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PoissonSampler(**kwargs)
+
+
+def test_keyed_sampler_is_reproducible_resumable_and_the_default():
+    a = PoissonSampler(100, 0.1, 4, key=b"secret")
+    b = PoissonSampler(100, 0.1, 4, key=b"secret")
+    first = [i[m] for i, m in a]
+    assert all(torch.equal(x, i[m]) for x, (i, m) in zip(first, b))
+    c = PoissonSampler(100, 0.1, 4, key=b"secret")
+    c.sample()
+    d = PoissonSampler(100, 0.1, 4)  # default: a random key
+    assert d.key is not None and len(d.key) == 32 and d.generator is None
+    d.load_state_dict(c.state_dict())
+    i, m = d.sample()
+    assert torch.equal(i[m], first[1])
+    with pytest.raises(ValueError, match=r"at most one source of randomness"):
+        PoissonSampler(100, 0.1, key=b"k", generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"comes from a keyed sampler"):
+        PoissonSampler(100, 0.1, generator=torch.Generator()).load_state_dict(c.state_dict())

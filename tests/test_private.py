@@ -41,7 +41,7 @@ def test_wrapper_equals_the_functional_path_and_writes_weights_back():
         x, y = sample
         return F.cross_entropy(apply(p, b, x[None]), y[None])
 
-    sampler = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(vmapdp.private._sampler_seed(4)))
+    sampler = vmapdp.data.PoissonSampler(120, 0.1, key=vmapdp.private._sampler_key(4))
     sgd = vmapdp.optim.sgd(0.5, momentum=0.9)
     step = vmapdp.make_train_step(
         loss_fn, sgd, l2_clip_norm=1.0, noise_multiplier=0.8, expected_batch_size=12.0, sample_rate=0.1, physical_batch_size=sampler.capacity, compile=False

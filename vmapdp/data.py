@@ -12,6 +12,7 @@ noise is added once.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from typing import Any, Iterator
@@ -21,6 +22,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["PoissonSampler", "default_capacity", "gather", "gather_dataset"]
+
+
+def _key_bytes(key: bytes | int | str) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (int, str)) and not isinstance(key, bool):
+        return str(key).encode()
+    raise TypeError(f"PoissonSampler: key must be bytes, int or str, got {type(key).__name__}.")
 
 
 def _kl_bernoulli(a: float, q: float) -> float:
@@ -58,14 +67,19 @@ class PoissonSampler:
         sample_rate: ``q``, the probability that each example is in a step's batch (expected
             batch size ``q * N``).
         steps: how many steps to yield (default one epoch, ``round(1 / sample_rate)``).
-        generator: the source of randomness for sampling, separate from the noise's; ``None``
-            seeds a fresh one from OS entropy. Not allowed with ``secure=True``.
+        generator: a ``torch.Generator`` to sample with: reproducible but predictable (torch's CPU
+            generator keeps 32 bits of a seed and Mersenne Twister is linear in its state), so
+            for tests and experiments only: whoever predicts the batches voids the subsampling
+            amplification the accountant counts on.
+        key: a secret key (bytes, int or str): reproducible sampling decisions from a SHAKE-256
+            stream of ``(key, step)``. Default (no generator, no key, not secure): a random
+            256-bit key from OS entropy. Keep it as secret as the noise seed.
         capacity: the fixed physical batch size. Default: the smallest size that one step
             overflows with probability ``<= overflow_probability``. Set it lower to bound memory:
             a step then spans several chunks (virtual steps).
         overflow_probability: used to choose the default capacity.
         secure: draw the sampling decisions from the operating system's CSPRNG
-            (``secrets``/``os.urandom``) instead of a seedable torch generator.
+            (``secrets``/``os.urandom``): not reproducible, nothing to checkpoint.
 
     Iterating yields ``(indices, mask)`` per step: int64 ``[m * capacity]`` and bool
     ``[m * capacity]`` with ``m = max(1, ceil(k / capacity))`` for ``k`` sampled examples;
@@ -86,6 +100,7 @@ class PoissonSampler:
         steps: int | None = None,
         generator: torch.Generator | None = None,
         *,
+        key: bytes | int | str | None = None,
         capacity: int | None = None,
         overflow_probability: float = 1e-6,
         secure: bool = False,
@@ -113,6 +128,8 @@ class PoissonSampler:
                 f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
                 "generator; pass generator=None (a seeded generator makes the batches predictable)."
             )
+        if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
+            raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
         self.num_samples = num_samples
@@ -120,9 +137,11 @@ class PoissonSampler:
         self.steps = steps
         self.capacity = capacity
         self.secure = secure
-        if generator is None and not secure:
-            generator = torch.Generator().manual_seed(secrets.randbits(63))
         self.generator = generator
+        if generator is None and not secure:
+            key = _key_bytes(key) if key is not None else secrets.token_bytes(32)
+        self.key: bytes | None = key
+        self._draws = 0  # steps drawn so far (the keyed stream's counter)
 
     @property
     def expected_batch_size(self) -> float:
@@ -138,6 +157,12 @@ class PoissonSampler:
         if self.secure:
             # 53-bit uniform integers from the OS CSPRNG; example i is in iff u_i < q * 2**53
             raw = torch.frombuffer(bytearray(secrets.token_bytes(8 * n)), dtype=torch.int64)
+            u = raw & ((1 << 53) - 1)
+            return (u < int(q * (1 << 53))).nonzero().flatten()
+        if self.key is not None:
+            label = b"vmapdp-poisson:" + self.key + b":" + str(self._draws).encode()
+            self._draws += 1
+            raw = torch.frombuffer(bytearray(hashlib.shake_256(label).digest(8 * n)), dtype=torch.int64)
             u = raw & ((1 << 53) - 1)
             return (u < int(q * (1 << 53))).nonzero().flatten()
         return (torch.rand(n, generator=self.generator, dtype=torch.float64) < q).nonzero().flatten()
@@ -159,10 +184,19 @@ class PoissonSampler:
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's RNG state, for checkpoints (``secure`` samplers have none to save)."""
-        return {"generator": None if self.generator is None else self.generator.get_state()}
+        return {
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "key": self.key,
+            "draws": self._draws,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("generator")
+        if state.get("key") is not None:
+            if self.secure or self.generator is not None:
+                raise ValueError("PoissonSampler.load_state_dict: the state comes from a keyed sampler; resume it with a PoissonSampler made without generator= or secure=.")
+            self.key, self._draws = state["key"], int(state["draws"])
+            return
         if self.secure:
             if saved is not None:
                 raise ValueError("PoissonSampler.load_state_dict: this sampler is secure (OS CSPRNG) but the state comes from a seeded sampler.")
@@ -172,6 +206,8 @@ class PoissonSampler:
                 "PoissonSampler.load_state_dict: the state comes from a secure sampler (no RNG state); "
                 "resume it with PoissonSampler(..., secure=True)."
             )
+        if self.generator is None:
+            raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator().")
         self.generator.set_state(saved)
 
     def __repr__(self) -> str:

@@ -191,8 +191,7 @@ def make_private(
         return criterion(apply(params, buffers, x[None]), y[None])
 
     opt = _functional_optimizer(optimizer)
-    generator = None if secure else torch.Generator().manual_seed(_sampler_seed(seed))
-    sampler = PoissonSampler(n, sample_rate, generator=generator, secure=secure)
+    sampler = PoissonSampler(n, sample_rate, key=None if secure else _sampler_key(seed), secure=secure)
     step = make_train_step(
         loss_fn,
         opt,
@@ -209,9 +208,9 @@ def make_private(
     return PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
 
 
-def _sampler_seed(seed: int | None) -> int:
-    """The sampler's seed: from OS entropy, or hashed from the noise seed under its own label
-    (one-way: the sampler's generator state never reveals the noise seed)."""
+def _sampler_key(seed: int | None) -> bytes:
+    """The sampler's key: from OS entropy, or hashed from the noise seed under its own label
+    (one-way: the sampler's key never reveals the noise seed)."""
     if seed is None:
-        return secrets.randbits(63)
-    return int.from_bytes(hashlib.sha256(f"vmapdp-sampler:{seed}".encode()).digest()[:8], "little") >> 1
+        return secrets.token_bytes(32)
+    return hashlib.sha256(f"vmapdp-sampler:{seed}".encode()).digest()

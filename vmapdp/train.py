@@ -75,7 +75,9 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
         optimizer: an init/update pair from :mod:`vmapdp.optim`.
         seed: the secret seed of the noise. Anyone who knows it can subtract the noise, so keep it
             as secret as the data, and large (a small int can be guessed; use it for tests and
-            reproducible experiments only); ``None`` draws 128 bits from OS entropy.
+            reproducible experiments only); ``None`` draws 128 bits from OS entropy. Never reuse a
+            seed for two runs on different data: equal noise cancels in the difference of their
+            releases.
         secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
             such a state holds no seed (``seed`` must be None) and is not reproducible.
     """
