@@ -95,3 +95,9 @@ def zero_rows(tree: Any, keep: Tensor) -> Any:
     if not torch.compiler.is_compiling() and bool(keep.all()):
         return tree
     return optree.tree_map(one, tree, namespace="torch")
+
+
+def check_chunk_size(call: str, chunk_size: Any, name: str = "chunk_size") -> None:
+    """``chunk_size`` (vmap's) is None or a positive int."""
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{call}: {name} must be a positive int or None, got {chunk_size!r}.")

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
-from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths
+from vmapdp._tree import acc_dtype, batch_size, check_chunk_size, check_mask, leaves_with_paths
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
 __all__ = [
@@ -106,11 +106,6 @@ def _prepare_forward_ad() -> None:
 def _check_callable(call: str, name: str, fn: Any) -> None:
     if not callable(fn):
         raise TypeError(f"{call}: {name} must be callable, got {type(fn).__name__}.")
-
-
-def _check_chunk(call: str, chunk_size: Any, name: str = "chunk_size") -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"{call}: {name} must be a positive int or None, got {chunk_size!r}.")
 
 
 def _check_nargs(call: str, args: tuple, n_batched: int, form: str) -> None:
@@ -226,7 +221,7 @@ def per_sample_hessian(loss_fn: Callable[..., Tensor], *, chunk_size: int | None
     call = "per_sample_hessian(loss_fn)"
     _prepare_forward_ad()
     _check_callable(call, "loss_fn", loss_fn)
-    _check_chunk(call, chunk_size)
+    check_chunk_size(call, chunk_size)
     h = hessian(_scalar(loss_fn, call, "loss_fn"), argnums=0)
 
     def fn(*args: Any) -> Any:
@@ -276,13 +271,19 @@ def per_sample_hvp(
     call = "per_sample_hvp(loss_fn)"
     _prepare_forward_ad()
     _check_callable(call, "loss_fn", loss_fn)
-    _check_chunk(call, chunk_size)
+    check_chunk_size(call, chunk_size)
     g = grad(_scalar(loss_fn, call, "loss_fn"), argnums=0)
 
     def one(params: Any, *rest: Any) -> Any:
         *shared, sample, v = rest
         grads, hv = jvp(lambda p: g(p, *shared, sample), (params,), (v,))
         return (hv, grads) if return_grads else hv
+
+    return _vector_product(call, one, chunk_size, per_sample_vector)
+
+
+def _vector_product(call: str, one: Callable[..., Any], chunk_size: int | None, per_sample_vector: bool) -> Callable[..., Any]:
+    """``fn(params, *shared, batch, vector)`` mapping ``one`` over the batch (and the vector if per sample)."""
 
     def fn(*args: Any) -> Any:
         _check_nargs(call, args, 2, "(params, *shared, batch, vector)")
@@ -315,7 +316,7 @@ def per_sample_jacobian(apply_fn: Callable[..., Tensor], *, chunk_size: int | No
     """
     call = "per_sample_jacobian(apply_fn)"
     _check_callable(call, "apply_fn", apply_fn)
-    _check_chunk(call, chunk_size)
+    check_chunk_size(call, chunk_size)
     jac = jacrev(_tensor_out(apply_fn, call), argnums=0)
 
     def fn(*args: Any) -> Any:
@@ -363,7 +364,7 @@ def per_sample_gnvp(
     _prepare_forward_ad()
     _check_callable(call, "apply_fn", apply_fn)
     _check_callable(call, "loss_of_output", loss_of_output)
-    _check_chunk(call, chunk_size)
+    check_chunk_size(call, chunk_size)
     out_grad = grad(_scalar(loss_of_output, call, "loss_of_output"), argnums=0)
 
     def one(params: Any, *rest: Any) -> Any:
@@ -377,14 +378,7 @@ def per_sample_gnvp(
         _, pullback = vjp(f, params)
         return pullback(hjv)[0]
 
-    def fn(*args: Any) -> Any:
-        _check_nargs(call, args, 2, "(params, *shared, batch, vector)")
-        b = batch_size(args[-2], call=call)
-        _check_vector(call, args[0], args[-1], b, per_sample_vector)
-        in_dims = (None,) * (len(args) - 2) + (0, 0 if per_sample_vector else None)
-        return _mapped(call, one, args, in_dims, chunk_size)
-
-    return fn
+    return _vector_product(call, one, chunk_size, per_sample_vector)
 
 
 def empirical_fisher_diag(loss_fn: Callable[..., Tensor], *, chunk_size: int | None = None) -> Callable[..., Any]:
@@ -404,7 +398,7 @@ def empirical_fisher_diag(loss_fn: Callable[..., Tensor], *, chunk_size: int | N
     """
     call = "empirical_fisher_diag(loss_fn)"
     _check_callable(call, "loss_fn", loss_fn)
-    _check_chunk(call, chunk_size)
+    check_chunk_size(call, chunk_size)
     psg = per_sample_grads(loss_fn, chunk_size=chunk_size)
 
     def fn(*args: Any, mask: Tensor | None = None) -> Any:
@@ -466,8 +460,8 @@ def hutchinson_trace(
     call = "hutchinson_trace(loss_fn)"
     _prepare_forward_ad()
     _check_callable(call, "loss_fn", loss_fn)
-    _check_chunk(call, chunk_size)
-    _check_chunk(call, probe_chunk_size, "probe_chunk_size")
+    check_chunk_size(call, chunk_size)
+    check_chunk_size(call, probe_chunk_size, "probe_chunk_size")
     if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
         raise ValueError(f"{call}: num_probes must be a positive int, got {num_probes!r}; the estimate's variance falls as 1/num_probes.")
     if isinstance(generator, bool) or not isinstance(generator, (torch.Generator, int)) or (isinstance(generator, int) and generator < 0):

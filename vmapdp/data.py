@@ -21,15 +21,10 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp.noise import key_bytes
+
 __all__ = ["PoissonSampler", "default_capacity", "gather", "gather_dataset"]
 
-
-def _key_bytes(key: bytes | int | str) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, (int, str)) and not isinstance(key, bool):
-        return str(key).encode()
-    raise TypeError(f"PoissonSampler: key must be bytes, int or str, got {type(key).__name__}.")
 
 
 def _kl_bernoulli(a: float, q: float) -> float:
@@ -139,7 +134,7 @@ class PoissonSampler:
         self.secure = secure
         self.generator = generator
         if generator is None and not secure:
-            key = _key_bytes(key) if key is not None else secrets.token_bytes(32)
+            key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         self.key: bytes | None = key
         self._draws = 0  # steps drawn so far (the keyed stream's counter)
 

@@ -36,12 +36,13 @@ from vmapdp._tree import acc_dtype
 
 __all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
 
-def _key_bytes(key: bytes | int | str) -> bytes:
+def key_bytes(key: bytes | int | str, *, call: str = "noise") -> bytes:
+    """A secret key (bytes, int or str) as the bytes that keyed streams hash."""
     if isinstance(key, bytes):
         return key
     if isinstance(key, (int, str)) and not isinstance(key, bool):
         return str(key).encode()
-    raise TypeError(f"noise key must be bytes, int or str, got {type(key).__name__}.")
+    raise TypeError(f"{call}: key must be bytes, int or str, got {type(key).__name__}.")
 
 
 def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
@@ -56,7 +57,7 @@ def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch
     n = math.prod(shape)
     if n == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    stream = hashlib.shake_256(b"vmapdp-keyed-normal:" + _key_bytes(key)).digest(16 * ((n + 1) // 2))
+    stream = hashlib.shake_256(b"vmapdp-keyed-normal:" + key_bytes(key)).digest(16 * ((n + 1) // 2))
     raw = torch.frombuffer(bytearray(stream), dtype=torch.int64)
     return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
 
@@ -148,7 +149,7 @@ def add_noise(
             [leaf.to(_dt(leaf)) + secure_normal(leaf.shape, dtype=_dt(leaf), device=leaf.device) * std for leaf in leaves],
         )
     if generator is None:
-        base = _key_bytes(key) if key is not None else secrets.token_bytes(32)
+        base = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         return optree.tree_unflatten(
             spec,
             [

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
-from vmapdp._tree import batch_size, check_mask, zero_rows
+from vmapdp._tree import batch_size, check_chunk_size, check_mask, zero_rows
 from vmapdp.clipping import grad_norms
 
 __all__ = ["per_sample_grads", "per_sample_grad_norms"]
@@ -47,8 +47,7 @@ _INPLACE_HELP = (
 
 
 def _check_options(call: str, chunk_size: int | None, randomness: str, argnums: Any) -> None:
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"{call}: chunk_size must be a positive int or None, got {chunk_size!r}.")
+    check_chunk_size(call, chunk_size)
     if randomness not in ("error", "different", "same"):
         raise ValueError(f"{call}: randomness must be 'error', 'different' or 'same', got {randomness!r}.")
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
