@@ -3,8 +3,11 @@
 For each model of ``models.py`` and each batch size it times, on the same weights and batch:
 
 * ``torch``: the non-private step (``zero_grad``, mean loss, ``backward``, ``SGD.step``);
-* ``vmapdp compiled`` / ``vmapdp eager``: ``vmapdp.make_train_step`` (per-sample grads, clip,
-  sum, noise, divide by the expected batch size, SGD) with and without ``torch.compile``;
+* ``vmapdp ghost`` (eager and compiled): ``vmapdp.make_train_step(method="ghost")``, norms and
+  clipped sum from layer inputs and output grads, no per-sample gradients;
+* ``vmapdp vmap`` (eager and compiled): ``method="vmap"``, per-sample grads, clip, sum;
+* ``vmapdp two-pass``: ``method="two_pass"``, norms first, then a reweighted batched backward;
+  (every vmapdp step adds noise, divides by the expected batch size and applies SGD);
 * ``Opacus hooks``: Opacus's ``GradSampleModule`` + ``DPOptimizer`` step;
 * ``Opacus ghost``: Opacus's ghost clipping (``grad_sample_mode="ghost"``).
 
@@ -49,19 +52,34 @@ def _load(name: str, file: str):
 models = _load("vmapdp_benchmarks_models", "models.py")
 psg_bench = _load("vmapdp_benchmarks_per_sample_grads", "per_sample_grads.py")
 
-METHODS = ("torch", "vmapdp_compiled", "vmapdp_eager", "opacus_hooks", "opacus_ghost")
+METHODS = (
+    "torch",
+    "vmapdp_ghost",
+    "vmapdp_ghost_compiled",
+    "vmapdp_vmap",
+    "vmapdp_vmap_compiled",
+    "vmapdp_two_pass",
+    "opacus_hooks",
+    "opacus_ghost",
+)
 HEADERS = {
     "torch": "non-private torch",
-    "vmapdp_compiled": "vmapdp compiled",
-    "vmapdp_eager": "vmapdp eager",
+    "vmapdp_ghost": "vmapdp ghost",
+    "vmapdp_ghost_compiled": "vmapdp ghost compiled",
+    "vmapdp_vmap": "vmapdp vmap",
+    "vmapdp_vmap_compiled": "vmapdp vmap compiled",
+    "vmapdp_two_pass": "vmapdp two-pass",
     "opacus_hooks": "Opacus hooks",
     "opacus_ghost": "Opacus ghost",
 }
 LR, CLIP, SIGMA = 0.05, 1.0, 1.0
 
 
-def build_step(method: str, name: str, batch_size: int, device: torch.device, *, seq_len: int) -> Callable[[], Any]:
-    """A zero-argument function that runs one training step of ``method`` on a fixed batch."""
+def build_step(method: str, name: str, batch_size: int, device: torch.device, *, seq_len: int, chunk: int | None = None) -> Callable[[], Any]:
+    """A zero-argument function that runs one training step of ``method`` on a fixed batch.
+
+    ``chunk``: vmapdp's ``physical_batch_size`` (``norm_chunk_size`` for the two-pass method).
+    """
     import vmapdp
 
     spec = models.MODELS[name]
@@ -83,6 +101,7 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
         vmodel, _ = models.for_vmapdp(model)
         apply, params, buffers = vmapdp.functionalize(vmodel)
         sgd = vmapdp.optim.sgd(LR)
+        how = method.removeprefix("vmapdp_").removesuffix("_compiled")
         step = vmapdp.make_train_step(
             models.one_sample_loss(apply),
             sgd,
@@ -90,7 +109,10 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
             noise_multiplier=SIGMA,
             expected_batch_size=float(batch_size),
             sample_rate=0.01,
-            compile=method == "vmapdp_compiled",
+            method=how,
+            compile=method.endswith("_compiled"),
+            physical_batch_size=chunk if how != "two_pass" else None,
+            **({"norm_chunk_size": chunk} if how == "two_pass" and chunk else {}),
         )
         box = {"state": vmapdp.init_train_state(params, sgd, seed=0)}
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -139,19 +161,19 @@ def _vm_hwm_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _peak_memory_mib(method: str, name: str, batch_size: int, seq_len: int, device: torch.device) -> float | None:
+def _peak_memory_mib(method: str, name: str, batch_size: int, seq_len: int, device: torch.device, chunk: int | None = None) -> float | None:
     """Peak memory of 3 steps of ``method`` in a fresh process, above a process that only built the model."""
     code = (
         "import sys, resource, torch, warnings; warnings.simplefilter('ignore'); sys.path.insert(0, {here!r});"
         "import train_step as b; dev = torch.device({dev!r});"
-        "run = b.build_step({m!r}, {n!r}, {bs}, dev, seq_len={sl}) if {m!r} != 'none' else (lambda: None);"
+        "run = b.build_step({m!r}, {n!r}, {bs}, dev, seq_len={sl}, chunk={chunk!r});"
         "torch.cuda.reset_peak_memory_stats() if dev.type == 'cuda' else None;"
         "[run() for _ in range(3)];"
         "print(torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else b._vm_hwm_mib())"
     )
     out = {}
     for m in ("none", method) if device.type != "cuda" else (method,):
-        src = code.format(here=str(HERE), dev=str(device), m=m if m != "none" else "torch", n=name, bs=batch_size, sl=seq_len)
+        src = code.format(here=str(HERE), dev=str(device), m=m if m != "none" else "torch", n=name, bs=batch_size, sl=seq_len, chunk=chunk)
         if m == "none":
             src = src.replace("[run() for _ in range(3)];", "")
         proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=1800)
@@ -164,8 +186,8 @@ def _peak_memory_mib(method: str, name: str, batch_size: int, seq_len: int, devi
 def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     spec = models.MODELS[name]
     methods = [m for m in METHODS if m in args.methods]
-    if name == "lstm" and not args.compile_lstm and "vmapdp_compiled" in methods:
-        methods.remove("vmapdp_compiled")  # compiling the unrolled 256-step LSTM takes minutes here
+    if name == "lstm" and not args.compile_lstm:  # compiling the unrolled 256-step LSTM takes minutes here
+        methods = [m for m in methods if not m.endswith("_compiled")]
     fns, first = {}, {}
     for m in methods:
         t0 = time.perf_counter()
@@ -224,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     warnings.simplefilter("ignore", UserWarning)  # Opacus's backward hooks warn on every step
     if args.quick:
         args.models, args.batch_sizes, args.repeats, args.warmup, args.max_seconds = "mnist", "8", 2, 1, 1.0
-        args.methods = [m for m in args.methods if m != "vmapdp_compiled"]
+        args.methods = [m for m in args.methods if not m.endswith("_compiled")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"# DP step benchmark, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}, threads {torch.get_num_threads()}")

@@ -90,8 +90,8 @@ def mutant_train_step(
     return step
 
 
-def make_step(loss_fn, *, compile=False, **bug):
-    builder = functools.partial(mutant_train_step, **bug) if bug else vmapdp.make_train_step
+def make_step(loss_fn, *, compile=False, method="auto", **bug):
+    builder = functools.partial(mutant_train_step, **bug) if bug else functools.partial(vmapdp.make_train_step, method=method)
     return builder(loss_fn, optim.sgd(LR), l2_clip_norm=CLIP, noise_multiplier=1.0, expected_batch_size=EBS, sample_rate=Q, compile=compile)
 
 
@@ -108,9 +108,10 @@ def compiled_step(setup):
     return make_step(loss_fn, compile=True)
 
 
-@pytest.fixture(params=["eager", "compiled"])
+@pytest.fixture(params=["ghost", "vmap", "two_pass", "compiled"])
 def vmapdp_step(request, setup):
-    return request.getfixturevalue("compiled_step") if request.param == "compiled" else make_step(setup[3])
+    """vmapdp's step with each method of computing the clipped sum (eager), and compiled (auto: ghost)."""
+    return request.getfixturevalue("compiled_step") if request.param == "compiled" else make_step(setup[3], method=request.param)
 
 
 HYPER = dict(lr=LR, l2_clip_norm=CLIP, expected_batch_size=EBS)
@@ -140,9 +141,11 @@ def test_ks_pvalue_matches_scipy():
 def test_mutant_builder_without_a_bug_is_vmapdps_step(setup):
     """So each mutant below differs from the real step by exactly its one switched-on bug."""
     params, buffers, data, loss_fn, state = setup
-    real, _ = make_step(loss_fn)(state, data, MASK, buffers)
+    real, _ = make_step(loss_fn, method="vmap")(state, data, MASK, buffers)
     mine, _ = make_step(loss_fn, noise_scale=1.0)(state, data, MASK, buffers)
     assert all(torch.equal(real.params[k], mine.params[k]) for k in params)
+    ghosted, _ = make_step(loss_fn, method="ghost")(state, data, MASK, buffers)  # the default for this MLP
+    assert all(torch.allclose(ghosted.params[k], mine.params[k], rtol=1e-5, atol=1e-7) for k in params)
     assert real.ledger == mine.ledger
 
 
@@ -343,8 +346,9 @@ def test_ledger_catches_half_the_real_sample_rate(setup):
 # ---------------------------------------------------------------- white-box audit
 
 
-def test_audit_passes_vmapdp_step():
-    report = audit_epsilon_lower_bound(vmapdp.make_train_step, trials=30_000, beta=BETA)
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_audit_passes_vmapdp_step(method):
+    report = audit_epsilon_lower_bound(functools.partial(vmapdp.make_train_step, method=method), trials=30_000, beta=BETA)
     assert report.passed and 1.5 < report.epsilon_lower_bound < report.claimed_epsilon
 
 

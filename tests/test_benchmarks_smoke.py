@@ -72,3 +72,40 @@ def test_model_size_and_per_sample_grads(name, expected):
     expected_grads = microbatch_grads(models.one_sample_loss(ref_apply), ref_params, ref_buffers, (x, y))
     assert grads.keys() == expected_grads.keys()
     assert_grads_close(grads, expected_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_train_step_quick_run_every_method(capsys):
+    train_step = _load("train_step")
+    rows = train_step.main(["--quick"])
+    (row,) = rows
+    for method in ("torch", "vmapdp_ghost", "vmapdp_vmap", "vmapdp_two_pass", "opacus_hooks"):
+        assert row["ms"][method] > 0, method
+    assert "| MNIST CNN | 26,010 | 8 |" in capsys.readouterr().out
+
+
+def test_memory_benchmark_measures_a_fresh_process_and_finds_the_largest_batch():
+    memory = _load("memory")
+    mib = memory.train_step._peak_memory_mib("vmapdp_ghost", "mnist", 8, 16, torch.device("cpu"))
+    assert mib is not None and 0 < mib < 2048
+    table = {"torch": {32: 100.0, 64: 150.0}, "vmapdp ghost": {32: 110.0, 64: None}, "vmapdp vmap": {32: 900.0, 64: 1800.0}}
+    assert memory.largest_within(table["torch"], 160) == 64
+    assert memory.largest_within(table["vmapdp ghost"], 160) == 32
+    assert memory.largest_within(table["vmapdp vmap"], 160) is None
+    md = memory.markdown(table, [32, 64], 160)
+    assert "| vmapdp vmap | 900 (9.00x) | 1800 (12.00x) | none measured |" in md
+
+
+def test_adapters_quick_run(capsys):
+    adapters = _load("adapters")
+    rows = adapters.main(["--quick"])
+    assert [(r["variant"], r["batch"]) for r in rows] == [("lora", 8), ("full", 8)]
+    lora, full = rows
+    # quick model: Linear(32->64), one block 64->128->64, Linear(64->10); rank-4 adapters on the four Linears
+    assert full["trainable"] == 19_594 and full["frozen"] == 0
+    assert lora["trainable"] == 4 * ((32 + 64) + (64 + 128) + (128 + 64) + (64 + 10)) and lora["frozen"] == full["trainable"]
+    for row in rows:
+        for method in ("torch", "vmapdp_eager", "opacus_hooks"):
+            assert row["ms"][method] > 0 and row["repeats"][method] >= 1, (row["variant"], method)
+        assert "vmapdp_compiled" not in row["ms"]
+    out = capsys.readouterr().out
+    assert "| LoRA adapters | 2,216 | 8 |" in out and "| full fine-tuning | 19,594 | 8 |" in out

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from optree import tree_leaves
 
+import vmapdp
 import vmapdp.nn as vnn
+from vmapdp.testing import assert_grads_close, microbatch_grads
 
 F64 = torch.float64
 INPUT, HIDDEN, LENGTH, BATCH = 3, 4, 5, 2
@@ -231,3 +236,177 @@ def test_errors():
         vnn.GRU(INPUT, HIDDEN)(torch.randn(5, 2, INPUT), torch.randn(1, 3, HIDDEN))
     with pytest.raises(RuntimeError, match="For unbatched 2-D input, hx should also be 2-D but got 3-D"):
         vnn.GRU(INPUT, HIDDEN)(torch.randn(5, INPUT), torch.randn(1, 1, HIDDEN))
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------
+
+
+def _lora_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _perturb_adapters(model, seed=1):
+    """Nonzero B, so that A gets a gradient too (at init B = 0 and dL/dA = 0 exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, vnn.LoRALinear):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.3)
+
+
+def _ce_loss(apply):
+    def loss_fn(params, buffers, sample):
+        x, y = sample
+        return F.cross_entropy(apply(params, buffers, x[None]), y[None])
+
+    return loss_fn
+
+
+def test_lora_linear_starts_as_its_base_and_only_the_adapters_train():
+    torch.manual_seed(0)
+    base = nn.Linear(5, 4)
+    layer = vnn.LoRALinear(base, rank=2, alpha=4.0)
+    x = torch.randn(3, 7, 5)
+    assert torch.equal(layer(x), base(x))  # B = 0: exactly the base layer
+    assert [n for n, p in layer.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
+    assert not layer.weight.requires_grad and not layer.bias.requires_grad
+    assert base.weight.requires_grad and base.bias.requires_grad  # the base module is not modified
+    assert layer.weight.data_ptr() == base.weight.data_ptr()  # ... nor copied
+    assert layer.lora_A.shape == (2, 5) and layer.lora_B.shape == (4, 2) and not layer.lora_B.any()
+    assert layer.scale == 2.0 and "rank=2, alpha=4" in repr(layer)
+    _, params, buffers = vmapdp.functionalize(layer)
+    assert sorted(params) == ["lora_A", "lora_B"] and sorted(buffers) == ["bias", "weight"]
+    # the same state-dict names as the base layer: a pretrained checkpoint loads into the adapted one
+    fresh = vnn.LoRALinear(nn.Linear(5, 4), rank=2)
+    missing, unexpected = fresh.load_state_dict(base.state_dict(), strict=False)
+    assert sorted(missing) == ["lora_A", "lora_B"] and not unexpected
+    assert torch.equal(fresh(x), base(x))
+    # the update: base(x) + (alpha / rank) x A^T B^T, and merged() folds it into one Linear
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    expected = base(x) + 2.0 * x @ layer.lora_A.T @ layer.lora_B.T
+    torch.testing.assert_close(layer(x), expected)
+    merged = layer.merged()
+    assert type(merged) is nn.Linear
+    torch.testing.assert_close(merged(x), layer(x), rtol=1e-5, atol=1e-6)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(vnn.LoRALinear(base, 2, generator=g1).lora_A, vnn.LoRALinear(base, 2, generator=g2).lora_A)
+
+
+def test_add_lora_copies_wraps_the_targets_and_freezes_everything_else():
+    model = _lora_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lora = vnn.add_lora(model, rank=2, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 6)
+    assert torch.equal(lora(x), model(x))  # the adapted model starts as the base model
+    assert [type(m).__name__ for m in lora] == ["LoRALinear", "LayerNorm", "Tanh", "LoRALinear", "ReLU", "LoRALinear"]
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable == ["0.lora_A", "0.lora_B", "3.lora_A", "3.lora_B", "5.lora_A", "5.lora_B"]
+    assert not lora[1].weight.requires_grad  # LayerNorm is frozen too
+    # the original is untouched: same types, same values, still trainable
+    assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.Tanh, nn.Linear, nn.ReLU, nn.Linear]
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    _, params, buffers = vmapdp.functionalize(lora)
+    assert sorted(params) == sorted(trainable)
+    assert sum(b.numel() for b in buffers.values()) == sum(p.numel() for p in model.parameters())
+
+    # a name predicate picks layers; the root itself may be the Linear
+    only_last = vnn.add_lora(model, rank=2, targets=lambda name: name == "5")
+    assert [type(m).__name__ for m in only_last] == ["Linear", "LayerNorm", "Tanh", "Linear", "ReLU", "LoRALinear"]
+    assert [n for n, p in only_last.named_parameters() if p.requires_grad] == ["5.lora_A", "5.lora_B"]
+    root = vnn.add_lora(nn.Linear(3, 2), rank=1)
+    assert isinstance(root, vnn.LoRALinear)
+
+
+def test_add_lora_on_attention_skips_out_proj_and_survives_the_fused_eval_path():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    lora = vnn.add_lora(layer, rank=2)
+    assert type(lora.self_attn.out_proj) is not vnn.LoRALinear  # attention reads its weight directly
+    assert [n for n, p in lora.named_parameters() if p.requires_grad] == ["linear1.lora_A", "linear1.lora_B", "linear2.lora_A", "linear2.lora_B"]
+    _perturb_adapters(lora)
+    x = torch.randn(3, 4, 8)
+    with torch.no_grad():
+        train_out = lora.train()(x)
+        eval_out = lora.eval()(x)  # the fused fast path would ignore the adapters here
+    torch.testing.assert_close(eval_out, train_out, rtol=1e-5, atol=1e-5)
+    assert (eval_out - layer.eval()(x)).abs().max() > 1e-3
+
+
+def test_lora_errors():
+    with pytest.raises(ValueError, match=r"LoRALinear\(base, rank\): rank=0 must be a positive int"):
+        vnn.LoRALinear(nn.Linear(3, 2), 0)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"add_lora\(module, rank\): rank={bad!r} must be a positive int"):
+            vnn.add_lora(nn.Linear(3, 2), bad)
+    with pytest.raises(ValueError, match=r"alpha=0.0 must be a positive finite number"):
+        vnn.LoRALinear(nn.Linear(3, 2), 2, alpha=0.0)
+    with pytest.raises(TypeError, match=r"base must be a torch.nn.Linear, got Conv1d"):
+        vnn.LoRALinear(nn.Conv1d(3, 2, 1), 2)
+    convnet = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model has no nn.Linear layer"):
+        vnn.add_lora(convnet, 2)
+    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model's nn.Linear layers are \['0', '3', '5'\]"):
+        vnn.add_lora(_lora_mlp(), 2, targets=lambda name: "attn" in name)
+    with pytest.raises(TypeError, match=r"targets=\(<class 'torch.nn.modules.conv.Conv2d'>,\) must be a non-empty tuple of nn.Linear classes"):
+        vnn.add_lora(convnet, 2, targets=(nn.Conv2d,))
+    with pytest.raises(TypeError, match=r"targets must be a tuple of nn.Linear classes or a callable"):
+        vnn.add_lora(convnet, 2, targets="linear")
+
+
+@pytest.mark.parametrize("which", ["mlp", "transformer"])
+def test_lora_per_sample_grads_match_the_float64_oracle(which):
+    if which == "mlp":
+        lora = vnn.add_lora(_lora_mlp(), rank=3, alpha=6.0)
+        g = torch.Generator().manual_seed(2)
+        batch = (torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g))
+    else:
+        torch.manual_seed(0)
+        body = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        lora = vnn.add_lora(nn.Sequential(body, nn.Flatten(), nn.Linear(4 * 8, 3)), rank=2)
+        g = torch.Generator().manual_seed(2)
+        batch = (torch.randn(5, 4, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
+    apply, params, buffers = vmapdp.functionalize(lora)
+    loss_fn = _ce_loss(apply)
+    at_init = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    assert all(not at_init[k].any() for k in at_init if k.endswith("lora_A"))  # B = 0: no gradient reaches A yet
+    _perturb_adapters(lora)
+    apply, params, buffers = vmapdp.functionalize(lora)
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    assert grads.keys() == params.keys() and all(k.endswith(("lora_A", "lora_B")) for k in grads)
+    expected = microbatch_grads(loss_fn, params, buffers, batch)
+    assert all(expected[k].abs().max() > 0 for k in expected)
+    assert_grads_close(grads, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_lora_with_make_train_step_updates_only_the_adapters():
+    lora = vnn.add_lora(_lora_mlp(), rank=2)
+    _perturb_adapters(lora)
+    apply, params, buffers = vmapdp.functionalize(lora)
+    frozen = {k: v.clone() for k, v in buffers.items()}
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    opt = vmapdp.optim.sgd(0.3)
+    with pytest.warns(UserWarning, match="WITHOUT differential privacy"):
+        step = vmapdp.make_train_step(
+            _ce_loss(apply), opt, l2_clip_norm=math.inf, noise_multiplier=0.0, expected_batch_size=8.0, sample_rate=0.5, compile=False
+        )
+    state, _ = step(vmapdp.init_train_state(params, opt, seed=0), (x, y), torch.ones(8, dtype=torch.bool), buffers)
+    # no clipping, no noise: plain SGD on the adapters' mean gradient, computed by torch autograd
+    loss = F.cross_entropy(lora(x), y)
+    names = [n for n, p in lora.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for p in lora.parameters() if p.requires_grad])
+    assert sorted(state.params) == sorted(names)
+    for n, gr in zip(names, grads):
+        torch.testing.assert_close(state.params[n], params[n] - 0.3 * gr, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(buffers[k], v) for k, v in frozen.items())  # the backbone never moves
+
+    # and a private step runs, changes the adapters, and the trained adapters merge
+    dp = vmapdp.make_train_step(_ce_loss(apply), opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.5, compile=False)
+    state, metrics = dp(state, (x, y), torch.ones(8, dtype=torch.bool), buffers)
+    assert state.epsilon(1e-5) > 0 and metrics["batch_size"] == 8
+    lora.load_state_dict({**lora.state_dict(), **state.params})
+    merged = nn.Sequential(*[m.merged() if isinstance(m, vnn.LoRALinear) else m for m in lora])
+    torch.testing.assert_close(merged(x), lora(x), rtol=1e-5, atol=1e-5)

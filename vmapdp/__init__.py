@@ -28,8 +28,10 @@ from vmapdp.curvature import (
 )
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
+from vmapdp.ghost import clipped_grad_sum
 from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
+from vmapdp.precision import mixed_precision
 from vmapdp.private import PrivateTrainer, make_private
 from vmapdp.train import PrivacyBudgetExceeded, TrainState, init_train_state, make_train_step
 from vmapdp.validate import Problem, explain_failure, fix, validate  # noqa: E402  (shadows the module name on purpose)
@@ -41,10 +43,12 @@ __all__ = [
     "FunctionalModel",
     "per_sample_grads",
     "per_sample_grad_norms",
+    "mixed_precision",
     "grad_norms",
     "clip_factors",
     "clip_per_sample",
     "clip_and_sum",
+    "clipped_grad_sum",
     "clip_and_sum_per_layer",
     "per_layer_sensitivity",
     "add_noise",

@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from vmapdp import accounting
+from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipping import clip_and_sum
+from vmapdp.ghost import clipped_grad_sum
 from vmapdp.noise import add_noise
-from vmapdp.per_sample import per_sample_grads
+from vmapdp.precision import mixed_precision
 
 __all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded"]
 
@@ -128,6 +129,8 @@ def make_train_step(
     expected_batch_size: float,
     sample_rate: float,
     physical_batch_size: int | None = None,
+    method: str = "auto",
+    norm_chunk_size: int | None = None,
     rule: str = "clip",
     nonfinite: str = "zero",
     randomness: str = "error",
@@ -136,6 +139,7 @@ def make_train_step(
     accountant: str = "rdp",
     secure: bool = False,
     distributed: bool = False,
+    precision: torch.dtype | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -148,10 +152,16 @@ def make_train_step(
             ledger then records a :class:`NonPrivateEvent` and epsilon is infinite (with a warning).
         expected_batch_size: the divisor of the noisy sum: ``sample_rate * dataset size``, a public
             constant. Never the realised batch size, which depends on the data and is private.
+            With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
+            not a rank's share.
         sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger).
         physical_batch_size: split each batch into chunks of this many rows (use the sampler's
             ``capacity``: a rare overflowing step then reuses the compiled chunk). Default: one
             chunk of whatever size the batch has.
+        method: how each chunk's clipped sum is computed: ``"auto"`` (default), ``"vmap"``,
+            ``"ghost"`` or ``"two_pass"``; all exact, they differ in speed and memory (see
+            :func:`vmapdp.clipped_grad_sum`).
+        norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`.
         randomness: for random layers (dropout): ``"different"`` per sample; see
             :func:`vmapdp.per_sample_grads`.
@@ -161,7 +171,16 @@ def make_train_step(
         accountant: the accountant for the budget check: ``"rdp"`` or ``"pld"`` (upper bounds;
             ``"gdp"`` is an approximation and is refused here).
         secure: draw the noise from the OS CSPRNG (the state must hold no seed).
-        distributed: run on ``torch.distributed`` (not built yet; raises NotImplementedError).
+        distributed: data-parallel on ``torch.distributed`` (:mod:`vmapdp.distributed`): call
+            ``torch.distributed.init_process_group`` first (RuntimeError otherwise). Each rank passes
+            its own rows (``vmapdp.distributed.sharded(sampler)``: disjoint shares of ONE global
+            Poisson sample); the clipped sums and telemetry are summed over ranks in one
+            ``all_reduce``, the noise is added once (the same key on every rank; with ``secure``
+            rank 0 draws it and broadcasts the noisy sum), and every rank ends with identical
+            params, equal to one process stepping on all rows. Every rank must step the same state
+            (same ``seed=``, or ``load_state`` on every rank): checked each step, ValueError on
+            every rank otherwise. ``metrics`` are then global.
+        precision: bfloat16/float16 compute for the per-sample grads (:func:`vmapdp.mixed_precision`).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -174,6 +193,8 @@ def make_train_step(
     call = "make_train_step(loss_fn, optimizer)"
     if not callable(loss_fn):
         raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if precision is not None:
+        loss_fn = mixed_precision(loss_fn, precision)  # float32 params, clipping and noise
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(optimizer).__name__}.")
     l2_clip_norm = _check_positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0)
@@ -190,10 +211,9 @@ def make_train_step(
         if not 0 < budget[1] < 1:
             raise ValueError(f"{call}: budget delta={budget[1]!r} must be in (0, 1).")
     if distributed:
-        raise NotImplementedError(
-            f"{call}: distributed=True is not built yet (see the project's open issue on torch.distributed); "
-            "run one process, or accumulate clipped sums with physical_batch_size."
-        )
+        _dist.require_initialized(call)
+    if method not in ("auto", "vmap", "ghost", "two_pass"):
+        raise ValueError(f"{call}: method={method!r} must be 'auto', 'vmap', 'ghost' or 'two_pass' (see vmapdp.clipped_grad_sum).")
     if accountant not in ("rdp", "pld", "prv"):
         raise ValueError(
             f"{call}: accountant={accountant!r} must be 'rdp' or 'pld' ('prv'): a budget is only enforced "
@@ -210,12 +230,11 @@ def make_train_step(
     else:
         event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
     noise_std = noise_multiplier * l2_clip_norm if noise_multiplier > 0 else 0.0
-    grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
+    sum_fn = clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=method, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
 
     def chunk_sums(params, mask, shared, chunk):
         """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
-        grads, losses = grads_fn(params, *shared, chunk)  # padding rows are dropped by the masked clip_and_sum
-        summed, norms = clip_and_sum(grads, l2_clip_norm, mask=mask, rule=rule, nonfinite=nonfinite)
+        summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
         finite = torch.isfinite(norms)
         stats = torch.stack(
             [
@@ -258,13 +277,18 @@ def make_train_step(
         summed, stats = None, None
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
+            sum_fn.prepare(state.params, *shared, chunk)  # eager, once per shape: keeps the compiled graph free of it
             s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
         if summed is None:  # an empty batch: the step still releases noise
             summed = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
             stats = torch.zeros(5, device=device)
-        if secure:
+        if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
+            summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step))
+        if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 draws, every rank gets its noisy sum
+            noisy = _dist.broadcast_tree(add_noise(summed, noise_std, secure=True) if _dist.rank() == 0 else summed, src=0)
+        elif secure:
             noisy = add_noise(summed, noise_std, secure=True)
         else:
             noisy = add_noise(summed, noise_std, key=_step_key(state.noise_seed, state.step))

@@ -1,0 +1,234 @@
+"""Data-parallel DP-SGD on torch.distributed: 2 gloo processes on the CPU equal one process on all rows.
+
+One spawn of two processes runs every multi-process check (each spawned process imports torch,
+which is the slow part) and writes its results to a file; the tests below read them. A failure in
+a child fails the fixture with the child's traceback (torch.multiprocessing.spawn re-raises it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp import distributed as vdist
+from vmapdp import optim
+from vmapdp.data import PoissonSampler, gather
+
+WORLD = 2
+N, Q, STEPS = 60, 0.2, 6
+CAPACITY = 10  # below the expected batch of 12: many steps overflow, on the ranks and in one process
+RESUME_AT = 3
+SAMPLER_KEY = b"test-sampler-key"
+
+
+def problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    apply, params, buffers = vmapdp.functionalize(model)
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return params, buffers, data, loss_fn
+
+
+def train(distributed, *, steps=STEPS, secure=False, seed=1234, state=None, sampler=None):
+    """``steps`` DP-SGD steps; with ``distributed`` each rank takes its shard of the global batch."""
+    params, buffers, data, loss_fn = problem()
+    opt = optim.sgd(0.5, momentum=0.9)
+    step = vmapdp.make_train_step(
+        loss_fn,
+        opt,
+        l2_clip_norm=1.0,
+        noise_multiplier=1.1,
+        expected_batch_size=N * Q,  # the GLOBAL expected batch size, on every rank
+        sample_rate=Q,
+        physical_batch_size=vdist.local_capacity(CAPACITY) if distributed else CAPACITY,
+        compile=False,
+        secure=secure,
+        distributed=distributed,
+    )
+    if state is None:
+        state = vmapdp.init_train_state(params, opt, seed=None if secure else seed, secure=secure)
+    if sampler is None:
+        sampler = PoissonSampler(N, Q, steps, key=SAMPLER_KEY, capacity=CAPACITY)
+    seen, batch_sizes, chunks = [], [], []
+    for indices, mask in vdist.sharded(sampler) if distributed else sampler:
+        state, metrics = step(state, gather(data, indices), mask, buffers)
+        seen.append(indices[mask])
+        batch_sizes.append(int(metrics["batch_size"]))
+        chunks.append(indices.numel() // (vdist.local_capacity(CAPACITY) if distributed else CAPACITY))
+    return state, {"seen": seen, "batch_sizes": batch_sizes, "chunks": chunks}
+
+
+def _expect_error(fn):
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        res = {"rank": vdist.rank(), "world": vdist.world_size()}
+        # identical params on every rank, equal to one process (checked by the parent)
+        state, log = train(True)
+        res["params"], res["log"], res["step"] = state.params, log, state.step
+        # secure noise: rank 0 draws it, every rank gets the same update
+        sec_sampler = PoissonSampler(N, Q, 2, capacity=CAPACITY, secure=True)
+        sec, sec_log = train(True, secure=True, sampler=sec_sampler)
+        res["secure_params"], res["secure_log"] = sec.params, sec_log
+        # checkpoint: rank 0 saves, every rank restores, the run continues as if never stopped
+        path = os.path.join(out_dir, "ckpt.pt")
+        sampler = PoissonSampler(N, Q, RESUME_AT, key=SAMPLER_KEY, capacity=CAPACITY)
+        half, _ = train(True, sampler=sampler)
+        if vdist.rank() == 0:
+            vmapdp.save_state(path, half, sampler=sampler)
+        dist.barrier()
+        resumed_sampler = PoissonSampler(N, Q, STEPS - RESUME_AT, key=b"overwritten-by-load", capacity=CAPACITY)
+        loaded = vmapdp.load_state(path, sampler=resumed_sampler)
+        res["saved_params"], res["loaded_params"] = half.params, loaded.params
+        res["loaded_meta"] = (loaded.noise_seed == half.noise_seed, loaded.step, loaded.ledger == half.ledger)
+        resumed, _ = train(True, state=loaded, sampler=resumed_sampler)
+        res["resumed_params"] = resumed.params
+        # ranks that step different states (seed=None on each) fail together, none waits forever
+        res["seed_error"] = _expect_error(lambda: train(True, steps=1, seed=100 + vdist.rank()))
+        # ranks whose samplers differ (no shared key) fail together before sampling
+        own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
+        res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    mp.spawn(_worker, args=(WORLD, str(out / "init"), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+
+
+def _assert_trees_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_ranks_end_bitwise_identical_and_equal_one_process_on_all_rows(ranks):
+    r0, r1 = ranks
+    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, WORLD)
+    _assert_trees_equal(r0["params"], r1["params"])  # same noise on both ranks, same all_reduce result
+    single, log = train(False)
+    assert r0["step"] == single.step == STEPS
+    for k, p in single.params.items():
+        torch.testing.assert_close(r0["params"][k], p, rtol=1e-6, atol=1e-6)
+        assert (r0["params"][k] - p).norm() <= 1e-6 * p.norm()
+    # the telemetry is global, and the ranks split each global batch between them
+    assert r0["log"]["batch_sizes"] == r1["log"]["batch_sizes"] == log["batch_sizes"]
+    for t in range(STEPS):
+        both = torch.cat([r0["log"]["seen"][t], r1["log"]["seen"][t]])
+        assert torch.equal(both.sort().values, log["seen"][t].sort().values)
+    # some global step overflowed the capacity, and a rank's share overflowed its own
+    assert max(log["chunks"]) > 1 and max(r0["log"]["chunks"] + r1["log"]["chunks"]) > 1
+
+
+def test_secure_noise_is_drawn_on_rank_zero_and_shared(ranks):
+    r0, r1 = ranks
+    _assert_trees_equal(r0["secure_params"], r1["secure_params"])
+    for t in range(2):  # the secure sampler's batch is rank 0's, dealt out disjointly
+        a, b = r0["secure_log"]["seen"][t], r1["secure_log"]["seen"][t]
+        assert not set(a.tolist()) & set(b.tolist())
+        assert abs(a.numel() - b.numel()) <= 1
+        assert r0["secure_log"]["batch_sizes"][t] == r1["secure_log"]["batch_sizes"][t] == a.numel() + b.numel()
+
+
+def test_rank_zero_checkpoint_restores_identically_on_every_rank(ranks):
+    r0, r1 = ranks
+    for r in ranks:
+        _assert_trees_equal(r["loaded_params"], r["saved_params"])
+        assert r["loaded_meta"] == (True, RESUME_AT, True)
+    _assert_trees_equal(r0["loaded_params"], r1["loaded_params"])
+    # resuming (sampler included) continues the uninterrupted run bit for bit
+    _assert_trees_equal(r0["resumed_params"], r0["params"])
+    _assert_trees_equal(r1["resumed_params"], r1["params"])
+
+
+def test_ranks_stepping_different_states_fail_together(ranks):
+    for r in ranks:
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step" in r["seed_error"]
+        assert "same seed" in r["seed_error"]
+
+
+def test_ranks_with_different_samplers_fail_together(ranks):
+    for r in ranks:
+        assert r["sampler_error"] is not None and "disagree on the sampler" in r["sampler_error"]
+        assert "key=" in r["sampler_error"]
+
+
+# ---- in one process: the shard function, the helpers, the init check ----
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("capacity", [None, 6])
+def test_shard_deals_every_sampled_example_to_exactly_one_rank(world, capacity):
+    sampler = PoissonSampler(200, 0.05, 400, key=b"k", capacity=capacity)
+    local = vdist.local_capacity(sampler.capacity, world)
+    assert local == -(-sampler.capacity // world)
+    overflowed = False
+    for indices, mask in sampler:
+        shares = [vdist.shard(indices, mask, sampler.capacity, rank=r, world_size=world) for r in range(world)]
+        sizes = []
+        for idx, m in shares:
+            assert idx.shape == m.shape and idx.numel() % local == 0 and idx.numel() >= local
+            assert m[: int(m.sum())].all() and torch.equal(idx[~m], torch.zeros_like(idx[~m]))
+            overflowed |= idx.numel() > local
+            sizes.append(int(m.sum()))
+        got = torch.cat([idx[m] for idx, m in shares])
+        assert torch.equal(got.sort().values, indices[mask].sort().values)  # all of them, each once
+        assert max(sizes) - min(sizes) <= 1
+    # with the default capacity no share overflows (k <= capacity gives ceil(k / W) <= ceil(capacity / W));
+    # with a small one some do: they span more chunks, nothing is dropped
+    assert overflowed == (capacity is not None)
+
+
+def test_shard_and_helpers_without_a_process_group():
+    assert not vdist.is_initialized() and vdist.rank() == 0 and vdist.world_size() == 1
+    sampler = PoissonSampler(50, 0.2, 3, key=b"k")
+    for (indices, mask), (i2, m2) in zip(PoissonSampler(50, 0.2, 3, key=b"k"), vdist.sharded(sampler)):
+        assert torch.equal(indices, i2) and torch.equal(mask, m2)
+    tree = {"a": torch.ones(3), "b": (torch.arange(4), torch.zeros(2, dtype=torch.float64))}
+    for fn in (vdist.all_reduce_sum, vdist.broadcast_tree):
+        out = fn(tree)
+        assert torch.equal(out["a"], tree["a"]) and out["a"] is not tree["a"]
+        assert out["b"][1].dtype == torch.float64
+
+
+def test_shard_rejects_bad_arguments():
+    indices, mask = torch.arange(4), torch.tensor([True, True, False, False])
+    with pytest.raises(ValueError, match=r"rank=2 must be an int in \[0, 2\)"):
+        vdist.shard(indices, mask, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="bool mask"):
+        vdist.shard(indices, mask.long(), 4, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        vdist.local_capacity(4, 0)
+
+
+def test_distributed_step_needs_an_initialized_process_group():
+    _, _, _, loss_fn = problem()
+    with pytest.raises(RuntimeError, match=r"needs an initialized torch\.distributed process group.*Call torch\.distributed\.init_process_group\(backend\) first"):
+        vmapdp.make_train_step(
+            loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=12.0, sample_rate=Q, distributed=True
+        )

@@ -1,0 +1,232 @@
+"""Ghost clipping and the other methods of clipped_grad_sum, against the per-sample-gradient engine.
+
+The reference is ``clip_and_sum(per_sample_grads(loss_fn)(...))`` (itself checked against the
+float64 one-sample-at-a-time oracle in test_per_sample.py). Tolerances: relative 1e-5 in float64
+(measured: ~1e-15) and 1e-4 in float32, relative to the largest norm / the sum's norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp import ghost
+from zoo import CASES, setup
+
+C = 0.3  # below most per-sample norms of the zoo, so clipping is active
+
+
+def _to(tree, dtype):
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tree.items()}
+
+
+def _case(name, b=6, dtype=torch.float64):
+    case = next(c for c in CASES if c.name == name)
+    model, apply, params, buffers, batch, loss_fn = setup(case, b)
+    batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    return _to(params, dtype), _to(buffers, dtype), batch, loss_fn
+
+
+def _reference(loss_fn, params, buffers, batch, mask, rule="clip"):
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, batch)
+    return vmapdp.clip_and_sum(grads, C, mask=mask, rule=rule)
+
+
+def _assert_close(summed, norms, ref_summed, ref_norms, rtol):
+    scale = ref_norms.abs().max().clamp_min(1e-12)
+    assert (norms - ref_norms).abs().max() <= rtol * scale, (norms, ref_norms)
+    total = math.sqrt(sum(float(v.square().sum()) for v in ref_summed.values()))
+    for k in ref_summed:
+        assert summed[k].shape == ref_summed[k].shape, k
+        err = float((summed[k] - ref_summed[k]).norm())
+        assert err <= rtol * max(total, 1e-12), (k, err, total)
+
+
+MASK = torch.tensor([True, True, False, True, True, True])
+METHODS = ["ghost", "two_pass", "auto"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_every_zoo_model_float64(name, method):
+    params, buffers, batch, loss_fn = _case(name)
+    ref = _reference(loss_fn, params, buffers, batch, MASK)
+    summed, norms, losses = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method, norm_chunk_size=4)(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *ref, rtol=1e-5)
+    assert summed.keys() == params.keys() and all(v.dtype == torch.float64 for v in summed.values())
+    assert losses.shape == (6,) and losses[2] == 0 and norms[2] == 0
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["linear", "conv2d_groups_reflect", "conv3d_same_replicate", "embedding_repeated_tokens", "tied_weights", "multihead_attention", "lstm_via_fix"],
+)
+def test_float32(name):
+    params, buffers, batch, loss_fn = _case(name, dtype=torch.float32)
+    ref = _reference(loss_fn, params, buffers, batch, MASK)
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *ref, rtol=1e-4)
+    assert norms.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["conv1d_stride_dilation_padding", "conv2d_groups_reflect", "conv2d_circular_stride", "conv3d_same_replicate", "groupnorm"])
+def test_conv_through_unfolded_patches(name, monkeypatch):
+    """Wide convs take the patches path (ghost or direct); force it on the zoo's small convs."""
+    monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
+    params, buffers, batch, loss_fn = _case(name)
+    ref = _reference(loss_fn, params, buffers, batch, MASK)
+    out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
+    _assert_close(out[0], out[1], *ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])
+def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out):
+    """Both branches of the per-layer choice (Gram matrices when 2T small, else g^T x)."""
+    g = torch.Generator().manual_seed(t)
+    u, v = torch.randn(4, t, d_out, generator=g, dtype=torch.float64), torch.randn(4, t, d_in, generator=g, dtype=torch.float64)
+    want = torch.einsum("bto,bti->boi", u, v).square().sum((1, 2))
+    torch.testing.assert_close(ghost._pair_sq_norms(u, v), want, rtol=1e-12, atol=0)
+    assert (t * (d_in + d_out) < d_in * d_out) == (t == 2)  # the cases cover both branches
+
+
+def test_embedding_padding_idx_and_long_sequences():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=1), nn.Flatten(), nn.Linear(4 * 30, 2)).double()
+    apply, params, buffers = vmapdp.functionalize(model)
+    tokens = torch.randint(0, 6, (5, 30))  # 30 positions over 6 tokens: many repeats, and the padding token
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    batch = (tokens, torch.tensor([0, 1, 0, 1, 1]))
+    ref = _reference(loss_fn, params, buffers, batch, None)
+    out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch)
+    _assert_close(out[0], out[1], *ref, rtol=1e-5)
+    assert out[0]["0.weight"][1].abs().max() == 0  # the padding row never gets a gradient
+
+
+def test_normalize_rule_and_frozen_params():
+    params, buffers, batch, loss_fn = _case("frozen_params")
+    ref = _reference(loss_fn, params, buffers, batch, MASK, rule="normalize")
+    out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost", rule="normalize")(params, buffers, batch, mask=MASK)
+    _assert_close(out[0], out[1], *ref, rtol=1e-5)
+    assert "0.weight" not in out[0]  # frozen: a buffer, never clipped or summed
+
+
+def _nan_setup():
+    params, buffers, batch, loss_fn = _case("linear")
+    x, y = batch
+    x = x.clone()
+    x[2] = math.nan  # a padded row full of NaN
+    x[4, 0] = math.inf  # a real row whose gradient is not finite
+    return params, buffers, (x, y), loss_fn
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_rows_contribute_exactly_nothing(method):
+    params, buffers, batch, loss_fn = _nan_setup()
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method)
+    summed, norms, _ = fn(params, buffers, batch, mask=MASK)
+    keep = torch.tensor([True, True, False, True, False, True])
+    ref = _reference(loss_fn, params, buffers, tuple(t[keep] for t in batch), None)
+    assert all(torch.isfinite(v).all() for v in summed.values())
+    _assert_close(summed, norms[keep], ref[0], ref[1], rtol=1e-5)
+    assert norms[2] == 0 and not torch.isfinite(norms[4])  # padded: 0; dropped: visible as non-finite
+    with pytest.raises(FloatingPointError, match=r"samples \[4\] are not finite"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method, nonfinite="raise")(params, buffers, batch, mask=MASK)
+
+
+def test_every_method_bounds_each_contribution_by_C():
+    """One sample at a time: the clipped sum of a single sample has norm exactly min(norm, C)."""
+    params, buffers, batch, loss_fn = _case("conv2d_circular_stride")
+    for method in ("ghost", "two_pass"):
+        fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method)
+        for i in range(3):
+            summed, norms, _ = fn(params, buffers, tuple(t[i : i + 1] for t in batch))
+            total = math.sqrt(sum(float(v.square().sum()) for v in summed.values()))
+            assert total == pytest.approx(min(float(norms[0]), C), rel=1e-9)
+
+
+def test_auto_picks_ghost_for_covered_models_and_vmap_otherwise(monkeypatch):
+    calls = []
+    real = ghost.ghost_norms_and_sum
+    monkeypatch.setattr(ghost, "ghost_norms_and_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name, ghosted in [("linear", True), ("multihead_attention", False)]:
+        params, buffers, batch, loss_fn = _case(name)
+        calls.clear()
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)(params, buffers, batch)
+        assert bool(calls) == ghosted, name
+
+
+def test_data_dependent_control_flow_is_refused():
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(3, 3).double(), nn.Linear(3, 2).double()
+    params = {"a": lin1.weight.detach(), "b": lin2.weight.detach()}
+
+    def loss_fn(p, sample):
+        x, y = sample
+        h = F.linear(x, p["a"])
+        for _ in range(int(y)):  # the number of layers depends on the label (not vmap-able anyway)
+            h = F.linear(h, p["a"])
+        return F.linear(h, p["b"]).sum()
+
+    with pytest.raises(RuntimeError):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, (torch.randn(2, 3, dtype=torch.float64), torch.tensor([0, 1])))
+
+
+def test_bad_arguments():
+    loss_fn = lambda p, s: p["w"].sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"method='fast' must be one of"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="fast")
+    with pytest.raises(ValueError, match=r"norm_chunk_size=0"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, norm_chunk_size=0)
+    with pytest.raises(ValueError, match=r"l2_clip_norm=-1"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=-1.0)
+    with pytest.raises(ValueError, match=r"make_train_step.*method='fast'"):
+        vmapdp.make_train_step(loss_fn, vmapdp.optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, sample_rate=0.1, method="fast")
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+def test_train_step_methods_agree(method):
+    """The whole DP step (same seed, so the same noise) is the same whatever the method."""
+    params, buffers, batch, loss_fn = _case("conv2d_circular_stride", dtype=torch.float32)
+    opt = vmapdp.optim.sgd(0.1)
+    states = {}
+    for m in ("vmap", method):
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=5.0, sample_rate=0.1, method=m, compile=False)
+        state = vmapdp.init_train_state(params, opt, seed=3)
+        for _ in range(2):
+            state, metrics = step(state, batch, MASK, buffers)
+        states[m] = (state, metrics)
+    for k in params:
+        torch.testing.assert_close(states[method][0].params[k], states["vmap"][0].params[k], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(states[method][1]["mean_grad_norm"], states["vmap"][1]["mean_grad_norm"], rtol=1e-4, atol=0)
+
+
+def test_two_pass_refuses_random_layers():
+    with pytest.raises(ValueError, match=r"two_pass.*different masks"):
+        vmapdp.clipped_grad_sum(lambda p, s: p["w"].sum(), l2_clip_norm=1.0, method="two_pass", randomness="different")
+
+
+def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():
+    """One forward: the norm and the sum see the same dropout draw, so each contribution is <= C."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 2)).double()
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost", randomness="different")
+    x = torch.randn(1, 4, dtype=torch.float64) * 10
+    for _ in range(5):
+        summed, norms, _ = fn(params, buffers, (x, torch.tensor([1])))
+        total = math.sqrt(sum(float(v.square().sum()) for v in summed.values()))
+        assert total == pytest.approx(min(float(norms[0]), C), rel=1e-9)

@@ -1,0 +1,672 @@
+"""Ghost clipping: exact per-sample gradient norms and the clipped sum, without per-sample gradients.
+
+DP-SGD needs each sample's gradient *norm* and the *clipped sum*, never the per-sample gradients
+themselves. For a layer ``y = x W^T`` a sample's weight gradient is ``G_i = sum_t g_t x_t^T`` (``t``
+runs over the positions of a sequence or the pixels of a feature map, ``g = dL/dy``), so
+
+* its norm follows from the layer's inputs and output gradients alone:
+  ``||G_i||^2 = sum_{t,s} (x_t . x_s)(g_t . g_s)`` (the "ghost norm"; Goodfellow 2015, Li et al.
+  2022), or ``||g^T x||^2`` formed directly when that is cheaper (Bu et al. 2023, "mixed ghost
+  clipping": chosen per layer by cost);
+* the clipped sum ``sum_i c_i G_i = (c * g)^T x`` is one matmul over the whole batch, the same
+  cost as the weight gradient of an ordinary backward ("book-keeping", Bu et al. 2023).
+
+How vmapdp gets ``x`` and ``g`` for a *functional* model, without hooks: the loss is run once,
+mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches the calls made
+with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``F.embedding``) whose
+weight is a param, it keeps the op's input and adds a *tap*, a zero tensor that is an input of the
+computation, to its output; one ``vjp`` of the summed loss then returns each tap's gradient, which
+is the per-sample output gradient ``g``. The weight gradients themselves are never computed by
+autograd. Convolutions go through unfolded patches; embeddings through token equality (never a
+vocabulary-sized tensor per sample).
+
+Parameters that no rule covers (LayerNorm's weight, a matrix used with ``@``, attention's packed
+projections) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
+view): the same ``vjp`` returns their per-sample gradients, whose norms join the total. A param
+with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums
+equal the per-sample-gradient engine's up to float rounding, for any model.
+
+Everything here is a pure function of tensors and runs under ``torch.compile(fullgraph=True)``.
+Data-dependent control flow that changes which ops see the params between the first call for a
+shape and later calls is refused with an error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import vjp, vmap
+from torch.overrides import TorchFunctionMode
+
+from vmapdp._tree import acc_dtype, batch_size, check_mask, rows
+from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, clip_and_sum, clip_factors, grad_norms
+from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
+
+__all__ = ["clipped_grad_sum"]
+
+_CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
+_CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
+# intermediates of one slice of the batch are kept under this many elements (64 MiB in float32)
+_SLICE_ELEMENTS = 1 << 24
+# convs with at most this many (C_out x C_in / groups) weights per kernel tap get their per-sample
+# norms from one grouped conv backward (fast for few channels); wider ones from unfolded patches
+_GROUPED_CONV_MAX = 4096
+
+
+@dataclass(frozen=True)
+class _Site:
+    """One call of a covered op whose weight is a trainable param."""
+
+    kind: str  # "linear" | "conv" | "embedding"
+    weight: str  # param key of the weight
+    bias: str | None  # param key of the bias (None: no bias, or a bias that is not a param)
+    out_shape: tuple[int, ...]  # per-sample output shape (the tap's)
+    out_dtype: torch.dtype
+    meta: tuple = ()  # conv: (dims, stride, padding, dilation, groups, kernel); embedding: (padding_idx,)
+
+
+@dataclass
+class _Plan:
+    sites: list[_Site] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
+
+
+# The run in progress (a stack, for nesting); a module-level list keeps the mode itself stateless,
+# which torch.compile traces without trouble.
+_ACTIVE: list["_Run"] = []
+
+
+class _Mode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _ACTIVE[-1].call(func, args, kwargs or {})
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _tuple(v: Any, d: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
+
+
+class _Run:
+    """The state of one forward: which tensors are params, the taps to add, what to keep."""
+
+    def __init__(self, params: dict[str, Tensor], plan: _Plan | None, taps: list[Tensor], expanded: dict[str, Tensor]):
+        self.key_of = {id(v): k for k, v in params.items()}
+        self.probe = plan is None
+        self.plan = plan if plan is not None else _Plan()
+        self.taps = taps
+        self.expanded = expanded
+        self.saved: list[Tensor] = []
+        self.n = 0  # sites seen so far
+        self.aliases: list[Tensor] = []  # casts of params, kept alive so that their ids stay unique
+        self.other: set[str] = set()
+
+    # -- which params does a call use, and how --------------------------------------------------
+    def _key(self, t: Any) -> str | None:
+        return self.key_of.get(id(t)) if isinstance(t, Tensor) else None
+
+    def _site(self, func, args: tuple, kwargs: dict) -> tuple[str, str, str | None, tuple] | None:
+        if func is F.linear:
+            x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+            meta: tuple = ()
+            kind = "linear"
+        elif func in _CONVS:
+            x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+            d = _CONVS[func]
+            padding = _arg(args, kwargs, 4, "padding", 0)
+            meta = (
+                d,
+                _tuple(_arg(args, kwargs, 3, "stride", 1), d),
+                padding if isinstance(padding, str) else _tuple(padding, d),
+                _tuple(_arg(args, kwargs, 5, "dilation", 1), d),
+                int(_arg(args, kwargs, 6, "groups", 1)),
+            )
+            kind = "conv"
+        elif func is F.embedding:
+            x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), None
+            if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False):
+                return None  # renorming / frequency-scaled embeddings: the generic path
+            pad = _arg(args, kwargs, 2, "padding_idx")
+            if pad is not None and pad < 0:
+                pad += w.shape[0]
+            meta = (pad,)
+            kind = "embedding"
+        else:
+            return None
+        wk = self._key(w)
+        if wk is None or self._key(x) is not None:
+            return None
+        return kind, wk, self._key(b), meta
+
+    def _swap(self, v: Any) -> Any:
+        """A param (or a cast of one) in an uncovered use -> its per-sample copy."""
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._swap(u) for u in v)
+        k = self._key(v)
+        if k is None:
+            return v
+        self.other.add(k)
+        if self.probe:
+            return v
+        if k not in self.expanded:
+            raise RuntimeError(
+                f"ghost clipping: param {k!r} was used outside the covered ops (linear, conv, embedding) "
+                "in this call but not in the first call with these shapes: the model's control flow "
+                "depends on the data. Use method='vmap' for such models."
+            )
+        e = self.expanded[k]
+        return e if e.dtype == v.dtype else e.to(v.dtype)
+
+    # -- the interception ----------------------------------------------------------------------
+    def call(self, func, args: tuple, kwargs: dict) -> Any:
+        if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
+            out = func(*args, **kwargs)
+            if isinstance(out, Tensor) and out is not args[0]:
+                self.key_of[id(out)] = self.key_of[id(args[0])]
+                self.aliases.append(out)
+            return out
+        site = self._site(func, args, kwargs)
+        if site is None:
+            return func(*self._swap(tuple(args)), **{k: self._swap(v) for k, v in kwargs.items()})
+        kind, wk, bk, meta = site
+        out = func(*args, **kwargs)
+        x = _arg(args, kwargs, 0, "input")
+        if kind == "conv":
+            meta = meta + (tuple(_arg(args, kwargs, 1, "weight").shape),)
+        if self.probe:
+            self.plan.sites.append(_Site(kind, wk, bk, tuple(out.shape), out.dtype, meta))
+            return out
+        if self.n >= len(self.plan.sites) or self.plan.sites[self.n].weight != wk or self.plan.sites[self.n].out_shape != tuple(out.shape):
+            raise RuntimeError(
+                "ghost clipping: the model called its layers in a different order or with different "
+                "shapes than in the first call with these input shapes (data-dependent control flow). "
+                "Use method='vmap' for such models."
+            )
+        tap = self.taps[self.n]
+        self.n += 1
+        self.saved.append(x)
+        return out + tap
+
+
+def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> _Plan:
+    """Run the loss on one sample to learn which ops see which params (shapes only matter)."""
+    one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
+
+    run = _Run(params, None, [], {})
+
+    def fwd(sample):
+        _ACTIVE.append(run)
+        try:
+            with _Mode():
+                return loss_fn(params, *shared, sample)
+        finally:
+            _ACTIVE.pop()
+
+    with torch.no_grad():
+        vmap(fwd, randomness=randomness)(one)
+    run.plan.other = sorted(run.other)
+    return run.plan
+
+
+def coverage(plan: _Plan, params: dict[str, Tensor]) -> float:
+    """The fraction of trainable elements whose gradients come entirely from covered ops."""
+    covered = {s.weight for s in plan.sites} | {s.bias for s in plan.sites if s.bias}
+    covered -= set(plan.other)
+    total = sum(v.numel() for v in params.values())
+    return sum(params[k].numel() for k in covered) / max(total, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-layer math, on batched tensors (leading dim B), outside vmap.
+# ---------------------------------------------------------------------------------------------
+
+
+def _unfold(x: Tensor, dims: int, kernel: tuple, stride: tuple, dilation: tuple) -> Tensor:
+    """Patches ``[N, C * prod(kernel), L]`` of an already padded ``x`` ``[N, C, *spatial]``."""
+    if dims == 2:
+        return F.unfold(x, kernel, dilation=dilation, stride=stride)
+    if dims == 1:
+        return F.unfold(x.unsqueeze(2), (1,) + kernel, dilation=(1,) + dilation, stride=(1,) + stride)
+    n, c = x.shape[:2]
+    for i in range(dims):
+        span = dilation[i] * (kernel[i] - 1) + 1
+        x = x.unfold(2 + i, span, stride[i])  # appends the window dim
+        if dilation[i] > 1:
+            x = x[..., :: dilation[i]]
+    # [N, C, *out, *window] -> [N, C, *window, *out]
+    perm = (0, 1) + tuple(range(2 + dims, 2 + 2 * dims)) + tuple(range(2, 2 + dims))
+    x = x.permute(perm)
+    return x.reshape(n, c * math.prod(kernel), -1)
+
+
+def _conv_padded(x: Tensor, dims: int, padding: Any, kernel: tuple, dilation: tuple) -> Tensor:
+    """``x`` ``[N, C, *spatial]`` with the conv's zero padding applied, so the conv uses padding 0."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return x
+        pads: list[int] = []
+        for i in reversed(range(dims)):  # F.pad lists the last dim first
+            total = dilation[i] * (kernel[i] - 1)
+            pads += [total // 2, total - total // 2]
+        return F.pad(x, pads)
+    if not any(padding):
+        return x
+    return F.pad(x, [p for p in reversed(padding) for _ in range(2)])
+
+
+@dataclass
+class _Use:
+    """One covered use of a param, as batched tensors (leading dim B).
+
+    ``"pair"``: per-sample grad ``sum_t u_t v_t^T`` with ``u`` ``[B, T, du]``, ``v`` ``[B, T, dv]``
+    (linear weights and biases, conv biases). ``"conv"``: ``u`` the output grads ``[B, n, C_out,
+    *out]``, ``v`` the padded input ``[B, n, C_in, *in]`` (``n``: a sample's own batch dim, usually
+    1), ``extra = (dims, stride, dilation, groups)``. ``"embedding"``: ``u`` grads ``[B, T, d]``,
+    ``v`` tokens ``[B, T]``, ``extra`` the vocabulary size.
+    """
+
+    kind: str
+    u: Tensor
+    v: Tensor
+    shape: tuple[int, ...]  # the param's shape
+    extra: Any = None
+
+
+def _uses(site: _Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, _Use]]:
+    """The (param key, use) pairs of one site, from its saved input ``x`` and tap grad ``g``."""
+    b = g.shape[0]
+    w = params[site.weight]
+    out: list[tuple[str, _Use]] = []
+    dt = acc_dtype(g.dtype)
+    if site.kind == "linear":
+        gg = g.reshape(b, -1, g.shape[-1]).to(dt)
+        xx = x.reshape(b, -1, x.shape[-1]).to(dt)
+        out.append((site.weight, _Use("pair", gg, xx, tuple(w.shape))))
+        if site.bias:
+            out.append((site.bias, _Use("pair", gg, gg.new_ones(gg.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+    elif site.kind == "conv":
+        dims, stride, padding, dilation, groups, kshape = site.meta
+        c_in, c_out = x.shape[-dims - 1], kshape[0]
+        xs = _conv_padded(x.reshape((-1, c_in) + tuple(x.shape[-dims:])).to(dt), dims, padding, tuple(kshape[2:]), dilation)
+        gs = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt)
+        out.append((site.weight, _Use("conv", gs, xs.reshape((b, -1) + tuple(xs.shape[1:])), tuple(w.shape), (dims, stride, dilation, groups))))
+        if site.bias:
+            u = gs.flatten(3).transpose(2, 3).reshape(b, -1, c_out)  # [B, n*L, C_out]
+            out.append((site.bias, _Use("pair", u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+    else:  # embedding
+        (pad,) = site.meta
+        tok = x.reshape(b, -1)
+        gg = g.reshape(b, -1, g.shape[-1]).to(dt)
+        if pad is not None:
+            gg = torch.where((tok == pad).unsqueeze(-1), 0.0, gg)
+        out.append((site.weight, _Use("embedding", gg, tok, tuple(w.shape), w.shape[0])))
+    return out
+
+
+def _slices(b: int, per_sample: int) -> list[tuple[int, int]]:
+    step = max(1, min(b, _SLICE_ELEMENTS // max(per_sample, 1)))
+    return [(s, min(s + step, b)) for s in range(0, b, step)]
+
+
+def _pair_sq_norms(u: Tensor, v: Tensor) -> Tensor:
+    """``||sum_t u_t v_t^T||^2`` per sample: ghost (Gram matrices) or direct, whichever is cheaper."""
+    b, t, du = u.shape
+    dv = v.shape[2]
+    ghost = t * (du + dv) < du * dv
+    parts = []
+    for s, e in _slices(b, t * t if ghost else du * dv):
+        us, vs = u[s:e], v[s:e]
+        if ghost:
+            parts.append((torch.bmm(us, us.transpose(1, 2)) * torch.bmm(vs, vs.transpose(1, 2))).sum((1, 2)))
+        else:
+            parts.append(torch.bmm(us.transpose(1, 2), vs).square().sum((1, 2)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _conv_pair(use: _Use) -> tuple[Tensor, Tensor]:
+    """A groups=1 conv use as a pair: output grads ``[B, n*L, C_out]`` and patches ``[B, n*L, C_in*k]``."""
+    dims, stride, dilation, _ = use.extra
+    g, x = use.u, use.v
+    b, n, c_out = g.shape[:3]
+    patches = _unfold(x.flatten(0, 1), dims, tuple(use.shape[2:]), stride, dilation)  # [B*n, C_in*k, L]
+    v = patches.reshape(b, n, patches.shape[1], patches.shape[2]).transpose(2, 3).reshape(b, -1, patches.shape[1])
+    u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out)
+    return u, v
+
+
+def _conv_backward(use: _Use, grad: Tensor, x: Tensor, groups: int, weight_shape: tuple) -> Tensor:
+    dims, stride, dilation, _ = use.extra
+    weight = grad.new_empty(weight_shape)
+    return torch.ops.aten.convolution_backward(
+        grad, x, weight, None, list(stride), [0] * dims, list(dilation), False, [0] * dims, groups, [False, True, False]
+    )[1]
+
+
+def _conv_per_sample(use: _Use) -> Tensor:
+    """Per-sample conv weight grads ``[B, *shape]``: one conv backward with the batch as groups."""
+    _, _, _, groups = use.extra
+    g, x = use.u, use.v
+    b, n = g.shape[:2]
+    # the sample's own dim n becomes the conv's batch dim; samples become groups
+    gg = g.transpose(0, 1).reshape((n, -1) + tuple(g.shape[3:]))
+    xx = x.transpose(0, 1).reshape((n, -1) + tuple(x.shape[3:]))
+    w = _conv_backward(use, gg, xx, groups * b, (b * use.shape[0],) + use.shape[1:])
+    return w.reshape((b,) + use.shape)
+
+
+def _conv_sq_norms(use: _Use) -> Tensor:
+    c_out, c_in_g = use.shape[:2]
+    groups = use.extra[3]
+    if groups > 1 or c_out * c_in_g <= _GROUPED_CONV_MAX:
+        # few channels: the grouped conv backward (no patches in memory) is the fast kernel
+        b = use.u.shape[0]
+        per = math.prod(use.shape)
+        parts = [_conv_per_sample(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra)).flatten(1).square().sum(1) for s, e in _slices(b, per)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _pair_sq_norms(*_conv_pair(use))
+
+
+def _embedding_sq_norms(g: Tensor, tok: Tensor) -> Tensor:
+    """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal tokens (sorted)."""
+    b, t, d = g.shape
+    if t == 0:
+        return g.new_zeros(b)
+    srt, perm = tok.sort(dim=1)
+    gs = g.gather(1, perm.unsqueeze(-1).expand(b, t, d))
+    new = torch.ones_like(srt, dtype=torch.bool)
+    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    seg = new.long().cumsum(1) - 1  # segment id of each position, equal tokens share one
+    sums = g.new_zeros(b, t, d).scatter_add(1, seg.unsqueeze(-1).expand(b, t, d), gs)
+    return sums.square().sum((1, 2))
+
+
+def _per_sample(use: _Use) -> Tensor:
+    """The materialised per-sample grads ``[B, *shape]`` of one use (for params with mixed uses)."""
+    b = use.u.shape[0]
+    if use.kind == "pair":
+        return torch.bmm(use.u.transpose(1, 2), use.v).reshape((b,) + use.shape)
+    if use.kind == "conv":
+        return _conv_per_sample(use)
+    vocab = use.extra
+    g, tok = use.u, use.v
+    out = g.new_zeros(b, vocab, g.shape[-1])
+    return out.scatter_add(1, tok.unsqueeze(-1).expand_as(g), g).reshape((b,) + use.shape)
+
+
+def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
+    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping).
+
+    Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
+    is NaN.
+    """
+    u, v = use.u, use.v
+    if keep is not None:
+        u = torch.where(rows(keep, u), u, 0.0)
+        if use.kind != "embedding":
+            v = torch.where(rows(keep, v), v, 0.0)
+    uw = u * rows(w.to(u.dtype), u)
+    if use.kind == "pair":
+        return (uw.reshape(-1, uw.shape[-1]).T @ v.reshape(-1, v.shape[-1])).reshape(use.shape)
+    if use.kind == "conv":
+        return _conv_backward(use, uw.flatten(0, 1), v.flatten(0, 1), use.extra[3], use.shape)
+    flat = uw.reshape(-1, uw.shape[-1])
+    return uw.new_zeros(use.extra, uw.shape[-1]).index_add(0, v.reshape(-1), flat).reshape(use.shape)
+
+
+def _sq_norms(uses: list[_Use], other: Tensor | None) -> Tensor:
+    """Squared per-sample norms of one param's gradient, the sum of all its uses."""
+    kinds = {u.kind for u in uses}
+    if other is None and len(uses) == 1 and kinds == {"conv"}:
+        return _conv_sq_norms(uses[0])
+    if other is None and kinds == {"pair"} and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) == 1:
+        u = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
+        v = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
+        return _pair_sq_norms(u, v)
+    if other is None and kinds == {"embedding"}:
+        g = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
+        tok = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
+        return _embedding_sq_norms(g, tok)
+    total = None if other is None else other.to(acc_dtype(other.dtype))
+    for u in uses:
+        p = _per_sample(u)
+        total = p if total is None else total + p
+    return total.flatten(1).square().sum(1)
+
+
+def ghost_norms_and_sum(
+    loss_fn: Callable[..., Tensor],
+    params: dict[str, Tensor],
+    shared: tuple,
+    batch: Any,
+    mask: Tensor | None,
+    weights_fn: Callable[[Tensor, Tensor], Tensor] | None,
+    *,
+    randomness: str = "error",
+    plan: _Plan | None = None,
+    call: str = "ghost clipping",
+) -> tuple[Tensor, dict[str, Tensor] | None, Tensor]:
+    """Per-sample norms ``[B]`` and ``sum_i w_i g_i`` from one forward and one backward.
+
+    ``weights_fn(norms, keep)`` returns the per-sample weights ``w`` (0 where a row must not
+    contribute); with ``weights_fn=None`` only the norms are computed. Returns
+    ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0.
+    """
+    if not isinstance(params, dict):
+        raise TypeError(f"{call}: params must be a dict of tensors keyed like named_parameters(), got {type(params).__name__}.")
+    b = batch_size(batch, call=call)
+    if mask is not None:
+        check_mask(mask, b, call=call)
+    params = {k: v.detach() for k, v in params.items()}
+    if plan is None:
+        plan = _probe(loss_fn, params, shared, batch, randomness)
+    device = next(iter(params.values())).device
+    # zero taps as broadcast views of one zero: no memory, no fill; their grads come back dense
+    zero = torch.zeros((), dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
+    taps = [zero.to(s.out_dtype).expand((b,) + s.out_shape) for s in plan.sites]
+    expanded = {k: params[k].expand((b,) + tuple(params[k].shape)) for k in plan.other}
+
+    def fwd(taps, expanded, sample):
+        run = _Run(params, plan, taps, expanded)
+        _ACTIVE.append(run)
+        try:
+            with _Mode():
+                loss = loss_fn(params, *shared, sample)
+        finally:
+            _ACTIVE.pop()
+        if run.n != len(plan.sites):
+            raise RuntimeError(
+                f"{call}: the model made {run.n} covered layer calls, {len(plan.sites)} in the first call "
+                "with these shapes (data-dependent control flow). Use method='vmap' for such models."
+            )
+        return loss, run.saved
+
+    def mapped(taps, expanded):
+        return vmap(fwd, in_dims=(0, 0, 0), randomness=randomness)(taps, expanded, batch)
+
+    losses, backward, saved = vjp(mapped, taps, expanded, has_aux=True)
+    if losses.shape != (b,):
+        raise ValueError(f"{call}: loss_fn must return a scalar for one sample; it returned shape {tuple(losses.shape[1:])} per sample.")
+    real = torch.ones(b, dtype=torch.bool, device=device) if mask is None else mask.to(device)
+    tap_grads, other_grads = backward(real.to(losses.dtype))
+
+    uses: dict[str, list[_Use]] = {}
+    for site, x, g in zip(plan.sites, saved, tap_grads):
+        for key, use in _uses(site, x, g, params):
+            uses.setdefault(key, []).append(use)
+    sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
+    for key in params:
+        if key in uses or key in other_grads:
+            sq = sq + _sq_norms(uses.get(key, []), other_grads.get(key)).to(sq.dtype)
+    norms = torch.where(real, sq.sqrt(), 0.0)
+    losses = torch.where(real, losses, 0.0)
+    if weights_fn is None:
+        return norms, None, losses
+
+    keep = real & torch.isfinite(norms)
+    w = torch.where(keep, weights_fn(norms, keep), 0.0)
+    # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
+    zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
+    summed: dict[str, Tensor] = {}
+    for key, p in params.items():
+        total = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device)
+        for use in uses.get(key, []):
+            total = total + _weighted(use, w, zero)
+        if key in other_grads:
+            og = other_grads[key].to(total.dtype)
+            if zero is not None:
+                og = torch.where(rows(zero, og), og, 0.0)
+            total = total + torch.tensordot(w.to(total.dtype), og, dims=1)
+        summed[key] = total
+    return norms, summed, losses
+
+
+# ---------------------------------------------------------------------------------------------
+# The public, clip_and_sum-level API: one function, three exact methods.
+# ---------------------------------------------------------------------------------------------
+
+_METHODS = ("auto", "vmap", "ghost", "two_pass")
+
+
+def _shape_key(args: tuple) -> tuple:
+    leaves = optree.tree_leaves(args, namespace="torch")
+    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, t) for t in leaves)
+
+
+def clipped_grad_sum(
+    loss_fn: Callable[..., Tensor],
+    *,
+    l2_clip_norm: float,
+    method: str = "auto",
+    rule: str = "clip",
+    stability: float = 0.01,
+    nonfinite: str = "zero",
+    randomness: str = "error",
+    norm_chunk_size: int | None = None,
+) -> Callable[..., tuple[dict[str, Tensor], Tensor, Tensor]]:
+    """The clipped sum of per-sample gradients straight from a one-sample loss.
+
+    ``fn = clipped_grad_sum(loss_fn, l2_clip_norm=C)`` and ``fn(params, *shared, batch, mask=None)``
+    return ``(summed, norms, losses)``: exactly what ``clip_and_sum(per_sample_grads(loss_fn)(...),
+    C, mask=mask)`` gives (float rounding aside), plus the per-sample losses, computed by one of:
+
+    * ``"vmap"``: per-sample gradients (``vmap(grad)``), then :func:`vmapdp.clip_and_sum`.
+      Memory ``B x params``; works for every model.
+    * ``"ghost"``: per-sample norms from layer inputs and output gradients and the clipped sum by
+      book-keeping (see this module's docstring): one forward and one backward, no per-sample
+      gradients for linear, conv and embedding weights. Memory about that of non-private training.
+    * ``"two_pass"``: per-sample norms by the vmap engine, ``norm_chunk_size`` samples at a time,
+      then one batched backward of ``sum_i w_i * loss_i`` with ``w_i = min(1, C/norm_i)``. Peak
+      memory ``norm_chunk_size x params`` plus one batched backward, for any model.
+    * ``"auto"`` (default): ``"ghost"`` when the covered layers hold at least half of the trainable
+      elements, else ``"vmap"``; decided once per input shape on the first call.
+
+    Every method gives each sample's contribution a norm ``<= C`` and drops masked and non-finite
+    rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
+    """
+    call = "clipped_grad_sum(loss_fn)"
+    if not callable(loss_fn):
+        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    if method not in _METHODS:
+        raise ValueError(f"{call}: method={method!r} must be one of {_METHODS}.")
+    _check_rule(call, rule, stability, nonfinite)
+    _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
+    if norm_chunk_size is not None and (isinstance(norm_chunk_size, bool) or not isinstance(norm_chunk_size, int) or norm_chunk_size < 1):
+        raise ValueError(f"{call}: norm_chunk_size={norm_chunk_size!r} must be a positive int or None.")
+    if method == "two_pass" and randomness != "error":
+        raise ValueError(
+            f"{call}: method='two_pass' runs the forward twice, so a random layer (dropout) would draw "
+            "different masks for the norms and for the weighted backward, and the clipping bound would "
+            "not hold. Use method='ghost' or 'vmap' (one forward) with randomness='different'."
+        )
+    grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
+    plans: dict[tuple, _Plan] = {}
+
+    def weights(norms: Tensor, keep: Tensor) -> Tensor:
+        return clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
+
+    def by_vmap(params, shared, batch, mask):
+        grads, losses = grads_fn(params, *shared, batch, mask=mask)
+        summed, norms = clip_and_sum(grads, l2_clip_norm, mask=mask, rule=rule, stability=stability, nonfinite=nonfinite)
+        return summed, norms, losses
+
+    def by_two_pass(params, shared, batch, mask):
+        b = batch_size(batch, call=call)
+        size = norm_chunk_size or b
+        norms, losses = [], []
+        for s in range(0, b, size):
+            chunk = optree.tree_map(lambda t: t[s : s + size], batch, namespace="torch")
+            g, lo = grads_fn(params, *shared, chunk)
+            norms.append(grad_norms(g))
+            losses.append(lo)
+        norms_t = torch.cat(norms) if norms else torch.zeros(0)
+        real = torch.ones(b, dtype=torch.bool, device=norms_t.device) if mask is None else mask.to(norms_t.device)
+        norms_t = torch.where(real, norms_t, 0.0)
+        keep = _keep(norms_t, real, nonfinite, call)
+        w = torch.where(keep, weights(norms_t, keep), 0.0)
+
+        # Rows that must not contribute may hold NaN, and the batched backward sums over rows
+        # (0 * NaN = NaN): run them as copies of a kept row, with weight 0.
+        src = torch.where(keep, torch.arange(b, device=keep.device), keep.to(torch.uint8).argmax())
+        clean = optree.tree_map(lambda t: t[src.to(t.device)], batch, namespace="torch")
+
+        def weighted_loss(p):
+            per = vmap(lambda sample: loss_fn(p, *shared, sample), randomness=randomness)(clean)
+            return (per * w.to(per.dtype)).sum()
+
+        try:
+            summed = torch.func.grad(weighted_loss)({k: v.detach() for k, v in params.items()})
+        except RuntimeError as err:
+            raise _explain_runtime_error(call, err) from err
+        anyone = keep.any()  # with no row kept, even the copies may be NaN: the sum is exactly 0
+        summed = {k: torch.where(anyone, v.to(acc_dtype(v.dtype)), 0.0) for k, v in summed.items()}
+        return summed, norms_t, torch.where(real, torch.cat(losses), 0.0)
+
+    def by_ghost(params, shared, batch, mask, plan):
+        try:
+            norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, weights, randomness=randomness, plan=plan, call=call)
+        except RuntimeError as err:
+            raise _explain_runtime_error(call, err) from err
+        if nonfinite == "raise":
+            _keep(norms, mask, nonfinite, call)
+        return summed, norms, losses
+
+    def prepare(*args: Any) -> _Plan | None:
+        """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
+        if method in ("vmap", "two_pass") or batch_size(args[-1], call=call) == 0:
+            return None
+        key = _shape_key(args)
+        plan = plans.get(key)
+        if plan is None:
+            try:
+                plan = _probe(loss_fn, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
+            except RuntimeError as err:
+                raise _explain_runtime_error(call, err) from err
+            plans[key] = plan
+        return plan
+
+    def fn(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        if len(args) < 2:
+            raise TypeError(f"{call}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
+        params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
+        if mask is not None:
+            check_mask(mask, batch_size(batch, call=call), call=call)
+        if method == "vmap" or batch_size(batch, call=call) == 0:
+            return by_vmap(params, shared, batch, mask)
+        if method == "two_pass":
+            return by_two_pass(params, shared, batch, mask)
+        plan = prepare(*args)
+        if method == "auto" and coverage(plan, params) < 0.5:
+            return by_vmap(params, shared, batch, mask)
+        return by_ghost(params, shared, batch, mask, plan)
+
+    fn.prepare = prepare  # type: ignore[attr-defined]
+    return fn
+
