@@ -74,10 +74,16 @@ def test_float32(name):
     assert norms.dtype == torch.float32
 
 
+@pytest.mark.parametrize("path", ["patches", "grouped-recomputed"])
 @pytest.mark.parametrize("name", ["conv1d_stride_dilation_padding", "conv2d_groups_reflect", "conv2d_circular_stride", "conv3d_same_replicate", "groupnorm"])
-def test_conv_through_unfolded_patches(name, monkeypatch):
-    """Wide convs take the patches path (ghost or direct); force it on the zoo's small convs."""
-    monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
+def test_conv_paths(name, path, monkeypatch):
+    """The zoo's small convs take the grouped path with kept per-sample grads (tested above);
+    force the other two: unfolded patches (wide convs), and a clipped sum by conv backward (over
+    the keep budget)."""
+    if path == "patches":
+        monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
+    else:
+        monkeypatch.setattr(ghost, "_KEEP_ELEMENTS", 0)
     params, buffers, batch, loss_fn = _case(name)
     ref = _reference(loss_fn, params, buffers, batch, MASK)
     out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
@@ -230,3 +236,21 @@ def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():
         summed, norms, _ = fn(params, buffers, (x, torch.tensor([1])))
         total = math.sqrt(sum(float(v.square().sum()) for v in summed.values()))
         assert total == pytest.approx(min(float(norms[0]), C), rel=1e-9)
+
+
+def test_one_function_serves_params_with_other_names_and_shapes():
+    """The plan is cached per argument structure and shapes: a new layout gets a new plan."""
+
+    def loss_fn(p, sample):
+        x, y = sample
+        w1, w2 = p.values()
+        return F.cross_entropy(F.linear(torch.tanh(F.linear(x, w1)), w2)[None], y[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(4, 3, dtype=torch.float64, generator=g), torch.tensor([0, 1, 0, 1]))
+    for names, hidden in [(("a", "b"), 5), (("c", "d"), 5), (("a", "b"), 7)]:
+        params = {names[0]: torch.randn(hidden, 3, dtype=torch.float64, generator=g), names[1]: torch.randn(2, hidden, dtype=torch.float64, generator=g)}
+        ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, batch), C)
+        summed, norms, _ = fn(params, batch)
+        _assert_close(summed, norms, *ref, rtol=1e-9)

@@ -57,6 +57,11 @@ _SLICE_ELEMENTS = 1 << 24
 # convs with at most this many (C_out x C_in / groups) weights per kernel tap get their per-sample
 # norms from one grouped conv backward (fast for few channels); wider ones from unfolded patches
 _GROUPED_CONV_MAX = 4096
+_GROUPED_ROWS = 64
+# per-sample grads formed on the way to a norm (small convs, mixed uses) are kept for the clipped
+# sum, which is then a weighted sum over the batch instead of one more conv backward, while their
+# total stays under this many elements (32 MiB in float32); beyond it they are recomputed
+_KEEP_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -362,16 +367,24 @@ def _conv_per_sample(use: _Use) -> Tensor:
     return w.reshape((b,) + use.shape)
 
 
-def _conv_sq_norms(use: _Use) -> Tensor:
+def _grouped_path(use: _Use) -> bool:
+    """Few channels: the grouped conv backward (no patches in memory) is the fast kernel."""
     c_out, c_in_g = use.shape[:2]
-    groups = use.extra[3]
-    if groups > 1 or c_out * c_in_g <= _GROUPED_CONV_MAX:
-        # few channels: the grouped conv backward (no patches in memory) is the fast kernel
-        b = use.u.shape[0]
-        per = math.prod(use.shape)
-        parts = [_conv_per_sample(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra)).flatten(1).square().sum(1) for s, e in _slices(b, per)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-    return _pair_sq_norms(*_conv_pair(use))
+    return use.extra[3] > 1 or c_out * c_in_g <= _GROUPED_CONV_MAX
+
+
+def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor | None]:
+    """Squared norms of one conv use, and its per-sample grads when ``keep_grads`` and they were formed."""
+    if not _grouped_path(use):
+        return _pair_sq_norms(*_conv_pair(use)), None
+    b = use.u.shape[0]
+    # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
+    step = min(_GROUPED_ROWS, _slices(b, math.prod(use.shape))[0][1]) if not keep_grads else _GROUPED_ROWS
+    pers = [_conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra)) for s in range(0, b, step)]
+    sq = torch.cat([p.flatten(1).square().sum(1) for p in pers]) if len(pers) > 1 else pers[0].flatten(1).square().sum(1)
+    if not keep_grads:
+        return sq, None
+    return sq, torch.cat(pers) if len(pers) > 1 else pers[0]
 
 
 def _embedding_sq_norms(g: Tensor, tok: Tensor) -> Tensor:
@@ -421,24 +434,25 @@ def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
     return uw.new_zeros(use.extra, uw.shape[-1]).index_add(0, v.reshape(-1), flat).reshape(use.shape)
 
 
-def _sq_norms(uses: list[_Use], other: Tensor | None) -> Tensor:
-    """Squared per-sample norms of one param's gradient, the sum of all its uses."""
+def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor | None]:
+    """Squared per-sample norms of one param's gradient (the sum of all its uses), and its
+    per-sample grads when they had to be formed and ``keep_grads`` allows keeping them."""
     kinds = {u.kind for u in uses}
     if other is None and len(uses) == 1 and kinds == {"conv"}:
-        return _conv_sq_norms(uses[0])
+        return _conv_sq_norms(uses[0], keep_grads)
     if other is None and kinds == {"pair"} and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) == 1:
         u = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         v = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return _pair_sq_norms(u, v)
+        return _pair_sq_norms(u, v), None
     if other is None and kinds == {"embedding"}:
         g = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         tok = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return _embedding_sq_norms(g, tok)
+        return _embedding_sq_norms(g, tok), None
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
         p = _per_sample(u)
         total = p if total is None else total + p
-    return total.flatten(1).square().sum(1)
+    return total.flatten(1).square().sum(1), (total if keep_grads else None)
 
 
 def ghost_norms_and_sum(
@@ -502,9 +516,16 @@ def ghost_norms_and_sum(
         for key, use in _uses(site, x, g, params):
             uses.setdefault(key, []).append(use)
     sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
+    kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
+    budget = _KEEP_ELEMENTS if weights_fn is not None else 0
     for key in params:
         if key in uses or key in other_grads:
-            sq = sq + _sq_norms(uses.get(key, []), other_grads.get(key)).to(sq.dtype)
+            size = b * params[key].numel()
+            sq_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), size <= budget)
+            if per is not None:
+                kept[key] = per
+                budget -= size
+            sq = sq + sq_k.to(sq.dtype)
     norms = torch.where(real, sq.sqrt(), 0.0)
     losses = torch.where(real, losses, 0.0)
     if weights_fn is None:
@@ -517,6 +538,10 @@ def ghost_norms_and_sum(
     summed: dict[str, Tensor] = {}
     for key, p in params.items():
         total = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device)
+        if key in kept:  # all uses (and other uses) already summed per sample: a weighted sum over B
+            per = kept[key] if zero is None else torch.where(rows(zero, kept[key]), kept[key], 0.0)
+            summed[key] = torch.tensordot(w.to(total.dtype), per.to(total.dtype), dims=1)
+            continue
         for use in uses.get(key, []):
             total = total + _weighted(use, w, zero)
         if key in other_grads:
@@ -536,8 +561,9 @@ _METHODS = ("auto", "vmap", "ghost", "two_pass")
 
 
 def _shape_key(args: tuple) -> tuple:
-    leaves = optree.tree_leaves(args, namespace="torch")
-    return tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, t) for t in leaves)
+    """What a plan depends on: the arguments' structure (param names included), shapes, dtypes."""
+    leaves, spec = optree.tree_flatten(args, namespace="torch")
+    return (spec,) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, t) for t in leaves)
 
 
 def clipped_grad_sum(
