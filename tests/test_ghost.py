@@ -96,7 +96,9 @@ def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out
     g = torch.Generator().manual_seed(t)
     u, v = torch.randn(4, t, d_out, generator=g, dtype=torch.float64), torch.randn(4, t, d_in, generator=g, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", u, v).square().sum((1, 2))
-    torch.testing.assert_close(ghost._pair_sq_norms(u, v), want, rtol=1e-12, atol=0)
+    sq, margin = ghost._pair_sq_norms(u, v)
+    torch.testing.assert_close(sq, want, rtol=1e-12, atol=0)
+    assert (margin > 0).all() and (margin < 1e-10 * want.sqrt()).all()  # float64: a negligible margin
     assert (t * (d_in + d_out) < d_in * d_out) == (t == 2)  # the cases cover both branches
 
 
@@ -254,3 +256,105 @@ def test_one_function_serves_params_with_other_names_and_shapes():
         ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, batch), C)
         summed, norms, _ = fn(params, batch)
         _assert_close(summed, norms, *ref, rtol=1e-9)
+
+
+# ---------------------------------------------------------------- found in review: each once a bug
+
+
+def test_adversarial_cancellation_cannot_push_a_contribution_past_C():
+    """Tokens sharing a large component with output grads of alternating sign: the T^2 terms of
+    the ghost Gram sum cancel (in float32 the computed norm was 0.33 for a true 2.0, and the sample
+    released 2C). Float64 Gram sums plus a rounding margin keep the contribution within C."""
+    t, d = 256, 600
+    w = torch.randn(d, d, generator=torch.Generator().manual_seed(0)) / d**0.5
+
+    def loss_fn(p, sample):
+        x, c = sample
+        return (F.linear(x, p["W"])[:, 0] * c).sum()
+
+    g = torch.Generator().manual_seed(5)
+    shared, noise = 12.0 * torch.randn(d, generator=g), torch.randn(t, d, generator=g)
+    sign = torch.ones(t)
+    sign[1::2] = -1
+    noise = noise * (2.0 / (sign[:, None] * noise).sum(0).norm())  # true per-sample norm: 2
+    batch = ((shared + noise)[None], sign[None])
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")({"W": w}, batch)
+    assert norms[0] == pytest.approx(2.0, rel=1e-3)
+    assert float(summed["W"].norm()) <= 1.0 * (1 + 1e-6)
+
+
+def test_a_branch_on_a_shared_value_is_refused_not_silently_replanned():
+    p = {"W": torch.randn(4, 5, dtype=torch.float64), "b": torch.randn(4, dtype=torch.float64)}
+
+    def loss_fn(p, flag, x):
+        y = F.linear(x, p["W"], p["b"]) if bool(flag) else F.linear(x, p["W"]) + p["b"]
+        return (y.tanh() ** 2).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")
+    x = torch.randn(3, 6, 5, dtype=torch.float64)
+    fn(p, torch.tensor(False), x)
+    with pytest.raises(RuntimeError, match=r"control flow.*method='vmap'"):
+        fn(p, torch.tensor(True), x)
+
+
+def test_writing_in_place_into_a_layer_input_is_refused():
+    def loss_fn(p, x):
+        h = x * 1.0
+        y = F.linear(h, p["W"])
+        h.mul_(3.0)  # the layer's saved input changes after the layer read it
+        return (y * h.sum()).sum()
+
+    with pytest.raises(RuntimeError, match=r"wrote in place into the input"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")({"W": torch.randn(3, 5)}, torch.randn(2, 5))
+
+
+def _check_against_vmap(loss_fn, params, batch, rtol=1e-9):
+    ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, batch), C)
+    for method in ("ghost", "auto"):
+        summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method)(params, batch)
+        _assert_close(summed, norms, *ref, rtol=rtol)
+
+
+def test_layers_inside_the_users_own_vmap_or_grad_are_uses_like_any_other():
+    g = torch.Generator().manual_seed(0)
+    p = {k: torch.randn(*s, dtype=torch.float64, generator=g) for k, s in [("W", (4, 5)), ("b", (4,)), ("W2", (2, 4))]}
+    batch = (torch.randn(3, 6, 5, dtype=torch.float64, generator=g), torch.randn(3, 6, 2, dtype=torch.float64, generator=g))
+
+    def inner_vmap(p, sample):
+        x, y = sample
+        h = torch.func.vmap(lambda xt: F.linear(xt, p["W"], p["b"]).tanh())(x)
+        return ((F.linear(h, p["W2"]) - y) ** 2).sum()
+
+    def input_gradient_penalty(p, sample):
+        x, y = sample
+        f = lambda xx: F.linear(torch.tanh(F.linear(xx, p["W"], p["b"])), p["W2"]).sum()  # noqa: E731
+        return ((F.linear(x, p["W"], p["b"]).sum() - y.sum()) ** 2) + torch.func.grad(f)(x).square().sum()
+
+    for loss_fn in (inner_vmap, input_gradient_penalty):
+        _check_against_vmap(loss_fn, p, batch)
+
+
+def test_nonstandard_linear_and_conv_arguments():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 2, 5, dtype=torch.float64, generator=g)
+    cases = [
+        ({"w": torch.randn(5, dtype=torch.float64, generator=g)}, lambda p, s: F.linear(s, p["w"]).pow(2).sum()),
+        ({"W": torch.randn(3, 5, dtype=torch.float64, generator=g), "b": torch.randn((), dtype=torch.float64, generator=g)}, lambda p, s: F.linear(s, p["W"], p["b"]).pow(2).sum()),
+        ({"W": torch.randn(3, 5, dtype=torch.float64, generator=g), "b": torch.randn(2, 3, dtype=torch.float64, generator=g)}, lambda p, s: F.linear(s, p["W"], p["b"]).pow(2).sum()),
+    ]
+    for params, loss_fn in cases:
+        _check_against_vmap(loss_fn, params, x)
+    k = {"K": torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=g)}
+    images = torch.randn(2, 2, 5, 5, dtype=torch.float64, generator=g)
+    _check_against_vmap(lambda p, s: F.conv2d(s, p["K"], padding=(1,), stride=[1]).pow(2).sum(), k, images)
+
+
+def test_shape_and_dtype_queries_and_casts_keep_the_layers_covered():
+    """Mixed precision casts every param (reading its dtype first): still all ghost, no per-sample copies."""
+    params, buffers, batch, loss_fn = _case("linear", dtype=torch.float32)
+    wrapped = vmapdp.mixed_precision(loss_fn, torch.bfloat16)
+    plan = ghost._probe(wrapped, params, (buffers,), batch, "error")
+    assert plan.other == [] and ghost.coverage(plan, params) == 1.0
+    ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(wrapped)(params, buffers, batch), C)
+    summed, norms, _ = vmapdp.clipped_grad_sum(wrapped, l2_clip_norm=C, method="ghost")(params, buffers, batch)
+    _assert_close(summed, norms, *ref, rtol=2e-2)  # bf16 compute: the two paths round differently

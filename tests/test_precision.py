@@ -174,7 +174,7 @@ def _released_noise(loss_fn, params, buffers, batch, precision, *, sigma, clip, 
     n = batch[1].shape[0]
     step = vmapdp.make_train_step(
         loss_fn, optim.sgd(1.0), l2_clip_norm=clip, noise_multiplier=sigma, expected_batch_size=1.0,
-        sample_rate=0.1, compile=False, precision=precision,
+        sample_rate=0.1, compile=False, precision=precision, method="vmap",  # the reference sum below is vmap's
     )
     new, _ = step(vmapdp.init_train_state(params, optim.sgd(1.0), seed=seed), batch, torch.ones(n, dtype=torch.bool), buffers)
     wrapped = loss_fn if precision is None else mixed_precision(loss_fn, precision)

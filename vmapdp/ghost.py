@@ -79,6 +79,7 @@ class _Site:
 @dataclass
 class _Plan:
     sites: list[_Site] = field(default_factory=list)
+    candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
 
 
@@ -97,20 +98,51 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
 
 
 def _tuple(v: Any, d: int) -> tuple[int, ...]:
-    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * d
+    """A conv argument as ``d`` ints (ATen repeats a single int, or a 1-element list, per dim)."""
+    if isinstance(v, (tuple, list)):
+        return tuple(int(u) for u in v) * (d if len(v) == 1 else 1)
+    return (int(v),) * d
+
+
+def _has_tensor(out: Any) -> bool:
+    if isinstance(out, Tensor):
+        return True
+    if isinstance(out, (list, tuple)):
+        return any(_has_tensor(o) for o in out)
+    if isinstance(out, dict):
+        return any(_has_tensor(o) for o in out.values())
+    return False
+
+
+_CONTROL_FLOW = (
+    "the model used its params differently than in the first call with these input shapes "
+    "(data-dependent control flow: another order of layers, other layer arguments, or a param "
+    "used in a way it was not before). Use method='vmap' for such models."
+)
 
 
 class _Run:
-    """The state of one forward: which tensors are params, the taps to add, what to keep."""
+    """The state of one forward: which tensors are params, the taps to add, what to keep.
 
-    def __init__(self, params: dict[str, Tensor], plan: _Plan | None, taps: list[Tensor], expanded: dict[str, Tensor]):
+    The probe (``plan=None``) runs the loss on one sample and records, in call order, every call
+    of a covered op whose weight is a param (a *candidate*), whether it is a *site* (it runs at
+    the level of vmapdp's own vmap, not inside a transform of the user's: those calls must be
+    differentiated through the transform, so they are uses like any other), and which params
+    have other uses (calls that return tensors; shape and dtype queries are not uses). The real
+    run checks that every call matches the plan and refuses to go on otherwise.
+    """
+
+    def __init__(self, params: dict[str, Tensor], plan: _Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
         self.key_of = {id(v): k for k, v in params.items()}
         self.probe = plan is None
         self.plan = plan if plan is not None else _Plan()
         self.taps = taps
         self.expanded = expanded
+        self.level = level  # the functorch level of vmapdp's vmap (probe only)
         self.saved: list[Tensor] = []
+        self.versions: list[tuple[Tensor, int]] = []
         self.n = 0  # sites seen so far
+        self.n_cand = 0  # candidates seen so far
         self.aliases: list[Tensor] = []  # casts of params, kept alive so that their ids stay unique
         self.other: set[str] = set()
 
@@ -118,14 +150,27 @@ class _Run:
     def _key(self, t: Any) -> str | None:
         return self.key_of.get(id(t)) if isinstance(t, Tensor) else None
 
-    def _site(self, func, args: tuple, kwargs: dict) -> tuple[str, str, str | None, tuple] | None:
+    def _keys_in(self, v: Any) -> set[str]:
+        if isinstance(v, (list, tuple)):
+            return set().union(*(self._keys_in(u) for u in v)) if v else set()
+        if isinstance(v, dict):
+            return set().union(*(self._keys_in(u) for u in v.values())) if v else set()
+        k = self._key(v)
+        return {k} if k is not None else set()
+
+    def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[str, str, str | None, tuple] | None:
+        """A covered op whose weight is a param, in the standard form its rule handles."""
         if func is F.linear:
             x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+            if not isinstance(w, Tensor) or w.dim() != 2:
+                return None
             meta: tuple = ()
             kind = "linear"
         elif func in _CONVS:
             x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
             d = _CONVS[func]
+            if not isinstance(w, Tensor) or w.dim() != d + 2:
+                return None
             padding = _arg(args, kwargs, 4, "padding", 0)
             meta = (
                 d,
@@ -133,10 +178,13 @@ class _Run:
                 padding if isinstance(padding, str) else _tuple(padding, d),
                 _tuple(_arg(args, kwargs, 5, "dilation", 1), d),
                 int(_arg(args, kwargs, 6, "groups", 1)),
+                tuple(w.shape),
             )
             kind = "conv"
         elif func is F.embedding:
             x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), None
+            if not isinstance(w, Tensor) or w.dim() != 2:
+                return None
             if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False):
                 return None  # renorming / frequency-scaled embeddings: the generic path
             pad = _arg(args, kwargs, 2, "padding_idx")
@@ -147,28 +195,34 @@ class _Run:
         else:
             return None
         wk = self._key(w)
-        if wk is None or self._key(x) is not None:
+        if wk is None or not isinstance(x, Tensor) or self._key(x) is not None:
             return None
+        if b is not None and (not isinstance(b, Tensor) or tuple(b.shape) != (w.shape[0],)):
+            return None  # a broadcasting bias: the generic path
         return kind, wk, self._key(b), meta
 
     def _swap(self, v: Any) -> Any:
-        """A param (or a cast of one) in an uncovered use -> its per-sample copy."""
+        """Params with uses no rule covers -> their per-sample copies (views of the param)."""
         if isinstance(v, (list, tuple)):
             return type(v)(self._swap(u) for u in v)
+        if isinstance(v, dict):
+            return {k: self._swap(u) for k, u in v.items()}
         k = self._key(v)
-        if k is None:
+        if k is None or k not in self.expanded:
             return v
-        self.other.add(k)
-        if self.probe:
-            return v
-        if k not in self.expanded:
-            raise RuntimeError(
-                f"ghost clipping: param {k!r} was used outside the covered ops (linear, conv, embedding) "
-                "in this call but not in the first call with these shapes: the model's control flow "
-                "depends on the data. Use method='vmap' for such models."
-            )
         e = self.expanded[k]
         return e if e.dtype == v.dtype else e.to(v.dtype)
+
+    def _other_use(self, func, args: tuple, kwargs: dict, keys: set[str]) -> Any:
+        if self.probe:
+            out = func(*args, **kwargs)
+            if _has_tensor(out):  # a use that carries gradient (shape/dtype queries do not)
+                self.other |= keys
+            return out
+        out = func(*self._swap(tuple(args)), **self._swap(kwargs))
+        if _has_tensor(out) and not keys <= set(self.plan.other):
+            raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
+        return out
 
     # -- the interception ----------------------------------------------------------------------
     def call(self, func, args: tuple, kwargs: dict) -> Any:
@@ -178,27 +232,48 @@ class _Run:
                 self.key_of[id(out)] = self.key_of[id(args[0])]
                 self.aliases.append(out)
             return out
-        site = self._site(func, args, kwargs)
-        if site is None:
-            return func(*self._swap(tuple(args)), **{k: self._swap(v) for k, v in kwargs.items()})
-        kind, wk, bk, meta = site
-        out = func(*args, **kwargs)
-        x = _arg(args, kwargs, 0, "input")
-        if kind == "conv":
-            meta = meta + (tuple(_arg(args, kwargs, 1, "weight").shape),)
+        cand = self._candidate(func, args, kwargs)
+        if cand is None:
+            keys = self._keys_in(args) | self._keys_in(kwargs)
+            return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
+        kind, wk, bk, meta = cand
+        keys = {wk} | ({bk} if bk else set())
+        index = self.n_cand
+        self.n_cand += 1
         if self.probe:
+            out = func(*args, **kwargs)
+            level = torch._C._functorch.maybe_get_level(out)
+            is_site = level in (self.level, -1)  # not inside a transform of the user's own
+            self.plan.candidates.append(is_site)
+            if not is_site:
+                self.other |= keys
+                return out
             self.plan.sites.append(_Site(kind, wk, bk, tuple(out.shape), out.dtype, meta))
             return out
-        if self.n >= len(self.plan.sites) or self.plan.sites[self.n].weight != wk or self.plan.sites[self.n].out_shape != tuple(out.shape):
-            raise RuntimeError(
-                "ghost clipping: the model called its layers in a different order or with different "
-                "shapes than in the first call with these input shapes (data-dependent control flow). "
-                "Use method='vmap' for such models."
-            )
+        if index >= len(self.plan.candidates):
+            raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
+        if not self.plan.candidates[index]:
+            return self._other_use(func, args, kwargs, keys)
+        out = func(*args, **kwargs)
+        if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != _Site(kind, wk, bk, tuple(out.shape), out.dtype, meta):
+            raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
+        x = _arg(args, kwargs, 0, "input")
         tap = self.taps[self.n]
         self.n += 1
+        if torch.compiler.is_compiling():
+            x = x.clone()  # free when nothing writes to x afterwards (the compiler drops it)
+        else:
+            self.versions.append(_version_of(x))
         self.saved.append(x)
         return out + tap
+
+
+def _version_of(x: Tensor) -> tuple[Tensor, int]:
+    """The plain tensor under vmap's wrappers, and its version counter (bumped by in-place writes)."""
+    f = torch._C._functorch
+    while f.is_batchedtensor(x) or f.is_gradtrackingtensor(x):
+        x = f.get_unwrapped(x)
+    return x, x._version
 
 
 def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> _Plan:
@@ -208,6 +283,7 @@ def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: A
     run = _Run(params, None, [], {})
 
     def fwd(sample):
+        run.level = torch._C._functorch.maybe_get_level(optree.tree_leaves(sample, namespace="torch")[0])
         _ACTIVE.append(run)
         try:
             with _Mode():
@@ -298,7 +374,7 @@ def _uses(site: _Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[
         if site.bias:
             out.append((site.bias, _Use("pair", gg, gg.new_ones(gg.shape[:2] + (1,)), tuple(params[site.bias].shape))))
     elif site.kind == "conv":
-        dims, stride, padding, dilation, groups, kshape = site.meta
+        dims, stride, padding, dilation, groups, kshape = site.meta  # (set by _Run._candidate)
         c_in, c_out = x.shape[-dims - 1], kshape[0]
         xs = _conv_padded(x.reshape((-1, c_in) + tuple(x.shape[-dims:])).to(dt), dims, padding, tuple(kshape[2:]), dilation)
         gs = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt)
@@ -321,19 +397,49 @@ def _slices(b: int, per_sample: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, b)) for s in range(0, b, step)]
 
 
-def _pair_sq_norms(u: Tensor, v: Tensor) -> Tensor:
-    """``||sum_t u_t v_t^T||^2`` per sample: ghost (Gram matrices) or direct, whichever is cheaper."""
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _pair_sq_norms(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``||sum_t u_t v_t^T||^2`` per sample, ghost (Gram matrices) or direct, whichever is cheaper,
+    and the floating-point margin of the norm (see :func:`_margin`)."""
     b, t, du = u.shape
     dv = v.shape[2]
     ghost = t * (du + dv) < du * dv
-    parts = []
+    sqs, masses = [], []
     for s, e in _slices(b, t * t if ghost else du * dv):
         us, vs = u[s:e], v[s:e]
+        masses.append((us.norm(dim=2) * vs.norm(dim=2)).sum(1))
         if ghost:
-            parts.append((torch.bmm(us, us.transpose(1, 2)) * torch.bmm(vs, vs.transpose(1, 2))).sum((1, 2)))
+            # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
+            # computed norm far smaller than the true one (a large shared component in x, output
+            # grads of alternating sign)
+            u64, v64 = us.double(), vs.double()
+            sqs.append((torch.bmm(u64, u64.transpose(1, 2)) * torch.bmm(v64, v64.transpose(1, 2))).sum((1, 2)))
         else:
-            parts.append(torch.bmm(us.transpose(1, 2), vs).square().sum((1, 2)))
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+            sqs.append(torch.bmm(us.transpose(1, 2), vs).square().sum((1, 2)))
+    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    mass = torch.cat(masses) if len(masses) > 1 else masses[0]
+    margin = _margin(t, u.dtype) * mass
+    if ghost:  # the float64 Gram sum is within gamma * mass^2 of the true squared norm
+        gamma = (du + dv + t * t + 2) * _eps(torch.float64)
+        m = mass.double()
+        root = sq.clamp_min(0.0).sqrt()
+        margin = margin + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
+    return sq, margin
+
+
+def _margin(t: int, dtype: torch.dtype) -> float:
+    """Relative margin for a per-sample gradient ``sum_t u_t v_t^T`` computed twice, differently.
+
+    Ghost clipping computes a sample's norm and its share of the clipped sum by two different
+    float computations; each can be off by ``~ T eps sum_t |u_t| |v_t|`` (worst case, when the
+    terms cancel). The clip factor uses ``norm + margin * sum_t |u_t||v_t|`` so that the released
+    contribution is within ``C`` however the rounding falls (an adversary can make the terms
+    cancel); benign samples see a relative change of ``~ T^1.5 eps``, 1e-4 or less in float32.
+    """
+    return 2.0 * (t + 2) * _eps(dtype)
 
 
 def _conv_pair(use: _Use) -> tuple[Tensor, Tensor]:
@@ -373,32 +479,46 @@ def _grouped_path(use: _Use) -> bool:
     return use.extra[3] > 1 or c_out * c_in_g <= _GROUPED_CONV_MAX
 
 
-def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor | None]:
-    """Squared norms of one conv use, and its per-sample grads when ``keep_grads`` and they were formed."""
+def _conv_mass(use: _Use) -> Tensor:
+    """``sum_t |g_t| |patch_t|`` per sample, without forming the patches (a conv of ``x^2`` with ones)."""
+    dims, stride, dilation, _ = use.extra
+    g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
+    b, n = g.shape[:2]
+    conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
+    patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
+    g_norm = g.flatten(0, 1).square().sum(1, keepdim=True)
+    return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
+
+
+def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared norms of one conv use, their margin, and the per-sample grads when ``keep_grads``."""
     if not _grouped_path(use):
-        return _pair_sq_norms(*_conv_pair(use)), None
+        return (*_pair_sq_norms(*_conv_pair(use)), None)
     b = use.u.shape[0]
     # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
     step = min(_GROUPED_ROWS, _slices(b, math.prod(use.shape))[0][1]) if not keep_grads else _GROUPED_ROWS
     pers = [_conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra)) for s in range(0, b, step)]
     sq = torch.cat([p.flatten(1).square().sum(1) for p in pers]) if len(pers) > 1 else pers[0].flatten(1).square().sum(1)
-    if not keep_grads:
-        return sq, None
-    return sq, torch.cat(pers) if len(pers) > 1 else pers[0]
+    if keep_grads:  # the clipped sum will use these very numbers: nothing to reconcile
+        return sq, torch.zeros_like(sq), torch.cat(pers) if len(pers) > 1 else pers[0]
+    positions = math.prod(use.u.shape[3:]) * use.u.shape[1]
+    return sq, _margin(positions, sq.dtype) * _conv_mass(use), None
 
 
-def _embedding_sq_norms(g: Tensor, tok: Tensor) -> Tensor:
-    """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal tokens (sorted)."""
+def _embedding_sq_norms(g: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
+    """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal tokens (sorted),
+    and its margin."""
     b, t, d = g.shape
     if t == 0:
-        return g.new_zeros(b)
+        return g.new_zeros(b), g.new_zeros(b)
     srt, perm = tok.sort(dim=1)
     gs = g.gather(1, perm.unsqueeze(-1).expand(b, t, d))
     new = torch.ones_like(srt, dtype=torch.bool)
     new[:, 1:] = srt[:, 1:] != srt[:, :-1]
     seg = new.long().cumsum(1) - 1  # segment id of each position, equal tokens share one
     sums = g.new_zeros(b, t, d).scatter_add(1, seg.unsqueeze(-1).expand(b, t, d), gs)
-    return sums.square().sum((1, 2))
+    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.norm(dim=2).sum(1)
 
 
 def _per_sample(use: _Use) -> Tensor:
@@ -434,25 +554,40 @@ def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
     return uw.new_zeros(use.extra, uw.shape[-1]).index_add(0, v.reshape(-1), flat).reshape(use.shape)
 
 
-def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor | None]:
-    """Squared per-sample norms of one param's gradient (the sum of all its uses), and its
-    per-sample grads when they had to be formed and ``keep_grads`` allows keeping them."""
+def _use_margin(use: _Use) -> Tensor:
+    if use.kind == "pair":
+        return _margin(use.u.shape[1], use.u.dtype) * (use.u.norm(dim=2) * use.v.norm(dim=2)).sum(1)
+    if use.kind == "conv":
+        return _margin(math.prod(use.u.shape[3:]) * use.u.shape[1], use.u.dtype) * _conv_mass(use)
+    return _margin(use.u.shape[1], use.u.dtype) * use.u.norm(dim=2).sum(1)
+
+
+def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared per-sample norms of one param's gradient (the sum of all its uses), the margin of
+    the norm (see :func:`_margin`), and the per-sample grads when they had to be formed and
+    ``keep_grads`` allows keeping them (then the sum uses the same numbers and the margin is 0)."""
     kinds = {u.kind for u in uses}
     if other is None and len(uses) == 1 and kinds == {"conv"}:
         return _conv_sq_norms(uses[0], keep_grads)
     if other is None and kinds == {"pair"} and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) == 1:
         u = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         v = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return _pair_sq_norms(u, v), None
+        return (*_pair_sq_norms(u, v), None)
     if other is None and kinds == {"embedding"}:
         g = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         tok = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return _embedding_sq_norms(g, tok), None
+        return (*_embedding_sq_norms(g, tok), None)
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
         p = _per_sample(u)
         total = p if total is None else total + p
-    return total.flatten(1).square().sum(1), (total if keep_grads else None)
+    sq = total.reshape(total.shape[0], -1).square().sum(1)
+    if keep_grads:
+        return sq, torch.zeros_like(sq), total
+    margin = torch.zeros_like(sq)
+    for u in uses:  # the other uses' per-sample grads are summed as they are: no margin for them
+        margin = margin + _use_margin(u).to(sq.dtype)
+    return sq, margin, None
 
 
 def ghost_norms_and_sum(
@@ -495,10 +630,13 @@ def ghost_norms_and_sum(
                 loss = loss_fn(params, *shared, sample)
         finally:
             _ACTIVE.pop()
-        if run.n != len(plan.sites):
+        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates):
+            raise RuntimeError(f"{call}: {_CONTROL_FLOW}")
+        if any(t._version != v for t, v in run.versions):
             raise RuntimeError(
-                f"{call}: the model made {run.n} covered layer calls, {len(plan.sites)} in the first call "
-                "with these shapes (data-dependent control flow). Use method='vmap' for such models."
+                f"{call}: the model wrote in place into the input of a linear, conv or embedding layer after "
+                "the layer read it; ghost clipping needs that input unchanged. Write out of place "
+                "(y = x * 3 instead of x.mul_(3)), or use method='vmap'."
             )
         return loss, run.saved
 
@@ -517,22 +655,28 @@ def ghost_norms_and_sum(
             uses.setdefault(key, []).append(use)
     sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
     kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
+    safe_sq = torch.zeros_like(sq)
     budget = _KEEP_ELEMENTS if weights_fn is not None else 0
     for key in params:
         if key in uses or key in other_grads:
             size = b * params[key].numel()
-            sq_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), size <= budget)
+            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), size <= budget)
             if per is not None:
                 kept[key] = per
                 budget -= size
-            sq = sq + sq_k.to(sq.dtype)
+            sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
+            sq = sq + sq_k
+            safe_sq = safe_sq + (sq_k.sqrt() + margin_k.to(sq.dtype)).square()
     norms = torch.where(real, sq.sqrt(), 0.0)
+    # the clip factor uses an upper bound on the norm that covers the rounding of the two
+    # computations (norm, and clipped sum) ghost clipping does for a sample: see _margin
+    safe = torch.where(real, safe_sq.sqrt(), 0.0)
     losses = torch.where(real, losses, 0.0)
     if weights_fn is None:
         return norms, None, losses
 
     keep = real & torch.isfinite(norms)
-    w = torch.where(keep, weights_fn(norms, keep), 0.0)
+    w = torch.where(keep, weights_fn(safe, keep), 0.0)
     # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
     zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
     summed: dict[str, Tensor] = {}
@@ -561,9 +705,16 @@ _METHODS = ("auto", "vmap", "ghost", "two_pass")
 
 
 def _shape_key(args: tuple) -> tuple:
-    """What a plan depends on: the arguments' structure (param names included), shapes, dtypes."""
-    leaves, spec = optree.tree_flatten(args, namespace="torch")
-    return (spec,) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, t) for t in leaves)
+    """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes.
+
+    Sorted by path, so that the key does not depend on the order optree lists dict entries in.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(args, namespace="torch")
+    items = [
+        (repr(p), (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, repr(t)))
+        for p, t in zip(paths, leaves)
+    ]
+    return tuple(sorted(items))
 
 
 def clipped_grad_sum(
