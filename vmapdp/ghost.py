@@ -410,15 +410,17 @@ def _pair_sq_norms(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     sqs, masses = [], []
     for s, e in _slices(b, t * t if ghost else du * dv):
         us, vs = u[s:e], v[s:e]
-        masses.append((us.norm(dim=2) * vs.norm(dim=2)).sum(1))
         if ghost:
             # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
             # computed norm far smaller than the true one (a large shared component in x, output
             # grads of alternating sign)
             u64, v64 = us.double(), vs.double()
-            sqs.append((torch.bmm(u64, u64.transpose(1, 2)) * torch.bmm(v64, v64.transpose(1, 2))).sum((1, 2)))
+            gu, gv = torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2))
+            sqs.append((gu * gv).sum((1, 2)))
+            masses.append((gu.diagonal(dim1=1, dim2=2) * gv.diagonal(dim1=1, dim2=2)).clamp_min(0.0).sqrt().sum(1).to(u.dtype))
         else:
             sqs.append(torch.bmm(us.transpose(1, 2), vs).square().sum((1, 2)))
+            masses.append((us.square().sum(2) * vs.square().sum(2)).sqrt().sum(1))
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
     mass = torch.cat(masses) if len(masses) > 1 else masses[0]
     margin = _margin(t, u.dtype) * mass
@@ -448,6 +450,8 @@ def _conv_pair(use: _Use) -> tuple[Tensor, Tensor]:
     g, x = use.u, use.v
     b, n, c_out = g.shape[:3]
     patches = _unfold(x.flatten(0, 1), dims, tuple(use.shape[2:]), stride, dilation)  # [B*n, C_in*k, L]
+    if n == 1:  # transposed views, no copies
+        return g.flatten(3)[:, 0].transpose(1, 2), patches.transpose(1, 2)
     v = patches.reshape(b, n, patches.shape[1], patches.shape[2]).transpose(2, 3).reshape(b, -1, patches.shape[1])
     u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out)
     return u, v
