@@ -358,3 +358,20 @@ def test_shape_and_dtype_queries_and_casts_keep_the_layers_covered():
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(wrapped)(params, buffers, batch), C)
     summed, norms, _ = vmapdp.clipped_grad_sum(wrapped, l2_clip_norm=C, method="ghost")(params, buffers, batch)
     _assert_close(summed, norms, *ref, rtol=2e-2)  # bf16 compute: the two paths round differently
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+def test_chunked_step_equals_the_unchunked_one(method):
+    """physical_batch_size bounds memory (B x params for vmap); the clipped sum is the same."""
+    params, buffers, batch, loss_fn = _case("linear_on_sequence_mse", b=8)
+    mask = torch.tensor([True, False, True, True, True, False, True, True])
+    opt = vmapdp.optim.sgd(0.1)
+    out = []
+    for chunk in (None, 2, 4):
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=6.0, sample_rate=0.1,
+                                      method=method, physical_batch_size=chunk, norm_chunk_size=3 if method == "two_pass" else None, compile=False)
+        state, _ = step(vmapdp.init_train_state(params, opt, seed=5), batch, mask, buffers)
+        out.append(state.params)
+    for other in out[1:]:
+        for k in params:
+            torch.testing.assert_close(other[k], out[0][k], rtol=1e-12, atol=1e-14)

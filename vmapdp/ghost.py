@@ -26,7 +26,21 @@ view): the same ``vjp`` returns their per-sample gradients, whose norms join the
 with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums
 equal the per-sample-gradient engine's up to float rounding, for any model.
 
-Everything here is a pure function of tensors and runs under ``torch.compile(fullgraph=True)``.
+Floating point: a sample's norm and its share of the clipped sum come from two different
+computations, so their rounding differs; an adversarial sample can make the terms of a ghost
+Gram sum cancel (a large component shared by all positions, output grads of alternating sign).
+Gram sums are therefore taken in float64, and the clip factor uses the norm plus a margin that
+bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``; see :func:`_margin`): the
+released contribution stays within ``C``, and benign samples see a relative change of ~1e-4 or
+less. The returned ``norms`` are the computed norms, without the margin.
+
+Small convs get their per-sample norms from one grouped conv backward; their per-sample grads
+are then kept (up to ``_KEEP_ELEMENTS`` floats in all) and the clipped sum is a weighted sum of
+them, which is both faster than another conv backward and consistent by construction.
+
+Everything here is a pure function of tensors and runs under ``torch.compile(fullgraph=True)``
+(the first call for an input shape runs a one-sample probe eagerly: ``fn.prepare(*args)``, which
+``make_train_step`` calls outside the compiled region).
 Data-dependent control flow that changes which ops see the params between the first call for a
 shape and later calls is refused with an error.
 """

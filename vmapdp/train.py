@@ -2,14 +2,16 @@
 
 One logical step, in this fixed order::
 
-    grads   = per_sample_grads(loss_fn)(params, chunk)          # [capacity, ...] per chunk
-    summed += clip_and_sum(grads, l2_clip_norm, mask=mask)       # masked rows add exactly 0
+    summed += clipped_grad_sum(loss_fn, method=...)(params, chunk, mask=mask)
+              # = clip_and_sum(per_sample_grads(loss_fn)(params, chunk), C, mask=mask), computed by
+              #   ghost clipping, per-sample grads or two passes; masked rows add exactly 0
+    summed  = all_reduce(summed)                                 # distributed=True only
     ledger  = ledger.record(noise_multiplier, sample_rate)       # before anything is released
     noisy   = add_noise(summed, noise_multiplier * l2_clip_norm)  # once per logical step
     update  = noisy / expected_batch_size                        # the EXPECTED size, never the realised one
     params, opt_state = optimizer.update(update, opt_state, params)
 
-The tensor work of a chunk (per-sample grads, clipping, the masked sum) runs under
+The tensor work of a chunk (norms, clipping, the masked sum) runs under
 ``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
 once. Noise is drawn outside the compiled graph, after aggregation, from a generator derived from
 ``(state.noise_seed, state.step)``: the same state always gives the same step, and a run resumed
