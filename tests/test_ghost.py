@@ -96,7 +96,7 @@ def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out
     g = torch.Generator().manual_seed(t)
     u, v = torch.randn(4, t, d_out, generator=g, dtype=torch.float64), torch.randn(4, t, d_in, generator=g, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", u, v).square().sum((1, 2))
-    sq, margin = ghost._pair_sq_norms(u, v)
+    sq, margin, _ = ghost._pair_sq_norms(u, v)
     torch.testing.assert_close(sq, want, rtol=1e-12, atol=0)
     assert (margin > 0).all() and (margin < 1e-10 * want.sqrt()).all()  # float64: a negligible margin
     assert (t * (d_in + d_out) < d_in * d_out) == (t == 2)  # the cases cover both branches

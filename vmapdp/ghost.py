@@ -415,14 +415,16 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
-def _pair_sq_norms(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """``||sum_t u_t v_t^T||^2`` per sample, ghost (Gram matrices) or direct, whichever is cheaper,
-    and the floating-point margin of the norm (see :func:`_margin`)."""
+    the floating-point margin of the norm (see :func:`_margin`), and, when the direct way formed
+    them and ``keep_grads``, the per-sample grads ``[B, du, dv]`` (then the margin is 0: the sum
+    will use these very numbers)."""
     b, t, du = u.shape
     dv = v.shape[2]
     ghost = t * (du + dv) < du * dv
-    sqs, masses = [], []
-    for s, e in _slices(b, t * t if ghost else du * dv):
+    sqs, masses, pers = [], [], []
+    for s, e in _slices(b, 2 * t * (t + du + dv) if ghost else du * dv):  # (float64 copies in the Gram case)
         us, vs = u[s:e], v[s:e]
         if ghost:
             # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
@@ -433,9 +435,15 @@ def _pair_sq_norms(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             sqs.append((gu * gv).sum((1, 2)))
             masses.append((gu.diagonal(dim1=1, dim2=2) * gv.diagonal(dim1=1, dim2=2)).clamp_min(0.0).sqrt().sum(1).to(u.dtype))
         else:
-            sqs.append(torch.bmm(us.transpose(1, 2), vs).square().sum((1, 2)))
-            masses.append((us.square().sum(2) * vs.square().sum(2)).sqrt().sum(1))
+            per = torch.bmm(us.transpose(1, 2), vs)
+            sqs.append(per.square().sum((1, 2)))
+            if keep_grads:
+                pers.append(per)
+            else:
+                masses.append((us.square().sum(2) * vs.square().sum(2)).sqrt().sum(1))
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    if pers:
+        return sq, torch.zeros_like(sq), torch.cat(pers) if len(pers) > 1 else pers[0]
     mass = torch.cat(masses) if len(masses) > 1 else masses[0]
     margin = _margin(t, u.dtype) * mass
     if ghost:  # the float64 Gram sum is within gamma * mass^2 of the true squared norm
@@ -443,7 +451,7 @@ def _pair_sq_norms(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         m = mass.double()
         root = sq.clamp_min(0.0).sqrt()
         margin = margin + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
-    return sq, margin
+    return sq, margin, None
 
 
 def _margin(t: int, dtype: torch.dtype) -> float:
@@ -512,7 +520,8 @@ def _conv_mass(use: _Use) -> Tensor:
 def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """Squared norms of one conv use, their margin, and the per-sample grads when ``keep_grads``."""
     if not _grouped_path(use):
-        return (*_pair_sq_norms(*_conv_pair(use)), None)
+        sq, margin, per = _pair_sq_norms(*_conv_pair(use), keep_grads)
+        return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
     b = use.u.shape[0]
     # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
     step = min(_GROUPED_ROWS, _slices(b, math.prod(use.shape))[0][1]) if not keep_grads else _GROUPED_ROWS
@@ -590,7 +599,9 @@ def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple
     if other is None and kinds == {"pair"} and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) == 1:
         u = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         v = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return (*_pair_sq_norms(u, v), None)
+        b = u.shape[0]
+        sq, margin, per = _pair_sq_norms(u, v, keep_grads)
+        return sq, margin, None if per is None else per.reshape((b,) + uses[0].shape)
     if other is None and kinds == {"embedding"}:
         g = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
         tok = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
@@ -666,11 +677,13 @@ def ghost_norms_and_sum(
         raise ValueError(f"{call}: loss_fn must return a scalar for one sample; it returned shape {tuple(losses.shape[1:])} per sample.")
     real = torch.ones(b, dtype=torch.bool, device=device) if mask is None else mask.to(device)
     tap_grads, other_grads = backward(real.to(losses.dtype))
+    del backward  # frees the forward's saved tensors before the norms are computed
 
     uses: dict[str, list[_Use]] = {}
     for site, x, g in zip(plan.sites, saved, tap_grads):
         for key, use in _uses(site, x, g, params):
             uses.setdefault(key, []).append(use)
+    del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
     sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
     kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
     safe_sq = torch.zeros_like(sq)
@@ -682,6 +695,7 @@ def ghost_norms_and_sum(
             if per is not None:
                 kept[key] = per
                 budget -= size
+                uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
             sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
             sq = sq + sq_k
             safe_sq = safe_sq + (sq_k.sqrt() + margin_k.to(sq.dtype)).square()
