@@ -433,7 +433,7 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
             u64, v64 = us.double(), vs.double()
             gu, gv = torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2))
             sqs.append((gu * gv).sum((1, 2)))
-            masses.append((gu.diagonal(dim1=1, dim2=2) * gv.diagonal(dim1=1, dim2=2)).clamp_min(0.0).sqrt().sum(1).to(u.dtype))
+            masses.append((u64.square().sum(2) * v64.square().sum(2)).sqrt().sum(1).to(u.dtype))
         else:
             per = torch.bmm(us.transpose(1, 2), vs)
             sqs.append(per.square().sum((1, 2)))
