@@ -440,7 +440,7 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
             if keep_grads:
                 pers.append(per)
             else:
-                masses.append((us.square().sum(2) * vs.square().sum(2)).sqrt().sum(1))
+                masses.append(_mass(us, vs))
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
     if pers:
         return sq, torch.zeros_like(sq), torch.cat(pers) if len(pers) > 1 else pers[0]
@@ -452,6 +452,11 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
         root = sq.clamp_min(0.0).sqrt()
         margin = margin + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
     return sq, margin, None
+
+
+def _mass(u: Tensor, v: Tensor) -> Tensor:
+    """``sum_t |u_t| |v_t|`` per sample, in float64 (float32 squares overflow at |u| ~ 2e19)."""
+    return (u.double().square().sum(2) * v.double().square().sum(2)).sqrt().sum(1)
 
 
 def _margin(t: int, dtype: torch.dtype) -> float:
@@ -512,8 +517,8 @@ def _conv_mass(use: _Use) -> Tensor:
     b, n = g.shape[:2]
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
     ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
-    patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
-    g_norm = g.flatten(0, 1).square().sum(1, keepdim=True)
+    patch_sq = conv(x.flatten(0, 1).double().square(), ones.double(), stride=stride, dilation=dilation)  # [B*n, 1, *out]
+    g_norm = g.flatten(0, 1).double().square().sum(1, keepdim=True)
     return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
 
 
@@ -545,7 +550,7 @@ def _embedding_sq_norms(g: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
     new[:, 1:] = srt[:, 1:] != srt[:, :-1]
     seg = new.long().cumsum(1) - 1  # segment id of each position, equal tokens share one
     sums = g.new_zeros(b, t, d).scatter_add(1, seg.unsqueeze(-1).expand(b, t, d), gs)
-    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.norm(dim=2).sum(1)
+    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.double().norm(dim=2).sum(1)
 
 
 def _per_sample(use: _Use) -> Tensor:
@@ -583,10 +588,10 @@ def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
 
 def _use_margin(use: _Use) -> Tensor:
     if use.kind == "pair":
-        return _margin(use.u.shape[1], use.u.dtype) * (use.u.norm(dim=2) * use.v.norm(dim=2)).sum(1)
+        return _margin(use.u.shape[1], use.u.dtype) * _mass(use.u, use.v)
     if use.kind == "conv":
         return _margin(math.prod(use.u.shape[3:]) * use.u.shape[1], use.u.dtype) * _conv_mass(use)
-    return _margin(use.u.shape[1], use.u.dtype) * use.u.norm(dim=2).sum(1)
+    return _margin(use.u.shape[1], use.u.dtype) * use.u.double().norm(dim=2).sum(1)
 
 
 def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -686,7 +691,7 @@ def ghost_norms_and_sum(
     del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
     sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
     kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
-    safe_sq = torch.zeros_like(sq)
+    safe_sq = torch.zeros(b, dtype=torch.float64, device=device)
     budget = _KEEP_ELEMENTS if weights_fn is not None else 0
     for key in params:
         if key in uses or key in other_grads:
@@ -698,11 +703,15 @@ def ghost_norms_and_sum(
                 uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
             sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
             sq = sq + sq_k
-            safe_sq = safe_sq + (sq_k.sqrt() + margin_k.to(sq.dtype)).square()
+            safe_sq = safe_sq + (sq_k.double().sqrt() + margin_k.double()).square()
     norms = torch.where(real, sq.sqrt(), 0.0)
     # the clip factor uses an upper bound on the norm that covers the rounding of the two
     # computations (norm, and clipped sum) ghost clipping does for a sample: see _margin
     safe = torch.where(real, safe_sq.sqrt(), 0.0)
+    # a bound that is not finite (extreme values) must not turn into a factor of 1 or NaN: such a
+    # sample is dropped like a non-finite one, and its norm reported as inf so that it is counted
+    norms = torch.where(torch.isfinite(safe), norms, torch.inf)
+    safe = safe.to(norms.dtype)
     losses = torch.where(real, losses, 0.0)
     if weights_fn is None:
         return norms, None, losses
