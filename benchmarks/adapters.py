@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 import os
@@ -55,22 +54,11 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 
 
-def _load(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(HERE))
+import train_step  # noqa: E402  (the interleaved timing and CPU-load helpers, and the VmHWM probe)
 
-
-psg_bench = _load("vmapdp_benchmarks_per_sample_grads", "per_sample_grads.py")  # interleaved timing, CPU load
-
-
-def _vm_hwm_mib() -> float:
-    """This process's peak resident memory: ``train_step.py``'s helper (Linux ``VmHWM``)."""
-    return _load("vmapdp_benchmarks_train_step", "train_step.py")._vm_hwm_mib()
+psg_bench = train_step.psg_bench
+_vm_hwm_mib = train_step._vm_hwm_mib
 
 VARIANTS = ("lora", "full")
 METHODS = ("torch", "vmapdp_compiled", "vmapdp_eager", "vmapdp_vmap", "opacus_hooks")
