@@ -455,8 +455,10 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
 
 
 def _mass(u: Tensor, v: Tensor) -> Tensor:
-    """``sum_t |u_t| |v_t|`` per sample, in float64 (float32 squares overflow at |u| ~ 2e19)."""
-    return (u.double().square().sum(2) * v.double().square().sum(2)).sqrt().sum(1)
+    """``sum_t |u_t| |v_t|`` per sample. In the tensors' dtype (a float64 copy would cost memory):
+    it overflows only for extreme values (|u| ~ 2e19 in float32), and a non-finite margin then
+    drops the sample visibly (see ghost_norms_and_sum), never releases it unclipped."""
+    return (u.square().sum(2) * v.square().sum(2)).sqrt().sum(1)
 
 
 def _margin(t: int, dtype: torch.dtype) -> float:
@@ -517,8 +519,8 @@ def _conv_mass(use: _Use) -> Tensor:
     b, n = g.shape[:2]
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
     ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
-    patch_sq = conv(x.flatten(0, 1).double().square(), ones.double(), stride=stride, dilation=dilation)  # [B*n, 1, *out]
-    g_norm = g.flatten(0, 1).double().square().sum(1, keepdim=True)
+    patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
+    g_norm = g.flatten(0, 1).square().sum(1, keepdim=True)
     return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
 
 
@@ -550,7 +552,7 @@ def _embedding_sq_norms(g: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
     new[:, 1:] = srt[:, 1:] != srt[:, :-1]
     seg = new.long().cumsum(1) - 1  # segment id of each position, equal tokens share one
     sums = g.new_zeros(b, t, d).scatter_add(1, seg.unsqueeze(-1).expand(b, t, d), gs)
-    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.double().norm(dim=2).sum(1)
+    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.square().sum(2).sqrt().sum(1)
 
 
 def _per_sample(use: _Use) -> Tensor:
@@ -591,7 +593,7 @@ def _use_margin(use: _Use) -> Tensor:
         return _margin(use.u.shape[1], use.u.dtype) * _mass(use.u, use.v)
     if use.kind == "conv":
         return _margin(math.prod(use.u.shape[3:]) * use.u.shape[1], use.u.dtype) * _conv_mass(use)
-    return _margin(use.u.shape[1], use.u.dtype) * use.u.double().norm(dim=2).sum(1)
+    return _margin(use.u.shape[1], use.u.dtype) * use.u.square().sum(2).sqrt().sum(1)
 
 
 def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
