@@ -58,8 +58,8 @@ from torch import Tensor
 from torch.func import vjp, vmap
 from torch.overrides import TorchFunctionMode
 
-from vmapdp._tree import acc_dtype, batch_size, check_mask, rows
-from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, clip_and_sum, clip_factors, grad_norms
+from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, _weighted_sum, clip_and_sum, clip_factors, grad_norms
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
 __all__ = ["clipped_grad_sum"]
@@ -119,13 +119,7 @@ def _tuple(v: Any, d: int) -> tuple[int, ...]:
 
 
 def _has_tensor(out: Any) -> bool:
-    if isinstance(out, Tensor):
-        return True
-    if isinstance(out, (list, tuple)):
-        return any(_has_tensor(o) for o in out)
-    if isinstance(out, dict):
-        return any(_has_tensor(o) for o in out.values())
-    return False
+    return any(isinstance(leaf, Tensor) for leaf in optree.tree_leaves(out, namespace="torch"))
 
 
 _CONTROL_FLOW = (
@@ -164,13 +158,10 @@ class _Run:
     def _key(self, t: Any) -> str | None:
         return self.key_of.get(id(t)) if isinstance(t, Tensor) else None
 
-    def _keys_in(self, v: Any) -> set[str]:
-        if isinstance(v, (list, tuple)):
-            return set().union(*(self._keys_in(u) for u in v)) if v else set()
-        if isinstance(v, dict):
-            return set().union(*(self._keys_in(u) for u in v.values())) if v else set()
-        k = self._key(v)
-        return {k} if k is not None else set()
+    def _keys_in(self, tree: Any) -> set[str]:
+        """The params (by key) among the leaves of a call's arguments."""
+        keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
+        return {k for k in keys if k is not None}
 
     def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[str, str, str | None, tuple] | None:
         """A covered op whose weight is a param, in the standard form its rule handles."""
@@ -215,17 +206,17 @@ class _Run:
             return None  # a broadcasting bias: the generic path
         return kind, wk, self._key(b), meta
 
-    def _swap(self, v: Any) -> Any:
+    def _swap(self, tree: Any) -> Any:
         """Params with uses no rule covers -> their per-sample copies (views of the param)."""
-        if isinstance(v, (list, tuple)):
-            return type(v)(self._swap(u) for u in v)
-        if isinstance(v, dict):
-            return {k: self._swap(u) for k, u in v.items()}
-        k = self._key(v)
-        if k is None or k not in self.expanded:
-            return v
-        e = self.expanded[k]
-        return e if e.dtype == v.dtype else e.to(v.dtype)
+
+        def one(v: Any) -> Any:
+            k = self._key(v)
+            if k is None or k not in self.expanded:
+                return v
+            e = self.expanded[k]
+            return e if e.dtype == v.dtype else e.to(v.dtype)
+
+        return optree.tree_map(one, tree, namespace="torch")
 
     def _other_use(self, func, args: tuple, kwargs: dict, keys: set[str]) -> Any:
         if self.probe:
@@ -234,7 +225,7 @@ class _Run:
                 self.other |= keys
             return out
         out = func(*self._swap(tuple(args)), **self._swap(kwargs))
-        if _has_tensor(out) and not keys <= set(self.plan.other):
+        if _has_tensor(out) and not keys <= self.expanded.keys():  # (expanded: the plan's other-use keys)
             raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
         return out
 
@@ -248,7 +239,7 @@ class _Run:
             return out
         cand = self._candidate(func, args, kwargs)
         if cand is None:
-            keys = self._keys_in(args) | self._keys_in(kwargs)
+            keys = self._keys_in((args, kwargs))
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
         kind, wk, bk, meta = cand
         keys = {wk} | ({bk} if bk else set())
@@ -290,6 +281,16 @@ def _version_of(x: Tensor) -> tuple[Tensor, int]:
     return x, x._version
 
 
+def _run_loss(run: _Run, loss_fn: Callable, params: dict[str, Tensor], shared: tuple, sample: Any) -> Tensor:
+    """``loss_fn`` on one (vmapped) sample with ``run`` watching its calls."""
+    _ACTIVE.append(run)
+    try:
+        with _Mode():
+            return loss_fn(params, *shared, sample)
+    finally:
+        _ACTIVE.pop()
+
+
 def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> _Plan:
     """Run the loss on one sample to learn which ops see which params (shapes only matter)."""
     one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
@@ -298,12 +299,7 @@ def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: A
 
     def fwd(sample):
         run.level = torch._C._functorch.maybe_get_level(optree.tree_leaves(sample, namespace="torch")[0])
-        _ACTIVE.append(run)
-        try:
-            with _Mode():
-                return loss_fn(params, *shared, sample)
-        finally:
-            _ACTIVE.pop()
+        return _run_loss(run, loss_fn, params, shared, sample)
 
     with torch.no_grad():
         vmap(fwd, randomness=randomness)(one)
@@ -406,8 +402,13 @@ def _uses(site: _Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[
     return out
 
 
+def _rows_per_slice(b: int, per_sample: int) -> int:
+    """How many of ``b`` samples fit a slice of ``_SLICE_ELEMENTS`` intermediates."""
+    return max(1, min(b, _SLICE_ELEMENTS // max(per_sample, 1)))
+
+
 def _slices(b: int, per_sample: int) -> list[tuple[int, int]]:
-    step = max(1, min(b, _SLICE_ELEMENTS // max(per_sample, 1)))
+    step = _rows_per_slice(b, per_sample)
     return [(s, min(s + step, b)) for s in range(0, b, step)]
 
 
@@ -531,7 +532,7 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
         return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
     b = use.u.shape[0]
     # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
-    step = min(_GROUPED_ROWS, _slices(b, math.prod(use.shape))[0][1]) if not keep_grads else _GROUPED_ROWS
+    step = _GROUPED_ROWS if keep_grads else min(_GROUPED_ROWS, _rows_per_slice(b, math.prod(use.shape)))
     pers = [_conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra)) for s in range(0, b, step)]
     sq = torch.cat([p.flatten(1).square().sum(1) for p in pers]) if len(pers) > 1 else pers[0].flatten(1).square().sum(1)
     if keep_grads:  # the clipped sum will use these very numbers: nothing to reconcile
@@ -632,7 +633,7 @@ def ghost_norms_and_sum(
     shared: tuple,
     batch: Any,
     mask: Tensor | None,
-    weights_fn: Callable[[Tensor, Tensor], Tensor] | None,
+    weights_fn: Callable[[Tensor], Tensor] | None,
     *,
     randomness: str = "error",
     plan: _Plan | None = None,
@@ -640,8 +641,8 @@ def ghost_norms_and_sum(
 ) -> tuple[Tensor, dict[str, Tensor] | None, Tensor]:
     """Per-sample norms ``[B]`` and ``sum_i w_i g_i`` from one forward and one backward.
 
-    ``weights_fn(norms, keep)`` returns the per-sample weights ``w`` (0 where a row must not
-    contribute); with ``weights_fn=None`` only the norms are computed. Returns
+    ``weights_fn(norms)`` returns the per-sample clip factors (rows that must not contribute get
+    weight 0 here); with ``weights_fn=None`` only the norms are computed. Returns
     ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0.
     """
     if not isinstance(params, dict):
@@ -660,12 +661,7 @@ def ghost_norms_and_sum(
 
     def fwd(taps, expanded, sample):
         run = _Run(params, plan, taps, expanded)
-        _ACTIVE.append(run)
-        try:
-            with _Mode():
-                loss = loss_fn(params, *shared, sample)
-        finally:
-            _ACTIVE.pop()
+        loss = _run_loss(run, loss_fn, params, shared, sample)
         if run.n != len(plan.sites) or run.n_cand != len(plan.candidates):
             raise RuntimeError(f"{call}: {_CONTROL_FLOW}")
         if any(t._version != v for t, v in run.versions):
@@ -719,32 +715,27 @@ def ghost_norms_and_sum(
         return norms, None, losses
 
     keep = real & torch.isfinite(norms)
-    w = torch.where(keep, weights_fn(safe, keep), 0.0)
+    w = torch.where(keep, weights_fn(safe), 0.0)
     # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
     zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
-    summed: dict[str, Tensor] = {}
+    # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
+    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or k in other_grads}
+    summed = _weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
     for key, p in params.items():
-        total = torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device)
-        if key in kept:  # all uses (and other uses) already summed per sample: a weighted sum over B
-            per = kept[key] if zero is None else torch.where(rows(zero, kept[key]), kept[key], 0.0)
-            summed[key] = torch.tensordot(w.to(total.dtype), per.to(total.dtype), dims=1)
+        if key in kept:  # every use of it (and its other uses) is in the kept per-sample grads
             continue
+        total = summed.get(key, torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device))
         for use in uses.get(key, []):
             total = total + _weighted(use, w, zero)
-        if key in other_grads:
-            og = other_grads[key].to(total.dtype)
-            if zero is not None:
-                og = torch.where(rows(zero, og), og, 0.0)
-            total = total + torch.tensordot(w.to(total.dtype), og, dims=1)
         summed[key] = total
-    return norms, summed, losses
+    return norms, {k: summed[k] for k in params}, losses
 
 
 # ---------------------------------------------------------------------------------------------
 # The public, clip_and_sum-level API: one function, three exact methods.
 # ---------------------------------------------------------------------------------------------
 
-_METHODS = ("auto", "vmap", "ghost", "two_pass")
+METHODS = ("auto", "vmap", "ghost", "two_pass")
 
 
 def _shape_key(args: tuple) -> tuple:
@@ -794,8 +785,8 @@ def clipped_grad_sum(
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
         raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if method not in _METHODS:
-        raise ValueError(f"{call}: method={method!r} must be one of {_METHODS}.")
+    if method not in METHODS:
+        raise ValueError(f"{call}: method={method!r} must be one of {METHODS}.")
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
     if norm_chunk_size is not None and (isinstance(norm_chunk_size, bool) or not isinstance(norm_chunk_size, int) or norm_chunk_size < 1):
@@ -809,7 +800,7 @@ def clipped_grad_sum(
     grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
     plans: dict[tuple, _Plan] = {}
 
-    def weights(norms: Tensor, keep: Tensor) -> Tensor:
+    def weights(norms: Tensor) -> Tensor:
         return clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
 
     def by_vmap(params, shared, batch, mask):
@@ -831,7 +822,7 @@ def clipped_grad_sum(
         real = torch.ones(b, dtype=torch.bool, device=norms_t.device) if mask is None else mask.to(norms_t.device)
         norms_t = torch.where(real, norms_t, 0.0)
         keep = _keep(norms_t, real, nonfinite, call)
-        w = torch.where(keep, weights(norms_t, keep), 0.0)
+        w = torch.where(keep, weights(norms_t), 0.0)
 
         # Rows that must not contribute may hold NaN, and the batched backward sums over rows
         # (0 * NaN = NaN): run them as copies of a kept row, with weight 0.

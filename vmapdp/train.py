@@ -34,7 +34,7 @@ from vmapdp import accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.ghost import clipped_grad_sum
+from vmapdp.ghost import METHODS, clipped_grad_sum
 from vmapdp.noise import add_noise
 from vmapdp.precision import mixed_precision
 
@@ -214,8 +214,8 @@ def make_train_step(
             raise ValueError(f"{call}: budget delta={budget[1]!r} must be in (0, 1).")
     if distributed:
         _dist.require_initialized(call)
-    if method not in ("auto", "vmap", "ghost", "two_pass"):
-        raise ValueError(f"{call}: method={method!r} must be 'auto', 'vmap', 'ghost' or 'two_pass' (see vmapdp.clipped_grad_sum).")
+    if method not in METHODS:
+        raise ValueError(f"{call}: method={method!r} must be one of {METHODS} (see vmapdp.clipped_grad_sum).")
     if accountant not in ("rdp", "pld", "prv"):
         raise ValueError(
             f"{call}: accountant={accountant!r} must be 'rdp' or 'pld' ('prv'): a budget is only enforced "
