@@ -111,7 +111,7 @@ def _worker(rank, world, init_file, out_dir):
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        vdist.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +232,11 @@ def test_distributed_step_needs_an_initialized_process_group():
         vmapdp.make_train_step(
             loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=12.0, sample_rate=Q, distributed=True
         )
+
+
+def test_shutdown_destroys_the_group_and_is_a_no_op_without_one(tmp_path):
+    vdist.shutdown()  # no group: nothing to do, no error
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    assert vdist.is_initialized() and vdist.world_size() == 1
+    vdist.shutdown()
+    assert not vdist.is_initialized() and vdist.world_size() == 1
