@@ -84,6 +84,7 @@ def test_conv_paths(name, path, monkeypatch):
         monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
     else:
         monkeypatch.setattr(ghost, "_KEEP_ELEMENTS", 0)
+        monkeypatch.setattr(ghost, "_KEEP_RATIO", 0.0)
     params, buffers, batch, loss_fn = _case(name)
     ref = _reference(loss_fn, params, buffers, batch, MASK)
     out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
@@ -384,6 +385,7 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
     (inf * 0 = NaN) once gave clip factor 1, an unclipped release (found in review). Now such a
     sample is dropped and counted as non-finite, like a sample whose gradient overflows."""
     monkeypatch.setattr(ghost, "_KEEP_ELEMENTS", 0)  # the margin path, not kept per-sample grads
+    monkeypatch.setattr(ghost, "_KEEP_RATIO", 0.0)
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(2, 2, dtype=dtype, generator=g)}
     x, y = torch.randn(3, 8, 2, dtype=dtype, generator=g), torch.randn(3, 8, 2, dtype=dtype, generator=g)

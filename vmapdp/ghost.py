@@ -34,9 +34,10 @@ bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``; see :fun
 released contribution stays within ``C``, and benign samples see a relative change of ~1e-4 or
 less. The returned ``norms`` are the computed norms, without the margin.
 
-Small convs get their per-sample norms from one grouped conv backward; their per-sample grads
-are then kept (up to ``_KEEP_ELEMENTS`` floats in all) and the clipped sum is a weighted sum of
-them, which is both faster than another conv backward and consistent by construction.
+Small convs get their per-sample norms from one grouped conv backward; per-sample grads formed
+on the way to a norm are then kept (up to ``_KEEP_ELEMENTS`` floats in all, or when no larger
+than the layer inputs and output grads they replace) and the clipped sum is a weighted sum of
+them, which is both faster than another conv backward or matmul and consistent by construction.
 
 Everything here is a pure function of tensors and runs under ``torch.compile(fullgraph=True)``
 (the first call for an input shape runs a one-sample probe eagerly: ``fn.prepare(*args)``, which
@@ -76,6 +77,9 @@ _GROUPED_ROWS = 64
 # sum, which is then a weighted sum over the batch instead of one more conv backward, while their
 # total stays under this many elements (32 MiB in float32); beyond it they are recomputed
 _KEEP_ELEMENTS = 1 << 23
+# ... and beyond it when they are at most this many times the elements of the output grads and
+# inputs they free (the clipped sum no longer needs those): memory does not grow by keeping them
+_KEEP_RATIO = 1.0
 
 
 @dataclass(frozen=True)
@@ -412,19 +416,26 @@ def _slices(b: int, per_sample: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, b)) for s in range(0, b, step)]
 
 
+def _cat(xs: Any) -> Tensor:
+    return torch.cat(list(xs)) if len(xs) > 1 else xs[0]
+
+
 def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps
 
 
-def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """``||sum_t u_t v_t^T||^2`` per sample, ghost (Gram matrices) or direct, whichever is cheaper,
     the floating-point margin of the norm (see :func:`_margin`), and, when the direct way formed
     them and ``keep_grads``, the per-sample grads ``[B, du, dv]`` (then the margin is 0: the sum
-    will use these very numbers)."""
+    will use these very numbers). ``dtype``: the dtype the clipped sum is computed in (default
+    ``u``'s; conv patches for Grams arrive in float64 already), which the margin is for."""
+    dtype = u.dtype if dtype is None else dtype
     b, t, du = u.shape
     dv = v.shape[2]
-    ghost = t * (du + dv) < du * dv
-    sqs, masses, pers = [], [], []
+    ghost = _gram_cheaper(t, du, dv)
+    sqs, masses = [], []
+    per = u.new_empty(b, du, dv) if keep_grads and not ghost else None
     for s, e in _slices(b, 2 * t * (t + du + dv) if ghost else du * dv):  # (float64 copies in the Gram case)
         us, vs = u[s:e], v[s:e]
         if ghost:
@@ -434,19 +445,18 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
             u64, v64 = us.double(), vs.double()
             gu, gv = torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2))
             sqs.append((gu * gv).sum((1, 2)))
-            masses.append((u64.square().sum(2) * v64.square().sum(2)).sqrt().sum(1).to(u.dtype))
+            # |u_t|^2 |v_t|^2 are the Grams' diagonals: the mass costs no pass over u and v
+            masses.append((gu.diagonal(0, 1, 2) * gv.diagonal(0, 1, 2)).sqrt().sum(1).to(dtype))
         else:
-            per = torch.bmm(us.transpose(1, 2), vs)
-            sqs.append(per.square().sum((1, 2)))
-            if keep_grads:
-                pers.append(per)
-            else:
+            g = torch.bmm(us.transpose(1, 2), vs, out=None if per is None else per[s:e])
+            sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
+            if per is None:
                 masses.append(_mass(us, vs))
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
-    if pers:
-        return sq, torch.zeros_like(sq), torch.cat(pers) if len(pers) > 1 else pers[0]
+    if per is not None:
+        return sq, torch.zeros_like(sq), per
     mass = torch.cat(masses) if len(masses) > 1 else masses[0]
-    margin = _margin(t, u.dtype) * mass
+    margin = _margin(t, dtype) * mass
     if ghost:  # the float64 Gram sum is within gamma * mass^2 of the true squared norm
         gamma = (du + dv + t * t + 2) * _eps(torch.float64)
         m = mass.double()
@@ -455,11 +465,16 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False) -> tuple[Tens
     return sq, margin, None
 
 
+def _gram_cheaper(t: int, du: int, dv: int) -> bool:
+    """Ghost norms (two ``T x T`` Grams) cost less than the direct ``du x dv`` outer product."""
+    return t * (du + dv) < du * dv
+
+
 def _mass(u: Tensor, v: Tensor) -> Tensor:
     """``sum_t |u_t| |v_t|`` per sample. In the tensors' dtype (a float64 copy would cost memory):
     it overflows only for extreme values (|u| ~ 2e19 in float32), and a non-finite margin then
     drops the sample visibly (see ghost_norms_and_sum), never releases it unclipped."""
-    return (u.square().sum(2) * v.square().sum(2)).sqrt().sum(1)
+    return (torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2)).sum(1)
 
 
 def _margin(t: int, dtype: torch.dtype) -> float:
@@ -474,12 +489,13 @@ def _margin(t: int, dtype: torch.dtype) -> float:
     return 2.0 * (t + 2) * _eps(dtype)
 
 
-def _conv_pair(use: _Use) -> tuple[Tensor, Tensor]:
-    """A groups=1 conv use as a pair: output grads ``[B, n*L, C_out]`` and patches ``[B, n*L, C_in*k]``."""
+def _conv_pair(use: _Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A groups=1 conv use as a pair: output grads ``[B, n*L, C_out]`` and patches ``[B, n*L, C_in*k]``
+    (in ``dtype``: patches for float64 Grams are unfolded from a float64 input, not copied)."""
     dims, stride, dilation, _ = use.extra
-    g, x = use.u, use.v
+    g, x = use.u.to(dtype), use.v
     b, n, c_out = g.shape[:3]
-    patches = _unfold(x.flatten(0, 1), dims, tuple(use.shape[2:]), stride, dilation)  # [B*n, C_in*k, L]
+    patches = _unfold(x.flatten(0, 1).to(dtype), dims, tuple(use.shape[2:]), stride, dilation)  # [B*n, C_in*k, L]
     if n == 1:  # transposed views, no copies
         return g.flatten(3)[:, 0].transpose(1, 2), patches.transpose(1, 2)
     v = patches.reshape(b, n, patches.shape[1], patches.shape[2]).transpose(2, 3).reshape(b, -1, patches.shape[1])
@@ -521,39 +537,56 @@ def _conv_mass(use: _Use) -> Tensor:
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
     ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
     patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
-    g_norm = g.flatten(0, 1).square().sum(1, keepdim=True)
+    g_norm = torch.linalg.vector_norm(g.flatten(0, 1), dim=1, keepdim=True).square()
     return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
 
 
 def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
     """Squared norms of one conv use, their margin, and the per-sample grads when ``keep_grads``."""
-    if not _grouped_path(use):
-        sq, margin, per = _pair_sq_norms(*_conv_pair(use), keep_grads)
-        return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
     b = use.u.shape[0]
+    if not _grouped_path(use):
+        t, du, dv = math.prod(use.u.shape[3:]) * use.u.shape[1], use.shape[0], math.prod(use.shape[1:])
+        gram = _gram_cheaper(t, du, dv)
+        # patches are unfolded a slice of the batch at a time (float64 ones for Grams)
+        parts = [
+            _pair_sq_norms(*_conv_pair(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra), torch.float64 if gram else use.u.dtype), keep_grads, use.u.dtype)
+            for s, e in _slices(b, 2 * t * (t + du + dv) + t * dv if gram else du * dv + t * dv)
+        ]
+        sqs, margins, pers = zip(*parts)
+        per = None if pers[0] is None else _cat(pers).reshape((b,) + use.shape)
+        return _cat(sqs), _cat(margins), per
     # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
     step = _GROUPED_ROWS if keep_grads else min(_GROUPED_ROWS, _rows_per_slice(b, math.prod(use.shape)))
-    pers = [_conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra)) for s in range(0, b, step)]
-    sq = torch.cat([p.flatten(1).square().sum(1) for p in pers]) if len(pers) > 1 else pers[0].flatten(1).square().sum(1)
-    if keep_grads:  # the clipped sum will use these very numbers: nothing to reconcile
-        return sq, torch.zeros_like(sq), torch.cat(pers) if len(pers) > 1 else pers[0]
+    per = use.u.new_empty((b,) + use.shape) if keep_grads else None
+    sqs = []
+    for s in range(0, b, step):
+        g = _conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra))
+        sqs.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+        if per is not None:
+            per[s:s + step] = g
+    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    if per is not None:  # the clipped sum will use these very numbers: nothing to reconcile
+        return sq, torch.zeros_like(sq), per
     positions = math.prod(use.u.shape[3:]) * use.u.shape[1]
     return sq, _margin(positions, sq.dtype) * _conv_mass(use), None
 
 
-def _embedding_sq_norms(g: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:
-    """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal tokens (sorted),
-    and its margin."""
+def _embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal (sample, token)
+    pairs, and its margin. One flat sort of ``row * vocab + token`` groups the pairs; sizes stay
+    static (at most ``B*T`` groups) for torch.compile, and no tensor is vocab-sized per sample."""
     b, t, d = g.shape
     if t == 0:
         return g.new_zeros(b), g.new_zeros(b)
-    srt, perm = tok.sort(dim=1)
-    gs = g.gather(1, perm.unsqueeze(-1).expand(b, t, d))
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    seg = new.long().cumsum(1) - 1  # segment id of each position, equal tokens share one
-    sums = g.new_zeros(b, t, d).scatter_add(1, seg.unsqueeze(-1).expand(b, t, d), gs)
-    return sums.square().sum((1, 2)), _margin(t, g.dtype) * g.square().sum(2).sqrt().sum(1)
+    srt, perm = (torch.arange(b, device=tok.device).unsqueeze(1) * vocab + tok).flatten().sort()
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[1:] = srt[1:] != srt[:-1]
+    group = first.cumsum(0) - 1  # the group of each sorted position
+    group_of = torch.empty_like(group).scatter_(0, perm, group)  # ... of each position
+    sums = g.new_zeros(b * t, d).index_add_(0, group_of, g.reshape(-1, d))
+    row_of_group = torch.zeros_like(group).scatter_(0, group, srt // vocab)  # unused groups: row 0, sum 0
+    sq = g.new_zeros(b).index_add_(0, row_of_group, torch.linalg.vector_norm(sums, dim=1).square())
+    return sq, _margin(t, g.dtype) * torch.linalg.vector_norm(g, dim=2).sum(1)
 
 
 def _per_sample(use: _Use) -> Tensor:
@@ -594,31 +627,44 @@ def _use_margin(use: _Use) -> Tensor:
         return _margin(use.u.shape[1], use.u.dtype) * _mass(use.u, use.v)
     if use.kind == "conv":
         return _margin(math.prod(use.u.shape[3:]) * use.u.shape[1], use.u.dtype) * _conv_mass(use)
-    return _margin(use.u.shape[1], use.u.dtype) * use.u.square().sum(2).sqrt().sum(1)
+    return _margin(use.u.shape[1], use.u.dtype) * torch.linalg.vector_norm(use.u, dim=2).sum(1)
+
+
+def _merged(uses: list[_Use]) -> list[_Use]:
+    """A param's uses with the same rule joined into one (an RNN cell's weight is used once per
+    time step): ``"pair"`` uses with equal widths and ``"embedding"`` uses concatenate along T, so
+    that the norm and the clipped sum each take one call, not one per use."""
+    if len(uses) < 2 or len({u.kind for u in uses}) > 1 or uses[0].kind == "conv":
+        return uses
+    if uses[0].kind == "pair" and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) > 1:
+        return uses
+    first = uses[0]
+    return [_Use(first.kind, torch.cat([u.u for u in uses], 1), torch.cat([u.v for u in uses], 1), first.shape, first.extra)]
+
+
+def _held(uses: list[_Use]) -> int:
+    """Elements of the output grads and inputs the uses hold (tokens not counted)."""
+    return sum(u.u.numel() + (u.v.numel() if u.kind != "embedding" else 0) for u in uses)
 
 
 def _sq_norms(uses: list[_Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Squared per-sample norms of one param's gradient (the sum of all its uses), the margin of
-    the norm (see :func:`_margin`), and the per-sample grads when they had to be formed and
-    ``keep_grads`` allows keeping them (then the sum uses the same numbers and the margin is 0)."""
-    kinds = {u.kind for u in uses}
-    if other is None and len(uses) == 1 and kinds == {"conv"}:
-        return _conv_sq_norms(uses[0], keep_grads)
-    if other is None and kinds == {"pair"} and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) == 1:
-        u = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
-        v = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        b = u.shape[0]
-        sq, margin, per = _pair_sq_norms(u, v, keep_grads)
-        return sq, margin, None if per is None else per.reshape((b,) + uses[0].shape)
-    if other is None and kinds == {"embedding"}:
-        g = torch.cat([x.u for x in uses], 1) if len(uses) > 1 else uses[0].u
-        tok = torch.cat([x.v for x in uses], 1) if len(uses) > 1 else uses[0].v
-        return (*_embedding_sq_norms(g, tok), None)
+    """Squared per-sample norms of one param's gradient (the sum of all its uses, see
+    :func:`_merged`), the margin of the norm (see :func:`_margin`), and the per-sample grads when
+    they had to be formed and ``keep_grads`` allows keeping them (then the sum uses the same
+    numbers and the margin is 0)."""
+    if other is None and len(uses) == 1:
+        (use,) = uses
+        if use.kind == "conv":
+            return _conv_sq_norms(use, keep_grads)
+        if use.kind == "pair":
+            sq, margin, per = _pair_sq_norms(use.u, use.v, keep_grads)
+            return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
+        return (*_embedding_sq_norms(use.u, use.v, use.extra), None)
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
         p = _per_sample(u)
         total = p if total is None else total + p
-    sq = total.reshape(total.shape[0], -1).square().sum(1)
+    sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
     if keep_grads:
         return sq, torch.zeros_like(sq), total
     margin = torch.zeros_like(sq)
@@ -694,11 +740,16 @@ def ghost_norms_and_sum(
     for key in params:
         if key in uses or key in other_grads:
             size = b * params[key].numel()
-            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), size <= budget)
+            uses[key] = _merged(uses.get(key, []))
+            # per-sample grads that get formed are kept while they fit the budget, or when they are
+            # no larger than the output grads and inputs they free (memory goes down by keeping them)
+            keep = weights_fn is not None and (size <= budget or size <= _KEEP_RATIO * _held(uses[key]))
+            sq_k, margin_k, per = _sq_norms(uses[key], other_grads.get(key), keep)
             if per is not None:
                 kept[key] = per
-                budget -= size
-                uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
+                if size <= budget:
+                    budget -= size
+                uses.pop(key)  # the clipped sum will come from `per`: free its inputs and output grads
             sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
             sq = sq + sq_k
             safe_sq = safe_sq + (sq_k.double().sqrt() + margin_k.double()).square()
