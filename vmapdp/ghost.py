@@ -446,7 +446,7 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.
             gu, gv = torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2))
             sqs.append((gu * gv).sum((1, 2)))
             # |u_t|^2 |v_t|^2 are the Grams' diagonals: the mass costs no pass over u and v
-            masses.append((gu.diagonal(0, 1, 2) * gv.diagonal(0, 1, 2)).sqrt().sum(1).to(dtype))
+            masses.append((gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]).sqrt().sum(1).to(dtype))  # (diagonals)
         else:
             g = torch.bmm(us.transpose(1, 2), vs, out=None if per is None else per[s:e])
             sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
