@@ -91,6 +91,66 @@ def test_conv_paths(name, path, monkeypatch):
     _assert_close(out[0], out[1], *ref, rtol=1e-5)
 
 
+# (dims, n, C_in, C_out, padded input size, kernel, stride, dilation)
+GRAM_CONVS = [
+    (2, 1, 5, 7, (6, 6), (3, 3), (1, 1), (1, 1)),
+    (2, 1, 4, 6, (9, 7), (3, 2), (2, 1), (1, 2)),
+    (2, 3, 4, 5, (6, 5), (2, 3), (1, 2), (2, 1)),  # n = 3: a sample holding 3 images
+    (1, 1, 6, 4, (11,), (3,), (2,), (3,)),
+    (3, 2, 3, 4, (5, 4, 6), (2, 2, 3), (1, 2, 1), (2, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("dims, n, c_in, c_out, size, kernel, stride, dilation", GRAM_CONVS)
+def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c_out, size, kernel, stride, dilation):
+    """<patch_t, patch_s> = sum_k <x[i_tk], x[i_sk]>: the Gram without unfolded patches, for
+    every conv geometry (1-3 dims, strides, dilations, several images per sample)."""
+    g = torch.Generator().manual_seed(len(size) + n)
+    b = 3
+    x = torch.randn((b, n, c_in) + size, generator=g, dtype=torch.float64)
+    out = tuple((s - dl * (k - 1) - 1) // st + 1 for s, k, st, dl in zip(size, kernel, stride, dilation))
+    gout = torch.randn((b, n, c_out) + out, generator=g, dtype=torch.float64)
+    use = ghost._Use("conv", gout, x, (c_out, c_in) + kernel, (dims, stride, dilation, 1))
+    gu, gv = ghost._conv_grams(use)
+    u, v = ghost._conv_pair(use, torch.float64)
+    torch.testing.assert_close(gu, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gv, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    # and the norms they give are the per-sample grads' (the conv backward of each sample alone)
+    sq, _ = ghost._from_grams(gu, gv, torch.float64)
+    per = ghost._conv_per_sample(use)
+    torch.testing.assert_close(sq, per.flatten(1).square().sum(1), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("input_gram", [True, False])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
+def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype, rtol, monkeypatch):
+    """Wide channels on small feature maps: ghost norms from float64 Grams, the patches' Gram
+    either from the input's Gram or from unfolded patches (both forced), and a conv backward for
+    the clipped sum; equal to the per-sample-gradient engine."""
+    monkeypatch.setattr(ghost, "_input_gram_cheaper", lambda *a: input_gram)
+    calls = []
+    spied = "_conv_grams" if input_gram else "_conv_pair"
+    monkeypatch.setattr(ghost, spied, lambda *a, f=getattr(ghost, spied): calls.append(a) or f(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.ReLU(), nn.Conv2d(40, 128, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.Conv2d(128, 64, (2, 3), dilation=(2, 1)), nn.Flatten(), nn.LazyLinear(4))
+    x = torch.randn(6, 3, 7, 7)
+    model(x[:1])
+    model = model.to(dtype)
+    apply, params, buffers = vmapdp.functionalize(model)
+    y = torch.randint(0, 4, (6,))
+
+    def loss_fn(p, b, sample):
+        xs, ys = sample
+        return F.cross_entropy(apply(p, b, xs[None]), ys[None])
+
+    batch = (x.to(dtype), y)
+    ref = _reference(loss_fn, params, buffers, batch, MASK)
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *ref, rtol=rtol)
+    assert len(calls) == 2  # the two wide convs went through the Grams
+
+
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])
 def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out):
     """Both branches of the per-layer choice (Gram matrices when 2T small, else g^T x)."""

@@ -48,6 +48,7 @@ shape and later calls is refused with an error.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -394,7 +395,8 @@ def _uses(site: _Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[
         gs = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt)
         out.append((site.weight, _Use("conv", gs, xs.reshape((b, -1) + tuple(xs.shape[1:])), tuple(w.shape), (dims, stride, dilation, groups))))
         if site.bias:
-            u = gs.flatten(3).transpose(2, 3).reshape(b, -1, c_out)  # [B, n*L, C_out]
+            u = gs.flatten(3).transpose(2, 3)  # [B, n, L, C_out]
+            u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)  # [B, n*L, C_out], a view when n == 1
             out.append((site.bias, _Use("pair", u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
     else:  # embedding
         (pad,) = site.meta
@@ -443,10 +445,9 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.
             # computed norm far smaller than the true one (a large shared component in x, output
             # grads of alternating sign)
             u64, v64 = us.double(), vs.double()
-            gu, gv = torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2))
-            sqs.append((gu * gv).sum((1, 2)))
-            # |u_t|^2 |v_t|^2 are the Grams' diagonals: the mass costs no pass over u and v
-            masses.append((gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]).sqrt().sum(1).to(dtype))  # (diagonals)
+            sq, mass = _from_grams(torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2)), dtype)
+            sqs.append(sq)
+            masses.append(mass)
         else:
             g = torch.bmm(us.transpose(1, 2), vs, out=None if per is None else per[s:e])
             sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
@@ -455,14 +456,27 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.
     sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
     if per is not None:
         return sq, torch.zeros_like(sq), per
-    mass = torch.cat(masses) if len(masses) > 1 else masses[0]
-    margin = _margin(t, dtype) * mass
-    if ghost:  # the float64 Gram sum is within gamma * mass^2 of the true squared norm
-        gamma = (du + dv + t * t + 2) * _eps(torch.float64)
-        m = mass.double()
-        root = sq.clamp_min(0.0).sqrt()
-        margin = margin + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
-    return sq, margin, None
+    mass = _cat(masses)
+    if ghost:
+        return sq, _gram_margin(sq, mass, t, du, dv, dtype), None
+    return sq, _margin(t, dtype) * mass, None
+
+
+def _from_grams(gu: Tensor, gv: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Squared norms ``sum_{t,s} gu_ts gv_ts`` and masses ``sum_t |u_t||v_t|`` (in ``dtype``) of a
+    pair from its float64 Gram matrices ``[B, T, T]``: ``|u_t|^2 |v_t|^2`` are their diagonals."""
+    t = gu.shape[1]
+    diagonals = gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]  # (a strided slice: inductor lowers it)
+    return (gu * gv).sum((1, 2)), diagonals.sqrt().sum(1).to(dtype)
+
+
+def _gram_margin(sq: Tensor, mass: Tensor, t: int, du: int, dv: int, dtype: torch.dtype) -> Tensor:
+    """The margin of a norm from float64 Grams of ``T`` positions: the clipped sum's rounding (see
+    :func:`_margin`) plus the Gram sum's own, within ``gamma * mass^2`` of the true squared norm."""
+    gamma = (du + dv + t * t + 2) * _eps(torch.float64)
+    m = mass.double()
+    root = sq.clamp_min(0.0).sqrt()
+    return _margin(t, dtype) * mass + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
 
 
 def _gram_cheaper(t: int, du: int, dv: int) -> bool:
@@ -501,6 +515,35 @@ def _conv_pair(use: _Use, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     v = patches.reshape(b, n, patches.shape[1], patches.shape[2]).transpose(2, 3).reshape(b, -1, patches.shape[1])
     u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out)
     return u, v
+
+
+def _input_gram_cheaper(positions: int, c_in: int, k: int, t: int) -> bool:
+    """The patches' Gram from the input's Gram (:func:`_conv_grams`) costs less than from unfolded patches."""
+    return positions * positions * c_in + k * t * t < t * t * c_in * k + t * c_in * k
+
+
+def _conv_grams(use: _Use) -> tuple[Tensor, Tensor]:
+    """Float64 Grams ``[B, T, T]`` of a groups=1 conv use's output grads and of its patches, the
+    latter from the Gram of the padded input's positions: ``<patch_t, patch_s> = sum_k <x[i_tk],
+    x[i_sk]>`` over the kernel offsets ``k`` (``i_tk``: the input position output ``t`` reads at
+    offset ``k``; for each ``k`` a strided view of the input Gram). Costs ``P^2 C_in + K T^2`` per
+    sample instead of ``T^2 C_in K``, and no patches."""
+    dims, stride, dilation, _ = use.extra
+    g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
+    b, n, c_out = g.shape[:3]
+    c_in, in_shape, out_shape, kernel = x.shape[2], tuple(x.shape[3:]), tuple(g.shape[3:]), tuple(use.shape[2:])
+    u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out).double()  # [B, T, C_out]
+    gu = torch.bmm(u, u.transpose(1, 2))
+    p = math.prod(in_shape)
+    xs = x.flatten(3).transpose(2, 3).reshape(b, n * p, c_in).double()  # [B, n*P, C_in]
+    gx = torch.bmm(xs, xs.transpose(1, 2)).view((b, n) + in_shape + (n,) + in_shape)
+    gv = None
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        # the input positions every output position reads at this kernel offset: a strided view
+        at = tuple(slice(o * dl, o * dl + (m - 1) * st + 1, st) for o, dl, m, st in zip(offset, dilation, out_shape, stride))
+        term = gx[(slice(None), slice(None)) + at + (slice(None),) + at]  # [B, n, *out, n, *out]
+        gv = term.clone() if gv is None else gv.add_(term)
+    return gu, gv.reshape(b, u.shape[1], u.shape[1])
 
 
 def _conv_backward(use: _Use, grad: Tensor, x: Tensor, groups: int, weight_shape: tuple) -> Tensor:
@@ -547,6 +590,15 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
     if not _grouped_path(use):
         t, du, dv = math.prod(use.u.shape[3:]) * use.u.shape[1], use.shape[0], math.prod(use.shape[1:])
         gram = _gram_cheaper(t, du, dv)
+        positions = use.v.shape[1] * math.prod(use.v.shape[3:])  # n * padded input positions
+        c_in, k = use.v.shape[2], math.prod(use.shape[2:])
+        if gram and _input_gram_cheaper(positions, c_in, k, t):
+            # the patches' Gram from the input's own (fewer products, no patches in memory)
+            per_sample = 2 * positions * positions + positions * c_in + 3 * t * t + t * du
+            parts = [_from_grams(*_conv_grams(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra)), use.u.dtype) for s, e in _slices(b, per_sample)]
+            sqs, masses = zip(*parts)
+            sq, mass = _cat(sqs), _cat(masses)
+            return sq, _gram_margin(sq, mass, t, du, dv, use.u.dtype), None
         # patches are unfolded a slice of the batch at a time (float64 ones for Grams)
         parts = [
             _pair_sq_norms(*_conv_pair(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra), torch.float64 if gram else use.u.dtype), keep_grads, use.u.dtype)
