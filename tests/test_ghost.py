@@ -462,3 +462,30 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
     assert norms[0] == math.inf
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, (x[1:], y[1:])), 1.0, rule=rule)
     _assert_close(summed, norms[1:], *ref, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["lstm_via_fix", "embedding_repeated_tokens"])
+def test_merged_uses_compile_with_fullgraph(name):
+    """Params used many times (an RNN cell per time step, an embedding looked up twice) are
+    joined once for the norms and the sum; that path compiles without graph breaks."""
+    params, buffers, batch, loss_fn = _case(name, b=4, dtype=torch.float32)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    fn.prepare(params, buffers, batch)
+    compiled = torch.compile(lambda p, b, x: fn(p, b, x, mask=MASK[:4]), fullgraph=True, dynamic=False)  # as make_train_step
+    got, want = compiled(params, buffers, batch), fn(params, buffers, batch, mask=MASK[:4])
+    _assert_close(got[0], got[1], want[0], want[1], rtol=1e-5)
+
+
+def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
+    """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA."""
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+        with ghost.full_float32("cpu"):
+            assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        with pytest.raises(KeyError), ghost.full_float32("cuda"):
+            assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+            raise KeyError  # restored on the way out, also after an error
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul

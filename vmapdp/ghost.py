@@ -48,6 +48,7 @@ shape and later calls is refused with an error.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
 from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, _weighted_sum, clip_and_sum, clip_factors, grad_norms
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
-__all__ = ["clipped_grad_sum"]
+__all__ = ["clipped_grad_sum", "full_float32"]
 
 _CONVS = {torch.conv1d: 1, torch.conv2d: 2, torch.conv3d: 3}
 _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
@@ -79,7 +80,7 @@ _GROUPED_ROWS = 64
 # total stays under this many elements (32 MiB in float32); beyond it they are recomputed
 _KEEP_ELEMENTS = 1 << 23
 # ... and beyond it when they are at most this many times the elements of the output grads and
-# inputs they free (the clipped sum no longer needs those): memory does not grow by keeping them
+# inputs of their uses, which the clipped sum then no longer needs (freed unless shared)
 _KEEP_RATIO = 1.0
 
 
@@ -682,16 +683,28 @@ def _use_margin(use: _Use) -> Tensor:
     return _margin(use.u.shape[1], use.u.dtype) * torch.linalg.vector_norm(use.u, dim=2).sum(1)
 
 
-def _merged(uses: list[_Use]) -> list[_Use]:
+def _merged(uses: list[_Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[_Use]:
     """A param's uses with the same rule joined into one (an RNN cell's weight is used once per
-    time step): ``"pair"`` uses with equal widths and ``"embedding"`` uses concatenate along T, so
-    that the norm and the clipped sum each take one call, not one per use."""
+    time step): ``"pair"`` and ``"embedding"`` uses concatenate along T, so that the norm and the
+    clipped sum each take one call, not one per use. ``joined`` caches the concatenations by the
+    identity of their parts: params whose uses share tensors (a cell's input and hidden weights
+    share the gate grads, a weight and its bias the output grads) share one copy."""
     if len(uses) < 2 or len({u.kind for u in uses}) > 1 or uses[0].kind == "conv":
         return uses
-    if uses[0].kind == "pair" and len({(u.u.shape[2], u.v.shape[2]) for u in uses}) > 1:
-        return uses
+
+    def cat(parts: list[Tensor]) -> Tensor:
+        key = tuple(id(t) for t in parts)
+        if key not in joined:  # (the parts stay in the cache too: their ids cannot be reused meanwhile)
+            joined[key] = (parts, torch.cat(parts, 1))
+        return joined[key][1]
+
     first = uses[0]
-    return [_Use(first.kind, torch.cat([u.u for u in uses], 1), torch.cat([u.v for u in uses], 1), first.shape, first.extra)]
+    return [_Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra)]
+
+
+def _merge_all(uses: dict[str, list[_Use]]) -> dict[str, list[_Use]]:
+    joined: dict = {}
+    return {key: _merged(u, joined) for key, u in uses.items()}
 
 
 def _held(uses: list[_Use]) -> int:
@@ -789,19 +802,21 @@ def ghost_norms_and_sum(
     kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
     safe_sq = torch.zeros(b, dtype=torch.float64, device=device)
     budget = _KEEP_ELEMENTS if weights_fn is not None else 0
+    uses = _merge_all(uses)  # the per-use tensors that were joined are freed here (unless shared)
     for key in params:
         if key in uses or key in other_grads:
             size = b * params[key].numel()
-            uses[key] = _merged(uses.get(key, []))
             # per-sample grads that get formed are kept while they fit the budget, or when they are
-            # no larger than the output grads and inputs they free (memory goes down by keeping them)
-            keep = weights_fn is not None and (size <= budget or size <= _KEEP_RATIO * _held(uses[key]))
-            sq_k, margin_k, per = _sq_norms(uses[key], other_grads.get(key), keep)
+            # no larger than the output grads and inputs of their uses: those are then released,
+            # which frees their memory unless other params' uses share them (a bias shares the
+            # output grads, sibling layers an input); so keeping adds at most that much
+            keep = weights_fn is not None and (size <= budget or size <= _KEEP_RATIO * _held(uses.get(key, [])))
+            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep)
             if per is not None:
                 kept[key] = per
                 if size <= budget:
                     budget -= size
-                uses.pop(key)  # the clipped sum will come from `per`: free its inputs and output grads
+                uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
             sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
             sq = sq + sq_k
             safe_sq = safe_sq + (sq_k.double().sqrt() + margin_k.double()).square()
@@ -854,6 +869,27 @@ def _shape_key(args: tuple) -> tuple:
     return tuple(sorted(items))
 
 
+@contextlib.contextmanager
+def full_float32(device_type: str):
+    """TF32 off for CUDA convs and matmuls while it is open (a no-op elsewhere).
+
+    Ghost clipping and the two-pass method compute a sample's norm and its share of the clipped
+    sum in two different ways; ghost's margin bounds their difference for float32 rounding
+    (eps 2**-24), which TF32's 10-bit mantissa (2**-11) would exceed by far (an adversarial sample
+    was shown to release 1.9 C under simulated TF32). cuDNN allows TF32 for float32 convs by
+    default; ``make_train_step`` holds this open around every chunk.
+    """
+    if device_type != "cuda":
+        yield
+        return
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
 def clipped_grad_sum(
     loss_fn: Callable[..., Tensor],
     *,
@@ -875,15 +911,21 @@ def clipped_grad_sum(
       Memory ``B x params``; works for every model.
     * ``"ghost"``: per-sample norms from layer inputs and output gradients and the clipped sum by
       book-keeping (see this module's docstring): one forward and one backward, no per-sample
-      gradients for linear, conv and embedding weights. Memory about that of non-private training.
+      gradients for linear, conv and embedding weights. Memory: non-private training's plus every
+      covered layer's output gradients (1.4-1.9x on the CIFAR-10 CNN).
     * ``"two_pass"``: per-sample norms by the vmap engine, ``norm_chunk_size`` samples at a time,
       then one batched backward of ``sum_i w_i * loss_i`` with ``w_i = min(1, C/norm_i)``. Peak
-      memory ``norm_chunk_size x params`` plus one batched backward, for any model.
+      memory ``norm_chunk_size x params`` plus one batched backward, for any model. Its norm and
+      its sum are two float computations of a sample's gradient, and no margin covers their
+      difference (ghost bounds it per layer; vmap uses one computation for both): a sample
+      crafted so that its gradient's terms cancel could have its contribution exceed ``C`` by
+      the batched backward's rounding (``~ T eps sum_t |u_t||v_t|``). Prefer ``"ghost"`` or
+      ``"vmap"`` where adversarial inputs are in the threat model.
     * ``"auto"`` (default): ``"ghost"`` when the covered layers hold at least half of the trainable
       elements, else ``"vmap"``; decided once per input shape on the first call.
 
-    Every method gives each sample's contribution a norm ``<= C`` and drops masked and non-finite
-    rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
+    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding; see
+    ``"two_pass"``) and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
     """
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
@@ -982,12 +1024,15 @@ def clipped_grad_sum(
             check_mask(mask, batch_size(batch, call=call), call=call)
         if method == "vmap" or batch_size(batch, call=call) == 0:
             return by_vmap(params, shared, batch, mask)
-        if method == "two_pass":
-            return by_two_pass(params, shared, batch, mask)
-        plan = prepare(*args)
-        if method == "auto" and coverage(plan, params) < 0.5:
-            return by_vmap(params, shared, batch, mask)
-        return by_ghost(params, shared, batch, mask, plan)
+        # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
+        device = "compiled" if torch.compiler.is_compiling() else next(iter(params.values())).device.type
+        with full_float32(device):
+            if method == "two_pass":
+                return by_two_pass(params, shared, batch, mask)
+            plan = prepare(*args)
+            if method == "auto" and coverage(plan, params) < 0.5:
+                return by_vmap(params, shared, batch, mask)
+            return by_ghost(params, shared, batch, mask, plan)
 
     fn.prepare = prepare  # type: ignore[attr-defined]
     return fn

@@ -34,7 +34,7 @@ from vmapdp import accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.ghost import METHODS, clipped_grad_sum
+from vmapdp.ghost import METHODS, clipped_grad_sum, full_float32
 from vmapdp.noise import add_noise
 from vmapdp.precision import mixed_precision
 
@@ -280,7 +280,8 @@ def make_train_step(
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             sum_fn.prepare(state.params, *shared, chunk)  # eager, once per shape: keeps the compiled graph free of it
-            s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
+            with full_float32(device.type):  # no TF32 on CUDA: the norm/sum margins assume float32
+                s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
         if summed is None:  # an empty batch: the step still releases noise
