@@ -376,6 +376,15 @@ class _Use:
     shape: tuple[int, ...]  # the param's shape
     extra: Any = None
 
+    @property
+    def t(self) -> int:
+        """Positions per sample: ``T``, or ``n * L`` output positions of a conv."""
+        return self.u.shape[1] * math.prod(self.u.shape[3:]) if self.kind == "conv" else self.u.shape[1]
+
+    def rows(self, s: int, e: int) -> "_Use":
+        """The use restricted to samples ``s:e``."""
+        return _Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra)
+
 
 def _uses(site: _Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, _Use]]:
     """The (param key, use) pairs of one site, from its saved input ``x`` and tap grad ``g``."""
@@ -454,7 +463,7 @@ def _pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.
             sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
             if per is None:
                 masses.append(_mass(us, vs))
-    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    sq = _cat(sqs)
     if per is not None:
         return sq, torch.zeros_like(sq), per
     mass = _cat(masses)
@@ -589,20 +598,20 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
     """Squared norms of one conv use, their margin, and the per-sample grads when ``keep_grads``."""
     b = use.u.shape[0]
     if not _grouped_path(use):
-        t, du, dv = math.prod(use.u.shape[3:]) * use.u.shape[1], use.shape[0], math.prod(use.shape[1:])
+        t, du, dv = use.t, use.shape[0], math.prod(use.shape[1:])
         gram = _gram_cheaper(t, du, dv)
         positions = use.v.shape[1] * math.prod(use.v.shape[3:])  # n * padded input positions
         c_in, k = use.v.shape[2], math.prod(use.shape[2:])
         if gram and _input_gram_cheaper(positions, c_in, k, t):
             # the patches' Gram from the input's own (fewer products, no patches in memory)
             per_sample = 2 * positions * positions + positions * c_in + 3 * t * t + t * du
-            parts = [_from_grams(*_conv_grams(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra)), use.u.dtype) for s, e in _slices(b, per_sample)]
+            parts = [_from_grams(*_conv_grams(use.rows(s, e)), use.u.dtype) for s, e in _slices(b, per_sample)]
             sqs, masses = zip(*parts)
             sq, mass = _cat(sqs), _cat(masses)
             return sq, _gram_margin(sq, mass, t, du, dv, use.u.dtype), None
         # patches are unfolded a slice of the batch at a time (float64 ones for Grams)
         parts = [
-            _pair_sq_norms(*_conv_pair(_Use("conv", use.u[s:e], use.v[s:e], use.shape, use.extra), torch.float64 if gram else use.u.dtype), keep_grads, use.u.dtype)
+            _pair_sq_norms(*_conv_pair(use.rows(s, e), torch.float64 if gram else use.u.dtype), keep_grads, use.u.dtype)
             for s, e in _slices(b, 2 * t * (t + du + dv) + t * dv if gram else du * dv + t * dv)
         ]
         sqs, margins, pers = zip(*parts)
@@ -613,15 +622,14 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
     per = use.u.new_empty((b,) + use.shape) if keep_grads else None
     sqs = []
     for s in range(0, b, step):
-        g = _conv_per_sample(_Use("conv", use.u[s:s + step], use.v[s:s + step], use.shape, use.extra))
+        g = _conv_per_sample(use.rows(s, s + step))
         sqs.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
         if per is not None:
             per[s:s + step] = g
-    sq = torch.cat(sqs) if len(sqs) > 1 else sqs[0]
+    sq = _cat(sqs)
     if per is not None:  # the clipped sum will use these very numbers: nothing to reconcile
         return sq, torch.zeros_like(sq), per
-    positions = math.prod(use.u.shape[3:]) * use.u.shape[1]
-    return sq, _margin(positions, sq.dtype) * _conv_mass(use), None
+    return sq, _margin(use.t, sq.dtype) * _conv_mass(use), None
 
 
 def _embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
@@ -677,10 +685,12 @@ def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
 
 def _use_margin(use: _Use) -> Tensor:
     if use.kind == "pair":
-        return _margin(use.u.shape[1], use.u.dtype) * _mass(use.u, use.v)
-    if use.kind == "conv":
-        return _margin(math.prod(use.u.shape[3:]) * use.u.shape[1], use.u.dtype) * _conv_mass(use)
-    return _margin(use.u.shape[1], use.u.dtype) * torch.linalg.vector_norm(use.u, dim=2).sum(1)
+        mass = _mass(use.u, use.v)
+    elif use.kind == "conv":
+        mass = _conv_mass(use)
+    else:
+        mass = torch.linalg.vector_norm(use.u, dim=2).sum(1)
+    return _margin(use.t, use.u.dtype) * mass
 
 
 def _merged(uses: list[_Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[_Use]:
@@ -1025,8 +1035,8 @@ def clipped_grad_sum(
         if method == "vmap" or batch_size(batch, call=call) == 0:
             return by_vmap(params, shared, batch, mask)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
-        device = "compiled" if torch.compiler.is_compiling() else next(iter(params.values())).device.type
-        with full_float32(device):
+        eager = not torch.compiler.is_compiling()
+        with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if method == "two_pass":
                 return by_two_pass(params, shared, batch, mask)
             plan = prepare(*args)
