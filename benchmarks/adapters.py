@@ -34,10 +34,7 @@ a fresh process and reports the peak resident memory above a process that only b
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import inspect
-import json
 import os
 import platform
 import subprocess
@@ -326,21 +323,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("\nmedian ms per DP step (ratio to the non-private torch step of the same set-up)" + (", peak memory above the model" if args.memory else ""))
     print(markdown(rows, args.methods))
     if args.out:
-        try:
-            opacus_version = importlib.metadata.version("opacus")
-        except importlib.metadata.PackageNotFoundError:
-            opacus_version = None
-        meta = {
-            "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__,
-            "opacus": opacus_version,
-            "device": where,
-            "threads": torch.get_num_threads(),
-            "model": cfg,
-            "argv": sys.argv[1:] if argv is None else argv,
-        }
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {args.out}")
+        psg_bench.write_results(args.out, rows, device=where, threads=torch.get_num_threads(), argv=argv, model=cfg)
     return rows
 
 

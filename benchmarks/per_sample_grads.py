@@ -408,17 +408,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print("\nms per call, median; (×) = ratio to the non-private torch step; * = microbatch loop "
           f"timed on {args.microbatch_samples} samples and scaled to B.")
     if args.out:
-        meta = {
-            "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__,
-            "opacus": importlib.metadata.version("opacus"),
-            "device": device_name,
-            "threads": threads,
-            "argv": sys.argv[1:] if argv is None else argv,
-        }
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {args.out}")
+        write_results(args.out, rows, device=device_name, threads=threads, argv=argv)
     return rows
+
+
+def write_results(path: str, rows: list[dict[str, Any]], *, device: str, threads: int, argv: list[str] | None, **extra: Any) -> None:
+    """``rows`` and the run's metadata (date, torch and Opacus versions, device, threads, the
+    command line, and ``extra``) as one JSON file."""
+    try:
+        opacus_version = importlib.metadata.version("opacus")
+    except importlib.metadata.PackageNotFoundError:
+        opacus_version = None
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "opacus": opacus_version,
+        "device": device,
+        "threads": threads,
+        **extra,
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
