@@ -54,6 +54,8 @@ psg_bench = _load("vmapdp_benchmarks_per_sample_grads", "per_sample_grads.py")
 
 METHODS = (
     "torch",
+    "vmapdp_auto",
+    "vmapdp_auto_compiled",
     "vmapdp_ghost",
     "vmapdp_ghost_compiled",
     "vmapdp_vmap",
@@ -64,6 +66,8 @@ METHODS = (
 )
 HEADERS = {
     "torch": "non-private torch",
+    "vmapdp_auto": "vmapdp auto",
+    "vmapdp_auto_compiled": "vmapdp auto compiled (the default)",
     "vmapdp_ghost": "vmapdp ghost",
     "vmapdp_ghost_compiled": "vmapdp ghost compiled",
     "vmapdp_vmap": "vmapdp vmap",
@@ -120,6 +124,7 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
         def run():
             box["state"], _ = step(box["state"], (x, y), mask, buffers)
 
+        run.chosen_methods = step.chosen_methods  # what "auto" picked (filled by the first call)
         return run
 
     # Opacus: the engine's own DP step on a fixed batch (no data loader in the timed region)
@@ -201,6 +206,7 @@ def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.de
         fns[m] = fn
     timings = psg_bench._measure_interleaved(fns, device, repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds)
     row: dict[str, Any] = {"model": spec.title, "params": spec.expected_params, "batch": batch_size, "ms": {}, "first_call_s": first, "peak_mib": {}}
+    row["auto_chose"] = {m: sorted(set(fn.chosen_methods.values())) for m, fn in fns.items() if "auto" in m}
     for m, t in timings.items():
         row["ms"][m] = t["ms"]
     if args.memory:
@@ -221,6 +227,8 @@ def markdown(rows: list[dict[str, Any]], memory: bool) -> str:
                 cells.append("–")
                 continue
             cell = f"{ms:.1f} ({ms / base:.2f}x)" if base else f"{ms:.1f}"
+            if m in r.get("auto_chose", {}):
+                cell += " " + "/".join(r["auto_chose"][m])
             if memory and r["peak_mib"].get(m) is not None:
                 cell += f", {r['peak_mib'][m]:.0f} MiB"
             cells.append(cell)

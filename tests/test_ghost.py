@@ -16,6 +16,7 @@ from torch import nn
 
 import vmapdp
 from vmapdp import ghost
+from optree import tree_leaves as _leaves
 from zoo import CASES, setup
 
 C = 0.3  # below most per-sample norms of the zoo, so clipping is active
@@ -222,15 +223,59 @@ def test_every_method_bounds_each_contribution_by_C():
             assert total == pytest.approx(min(float(norms[0]), C), rel=1e-9)
 
 
-def test_auto_picks_ghost_for_covered_models_and_vmap_otherwise(monkeypatch):
-    calls = []
-    real = ghost.ghost_norms_and_sum
-    monkeypatch.setattr(ghost, "ghost_norms_and_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for name, ghosted in [("linear", True), ("multihead_attention", False)]:
-        params, buffers, batch, loss_fn = _case(name)
-        calls.clear()
-        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)(params, buffers, batch)
-        assert bool(calls) == ghosted, name
+def _tree(x):
+    return _leaves(x, namespace="torch")
+
+
+def _fake_clock(monkeypatch, seconds):
+    """Replace auto's timer: each method 'takes' ``seconds[name]``; returns the list of timed names."""
+    timed = []
+
+    def elapsed(name, run, device):
+        run()
+        timed.append(name)
+        return seconds[name]
+
+    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    return timed
+
+
+@pytest.mark.parametrize("faster", ["ghost", "vmap"])
+def test_auto_times_ghost_and_vmap_once_per_shape_and_runs_the_faster(monkeypatch, faster):
+    timed = _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0} if faster == "ghost" else {"ghost": 2.0, "vmap": 1.0})
+    params, buffers, batch, loss_fn = _case("linear")
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)
+    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=faster)(params, buffers, batch, mask=MASK)
+    got = fn(params, buffers, batch, mask=MASK)
+    assert sorted(timed) == ["ghost"] * ghost._AUTO_ROUNDS + ["vmap"] * ghost._AUTO_ROUNDS
+    assert list(fn.chosen_methods.values()) == [faster]
+    for a, b in zip(_tree(got), _tree(want)):  # the faster method's very numbers
+        assert torch.equal(a, b)
+    fn(params, buffers, batch, mask=MASK)  # same shapes: no second race
+    fn(params, buffers, tuple(t[:3] for t in batch))  # a new shape: a new race
+    assert len(timed) == 4 * ghost._AUTO_ROUNDS and len(fn.chosen_methods) == 2
+
+
+def test_auto_races_only_the_methods_that_apply(monkeypatch):
+    timed = _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0})
+    params, buffers, batch, loss_fn = _case("linear")
+    monkeypatch.setattr(ghost, "_AUTO_VMAP_ELEMENTS", 6 * sum(v.numel() for v in params.values()) - 1)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)
+    fn(params, buffers, batch)  # vmap's per-sample grads would not fit: ghost, untimed
+    assert timed == [] and list(fn.chosen_methods.values()) == ["ghost"]
+
+    w = torch.randn(3, 2, dtype=torch.float64)  # only `x @ W`: no covered op, so vmap, untimed
+
+    def matmul_loss(p, sample):
+        return (sample @ p["w"]).square().sum()
+
+    fn = vmapdp.clipped_grad_sum(matmul_loss, l2_clip_norm=C)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    summed, norms, _ = fn({"w": w}, x)
+    assert timed == [] and list(fn.chosen_methods.values()) == ["vmap"]
+    ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(matmul_loss)({"w": w}, x), C)
+    _assert_close(summed, norms, *ref, 1e-12)
+    assert ghost.auto_candidates(None, {"w": w}, 10**9) == ["vmap"]  # (the only method left)
 
 
 def test_data_dependent_control_flow_is_refused():

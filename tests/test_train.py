@@ -184,7 +184,34 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
     for k in params:
         torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m_c["loss"], m_e["loss"])
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1  # six Poisson steps, one graph
+    # six Poisson steps, one chunk shape: one graph per method "auto" raced (ghost, vmap), once
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 2
+    assert list(compiled.chosen_methods.values())[0] in ("ghost", "vmap") and len(compiled.chosen_methods) == 1
+
+
+@pytest.mark.parametrize("faster", ["ghost", "vmap"])
+def test_auto_step_runs_the_method_that_timed_faster(monkeypatch, faster):
+    from vmapdp import ghost
+
+    timed = []
+
+    def elapsed(name, run, device):
+        run()
+        timed.append(name)
+        return {faster: 1.0}.get(name, 2.0)
+
+    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    _, params, buffers, data, loss_fn = problem(n=12)
+    mask = torch.ones(12, dtype=torch.bool)
+    auto, named = make(loss_fn, physical_batch_size=6), make(loss_fn, physical_batch_size=6, method=faster)
+    s_a = s_n = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
+    for _ in range(2):
+        s_a, _ = auto(s_a, data, mask, buffers)
+        s_n, _ = named(s_n, data, mask, buffers)
+    for k in params:  # bitwise: the auto step ran the named method's computation
+        assert torch.equal(s_a.params[k], s_n.params[k]), k
+    assert list(auto.chosen_methods.values()) == [faster]
+    assert sorted(timed) == sorted(["ghost", "vmap"] * ghost._AUTO_ROUNDS)  # one race: one chunk shape
 
 
 RESUME_SCRIPT = textwrap.dedent(

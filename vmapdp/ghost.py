@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -74,7 +75,9 @@ _SLICE_ELEMENTS = 1 << 24
 # convs with at most this many (C_out x C_in / groups) weights per kernel tap get their per-sample
 # norms from one grouped conv backward (fast for few channels); wider ones from unfolded patches
 _GROUPED_CONV_MAX = 4096
-_GROUPED_ROWS = 64
+# ... taking at most this many input channels (samples x C_in/groups) per call: mkldnn's grouped
+# backward slows down 2x past it (CPU, CIFAR-10 64->64 at 16x16: 13 ms in slices of 32, 26 in 64)
+_GROUPED_CHANNELS = 2048
 # per-sample grads formed on the way to a norm (small convs, mixed uses) are kept for the clipped
 # sum, which is then a weighted sum over the batch instead of one more conv backward, while their
 # total stays under this many elements (32 MiB in float32); beyond it they are recomputed
@@ -617,8 +620,8 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
         sqs, margins, pers = zip(*parts)
         per = None if pers[0] is None else _cat(pers).reshape((b,) + use.shape)
         return _cat(sqs), _cat(margins), per
-    # at most _GROUPED_ROWS samples per grouped conv backward: mkldnn is slower with more groups
-    step = _GROUPED_ROWS if keep_grads else min(_GROUPED_ROWS, _rows_per_slice(b, math.prod(use.shape)))
+    rows = max(1, _GROUPED_CHANNELS // use.shape[1])  # samples per grouped conv backward
+    step = min(rows, b) if keep_grads else min(rows, _rows_per_slice(b, math.prod(use.shape)))
     per = use.u.new_empty((b,) + use.shape) if keep_grads else None
     sqs = []
     for s in range(0, b, step):
@@ -864,6 +867,49 @@ def ghost_norms_and_sum(
 # ---------------------------------------------------------------------------------------------
 
 METHODS = ("auto", "vmap", "ghost", "two_pass")
+# "auto" races "vmap" only while its per-sample grads (B x trainable elements) stay under this
+# many elements (256 MiB in float32); beyond it ghost (which covers the rest by per-sample views)
+_AUTO_VMAP_ELEMENTS = 1 << 26
+# ... and times each candidate this many times after one warm-up call, keeping the best
+_AUTO_ROUNDS = 2
+
+
+def auto_candidates(plan: _Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
+    """The exact methods ``"auto"`` times for a batch of ``batch_rows``: ``"ghost"`` when it covers
+    any param, ``"vmap"`` when its per-sample grads fit ``_AUTO_VMAP_ELEMENTS`` (or nothing else
+    applies). ``"two_pass"`` is never raced: it has no rounding margin (see clipped_grad_sum)."""
+    out = ["ghost"] if plan is not None and coverage(plan, params) > 0 else []
+    if not out or batch_rows * sum(v.numel() for v in params.values()) <= _AUTO_VMAP_ELEMENTS:
+        out.append("vmap")
+    return out
+
+
+def _elapsed(name: str, run: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``run`` takes (the device synchronised before and after)."""
+    del name  # (tests replace this function and time by name)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    run()
+    sync()
+    return time.perf_counter() - start
+
+
+def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
+    """The name of the fastest of ``runs`` (zero-argument calls of exact methods on the same chunk).
+
+    Each is called once to warm up (and compile, when compiled), then ``_AUTO_ROUNDS`` times in
+    turn; the best time of each decides. The results are dropped: nothing is released.
+    """
+    if len(runs) == 1:
+        return next(iter(runs))
+    for run in runs.values():
+        run()
+    best = {name: math.inf for name in runs}
+    for _ in range(_AUTO_ROUNDS):
+        for name, run in runs.items():
+            best[name] = min(best[name], _elapsed(name, run, device))
+    return min(best, key=best.__getitem__)
 
 
 def _shape_key(args: tuple) -> tuple:
@@ -931,8 +977,11 @@ def clipped_grad_sum(
       crafted so that its gradient's terms cancel could have its contribution exceed ``C`` by
       the batched backward's rounding (``~ T eps sum_t |u_t||v_t|``). Prefer ``"ghost"`` or
       ``"vmap"`` where adversarial inputs are in the threat model.
-    * ``"auto"`` (default): ``"ghost"`` when the covered layers hold at least half of the trainable
-      elements, else ``"vmap"``; decided once per input shape on the first call.
+    * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
+      timed on the first call for each input shape (each run once to warm up, then twice; see
+      :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
+      only when it covers any param. ``fn.chosen_methods`` holds the choices. The methods agree
+      up to float rounding; for bitwise-reproducible runs name the method.
 
     Every method gives each sample's contribution a norm ``<= C`` (up to float rounding; see
     ``"two_pass"``) and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
@@ -954,6 +1003,7 @@ def clipped_grad_sum(
         )
     grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
     plans: dict[tuple, _Plan] = {}
+    chosen: dict[tuple, str] = {}  # "auto"'s choice per input shape
 
     def weights(norms: Tensor) -> Tensor:
         return clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
@@ -1012,10 +1062,9 @@ def clipped_grad_sum(
             _keep(norms, mask, nonfinite, call)
         return summed, norms, losses
 
-    def prepare(*args: Any) -> _Plan | None:
-        """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
+    def planned(args: tuple) -> tuple[tuple, _Plan | None]:
         if method in ("vmap", "two_pass") or batch_size(args[-1], call=call) == 0:
-            return None
+            return (), None
         key = _shape_key(args)
         plan = plans.get(key)
         if plan is None:
@@ -1024,7 +1073,22 @@ def clipped_grad_sum(
             except RuntimeError as err:
                 raise _explain_runtime_error(call, err) from err
             plans[key] = plan
-        return plan
+        return key, plan
+
+    def prepare(*args: Any) -> _Plan | None:
+        """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
+        return planned(args)[1]
+
+    def choose(key: tuple, plan: _Plan | None, params, shared, batch, mask) -> str:
+        """``"auto"``'s method for this input shape: the fastest candidate, timed on the first call
+        (while tracing for torch.compile nothing can be timed: then ghost if it covers any param)."""
+        if key not in chosen:
+            names = auto_candidates(plan, params, batch_size(batch, call=call))
+            if torch.compiler.is_compiling():
+                return names[0]
+            runs = {"ghost": lambda: by_ghost(params, shared, batch, mask, plan), "vmap": lambda: by_vmap(params, shared, batch, mask)}
+            chosen[key] = race({m: runs[m] for m in names}, next(iter(params.values())).device)
+        return chosen[key]
 
     def fn(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:
@@ -1039,11 +1103,12 @@ def clipped_grad_sum(
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if method == "two_pass":
                 return by_two_pass(params, shared, batch, mask)
-            plan = prepare(*args)
-            if method == "auto" and coverage(plan, params) < 0.5:
+            key, plan = planned(args)
+            if method == "auto" and choose(key, plan, params, shared, batch, mask) == "vmap":
                 return by_vmap(params, shared, batch, mask)
             return by_ghost(params, shared, batch, mask, plan)
 
     fn.prepare = prepare  # type: ignore[attr-defined]
+    fn.chosen_methods = chosen  # type: ignore[attr-defined]
     return fn
 

@@ -20,6 +20,7 @@ from a checkpoint continues exactly as if it had not stopped.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import types
@@ -34,7 +35,7 @@ from vmapdp import accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.ghost import METHODS, clipped_grad_sum, full_float32
+from vmapdp.ghost import METHODS, _shape_key, auto_candidates, clipped_grad_sum, full_float32, race
 from vmapdp.noise import add_noise
 from vmapdp.precision import mixed_precision
 
@@ -162,7 +163,9 @@ def make_train_step(
             chunk of whatever size the batch has.
         method: how each chunk's clipped sum is computed: ``"auto"`` (default), ``"vmap"``,
             ``"ghost"`` or ``"two_pass"``; all exact, they differ in speed and memory (see
-            :func:`vmapdp.clipped_grad_sum`).
+            :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times ghost and vmap, each as it will
+            run (compiled when ``compile``), on the first chunk of each shape and keeps the faster
+            (``step.chosen_methods``); the first step then compiles both.
         norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`.
         randomness: for random layers (dropout): ``"different"`` per sample; see
@@ -232,24 +235,45 @@ def make_train_step(
     else:
         event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
     noise_std = noise_multiplier * l2_clip_norm if noise_multiplier > 0 else 0.0
-    sum_fn = clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=method, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
+    # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
+    methods = ("ghost", "vmap") if method == "auto" else (method,)
+    sum_fns = {
+        m: clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
+        for m in methods
+    }
 
-    def chunk_sums(params, mask, shared, chunk):
-        """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
-        summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
-        finite = torch.isfinite(norms)
-        stats = torch.stack(
-            [
-                torch.where(mask & finite, losses, 0.0).sum().float(),
-                mask.sum().float(),
-                (mask & finite & (norms > l2_clip_norm)).sum().float(),
-                torch.where(mask & finite, norms, 0.0).sum().float(),
-                (mask & ~finite).sum().float(),
-            ]
-        )
-        return summed, stats
+    def chunk_fn(sum_fn: Callable) -> Callable:
+        def chunk_sums(params, mask, shared, chunk):
+            """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
+            summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
+            finite = torch.isfinite(norms)
+            stats = torch.stack(
+                [
+                    torch.where(mask & finite, losses, 0.0).sum().float(),
+                    mask.sum().float(),
+                    (mask & finite & (norms > l2_clip_norm)).sum().float(),
+                    torch.where(mask & finite, norms, 0.0).sum().float(),
+                    (mask & ~finite).sum().float(),
+                ]
+            )
+            return summed, stats
 
-    run_chunk = torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
+        return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
+
+    run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
+    chosen: dict[tuple, str] = {}  # "auto"'s method per chunk shape
+
+    def method_for(params, shared, chunk, mask) -> str:
+        """The chunk's method; its plan made eagerly, once per shape, to keep the compiled graph free of it."""
+        if method != "auto":
+            sum_fns[method].prepare(params, *shared, chunk)
+            return method
+        key = _shape_key((params, *shared, chunk))
+        plan = sum_fns["ghost"].prepare(params, *shared, chunk)
+        if key not in chosen:
+            names = auto_candidates(plan, params, batch_size(chunk, call=call))
+            chosen[key] = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
+        return chosen[key]
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
@@ -279,9 +303,9 @@ def make_train_step(
         summed, stats = None, None
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
-            sum_fn.prepare(state.params, *shared, chunk)  # eager, once per shape: keeps the compiled graph free of it
+            chunk_mask = mask[start : start + size]
             with full_float32(device.type):  # no TF32 on CUDA: the norm/sum margins assume float32
-                s, st = run_chunk(state.params, mask[start : start + size], shared, chunk)
+                s, st = run_chunk[method_for(state.params, shared, chunk, chunk_mask)](state.params, chunk_mask, shared, chunk)
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
         if summed is None:  # an empty batch: the step still releases noise
@@ -307,4 +331,5 @@ def make_train_step(
         }
         return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger), metrics
 
+    step.chosen_methods = chosen  # type: ignore[attr-defined]
     return step
