@@ -19,6 +19,7 @@ from torch import nn
 
 import vmapdp
 from vmapdp import distributed as vdist
+from vmapdp import ghost
 from vmapdp import optim
 from vmapdp.data import PoissonSampler, gather
 
@@ -43,8 +44,10 @@ def problem():
     return params, buffers, data, loss_fn
 
 
-def train(distributed, *, steps=STEPS, secure=False, seed=1234, state=None, sampler=None):
-    """``steps`` DP-SGD steps; with ``distributed`` each rank takes its shard of the global batch."""
+def train(distributed, *, steps=STEPS, secure=False, seed=1234, state=None, sampler=None, method="ghost"):
+    """``steps`` DP-SGD steps; with ``distributed`` each rank takes its shard of the global batch.
+    (A named method: "auto" may time its way to another method in another process, which rounds
+    differently, and these tests compare bits.)"""
     params, buffers, data, loss_fn = problem()
     opt = optim.sgd(0.5, momentum=0.9)
     step = vmapdp.make_train_step(
@@ -58,6 +61,7 @@ def train(distributed, *, steps=STEPS, secure=False, seed=1234, state=None, samp
         compile=False,
         secure=secure,
         distributed=distributed,
+        method=method,
     )
     if state is None:
         state = vmapdp.init_train_state(params, opt, seed=None if secure else seed, secure=secure)
@@ -69,7 +73,7 @@ def train(distributed, *, steps=STEPS, secure=False, seed=1234, state=None, samp
         seen.append(indices[mask])
         batch_sizes.append(int(metrics["batch_size"]))
         chunks.append(indices.numel() // (vdist.local_capacity(CAPACITY) if distributed else CAPACITY))
-    return state, {"seen": seen, "batch_sizes": batch_sizes, "chunks": chunks}
+    return state, {"seen": seen, "batch_sizes": batch_sizes, "chunks": chunks, "chosen": sorted(set(step.chosen_methods.values()))}
 
 
 def _expect_error(fn):
@@ -104,6 +108,12 @@ def _worker(rank, world, init_file, out_dir):
         res["loaded_meta"] = (loaded.noise_seed == half.noise_seed, loaded.step, loaded.ledger == half.ledger)
         resumed, _ = train(True, state=loaded, sampler=resumed_sampler)
         res["resumed_params"] = resumed.params
+        # "auto": each rank times its own rows (here a fake clock: vmap wins on rank 0, ghost on
+        # rank 1), and every rank runs rank 0's choice
+        real_elapsed = ghost._elapsed
+        ghost._elapsed = lambda name, run, device: (run(), 1.0 if (name == "vmap") == (vdist.rank() == 0) else 2.0)[1]
+        res["auto_chosen"] = train(True, steps=2, method="auto")[1]["chosen"]
+        ghost._elapsed = real_elapsed
         # ranks that step different states (seed=None on each) fail together, none waits forever
         res["seed_error"] = _expect_error(lambda: train(True, steps=1, seed=100 + vdist.rank()))
         # ranks whose samplers differ (no shared key) fail together before sampling
@@ -164,6 +174,10 @@ def test_rank_zero_checkpoint_restores_identically_on_every_rank(ranks):
     # resuming (sampler included) continues the uninterrupted run bit for bit
     _assert_trees_equal(r0["resumed_params"], r0["params"])
     _assert_trees_equal(r1["resumed_params"], r1["params"])
+
+
+def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
+    assert [r["auto_chosen"] for r in ranks] == [["vmap"], ["vmap"]]
 
 
 def test_ranks_stepping_different_states_fail_together(ranks):

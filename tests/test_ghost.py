@@ -534,3 +534,67 @@ def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
         assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def test_auto_vmap_budget_is_inclusive_and_the_race_leaves_the_rng_alone(monkeypatch):
+    params, buffers, batch, loss_fn = _case("linear")
+    n = 6 * sum(v.numel() for v in params.values())
+    plan = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C).prepare(params, buffers, batch)
+    monkeypatch.setattr(ghost, "_AUTO_VMAP_ELEMENTS", n)
+    assert ghost.auto_candidates(plan, params, 6) == ["ghost", "vmap"]
+    assert ghost.auto_candidates(plan, params, 7) == ["ghost"]
+
+    # dropout draws from the global RNG: the race's runs must not move it
+    _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0})
+
+    def dropout_loss(p, b, sample):
+        x, y = sample
+        return loss_fn(p, b, (F.dropout(x, 0.5, training=True), y))
+
+    sums = []
+    for method in ("auto", "ghost"):
+        torch.manual_seed(0)
+        sums.append(vmapdp.clipped_grad_sum(dropout_loss, l2_clip_norm=C, method=method, randomness="different")(params, buffers, batch))
+    for a, b in zip(_tree(sums[0]), _tree(sums[1])):
+        assert torch.equal(a, b)
+
+
+def test_auto_races_with_tf32_off_and_drops_a_method_that_runs_out_of_memory(monkeypatch):
+    import contextlib
+
+    from vmapdp import train
+
+    held = []
+
+    @contextlib.contextmanager
+    def guard(device_type):
+        held.append(True)
+        try:
+            yield
+        finally:
+            held.pop()
+
+    monkeypatch.setattr(ghost, "full_float32", guard)
+    monkeypatch.setattr(train, "full_float32", guard)
+    seen = []
+
+    def elapsed(name, run, device):
+        run()
+        seen.append(bool(held))
+        return 1.0
+
+    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    params, buffers, batch, loss_fn = _case("linear")
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)(params, buffers, batch)
+    step = vmapdp.make_train_step(loss_fn, vmapdp.optim.sgd(0.1), l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=6.0, sample_rate=0.1, compile=False)
+    step(vmapdp.init_train_state(params, vmapdp.optim.sgd(0.1), seed=0), batch, torch.ones(6, dtype=torch.bool), buffers)
+    assert len(seen) == 4 * ghost._AUTO_ROUNDS and all(seen)
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert ghost.race({"vmap": oom, "ghost": lambda: None}, torch.device("cpu")) == "ghost"
+    with pytest.raises(torch.OutOfMemoryError):
+        ghost.race({"vmap": oom, "ghost": oom}, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="a bug"):  # other errors are not swallowed
+        ghost.race({"vmap": lambda: (_ for _ in ()).throw(RuntimeError("a bug")), "ghost": lambda: None}, torch.device("cpu"))

@@ -225,7 +225,7 @@ RESUME_SCRIPT = textwrap.dedent(
     _, params, buffers, data, loss_fn = problem(n=50)
     sampler = PoissonSampler(50, 0.2, 3, torch.Generator().manual_seed(123))
     state = vmapdp.load_state({path!r}, sampler=sampler)
-    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity, method="ghost")
     for indices, mask in sampler:
         state, _ = step(state, gather(data, indices), mask, buffers)
     vmapdp.save_state({out!r}, state, sampler=sampler)
@@ -235,9 +235,9 @@ RESUME_SCRIPT = textwrap.dedent(
 
 def test_resume_in_a_new_process_is_bitwise_identical(tmp_path):
     _, params, buffers, data, loss_fn = problem(n=50)
-    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=None)
     sampler = PoissonSampler(50, 0.2, 6, torch.Generator().manual_seed(7))
-    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)
+    # a named method: "auto" times its candidates again in the new process (see vmapdp.train)
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity, method="ghost")
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=11)
     for t, (indices, mask) in enumerate(sampler):
         state, _ = step(state, gather(data, indices), mask, buffers)

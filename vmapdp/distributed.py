@@ -163,6 +163,15 @@ def broadcast_tree(tree: Any, src: int = 0) -> Any:
     return _flat_collective(tree, lambda flat: dist.broadcast(flat, src=src))
 
 
+def broadcast_int(value: int, src: int = 0) -> int:
+    """Rank ``src``'s ``value`` on every rank (``value`` itself without a process group)."""
+    if not is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device())
+    dist.broadcast(t, src=src)
+    return int(t.item())
+
+
 def _digest(value: Any) -> int:
     """A 62-bit digest of ``repr(value)`` (secret values stay in the process: only the digest travels)."""
     return int.from_bytes(hashlib.sha256(b"vmapdp-check-same:" + repr(value).encode()).digest()[:8], "little") >> 2

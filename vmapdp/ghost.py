@@ -620,7 +620,7 @@ def _conv_sq_norms(use: _Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor 
         sqs, margins, pers = zip(*parts)
         per = None if pers[0] is None else _cat(pers).reshape((b,) + use.shape)
         return _cat(sqs), _cat(margins), per
-    rows = max(1, _GROUPED_CHANNELS // use.shape[1])  # samples per grouped conv backward
+    rows = max(1, _GROUPED_CHANNELS // use.v.shape[2])  # samples per grouped conv backward (x all their C_in)
     step = min(rows, b) if keep_grads else min(rows, _rows_per_slice(b, math.prod(use.shape)))
     per = use.u.new_empty((b,) + use.shape) if keep_grads else None
     sqs = []
@@ -884,31 +884,52 @@ def auto_candidates(plan: _Plan | None, params: dict[str, Tensor], batch_rows: i
     return out
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on an accelerator (a no-op on the CPU)."""
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None) if device.type != "cpu" else None
+    if sync is not None:
+        sync()
+
+
 def _elapsed(name: str, run: Callable[[], Any], device: torch.device) -> float:
     """Seconds one call of ``run`` takes (the device synchronised before and after)."""
     del name  # (tests replace this function and time by name)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    _synchronize(device)
     start = time.perf_counter()
     run()
-    sync()
+    _synchronize(device)
     return time.perf_counter() - start
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
 
 
 def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     """The name of the fastest of ``runs`` (zero-argument calls of exact methods on the same chunk).
 
     Each is called once to warm up (and compile, when compiled), then ``_AUTO_ROUNDS`` times in
-    turn; the best time of each decides. The results are dropped: nothing is released.
+    turn; the best time of each decides. The results are dropped: nothing is released. The global
+    RNGs (CPU and ``device``'s) are restored afterwards, so random layers (dropout) draw in the
+    step as if no race had run. A candidate that runs out of memory drops out (unless it is the
+    last one).
     """
     if len(runs) == 1:
         return next(iter(runs))
-    for run in runs.values():
-        run()
-    best = {name: math.inf for name in runs}
-    for _ in range(_AUTO_ROUNDS):
-        for name, run in runs.items():
-            best[name] = min(best[name], _elapsed(name, run, device))
+    runs = dict(runs)
+    accelerator = device.type != "cpu"
+    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None):
+        for name in list(runs):
+            try:
+                runs[name]()
+            except RuntimeError as err:
+                if not _out_of_memory(err) or len(runs) == 1:
+                    raise
+                del runs[name]
+        best = {name: math.inf for name in runs}
+        for _ in range(_AUTO_ROUNDS):
+            for name, run in runs.items():
+                best[name] = min(best[name], _elapsed(name, run, device))
     return min(best, key=best.__getitem__)
 
 
@@ -981,7 +1002,9 @@ def clipped_grad_sum(
       timed on the first call for each input shape (each run once to warm up, then twice; see
       :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
       only when it covers any param. ``fn.chosen_methods`` holds the choices. The methods agree
-      up to float rounding; for bitwise-reproducible runs name the method.
+      up to float rounding; for bitwise-reproducible runs (and resumes) name the method. Traced
+      by ``torch.compile`` before any eager call, nothing can be timed: the graph then runs
+      ``"ghost"`` where it covers a param (call ``fn`` once eagerly first to race).
 
     Every method gives each sample's contribution a norm ``<= C`` (up to float rounding; see
     ``"two_pass"``) and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).

@@ -138,6 +138,7 @@ def make_private(
     seed: int | None = None,
     compile: bool = True,
     secure: bool = False,
+    method: str = "auto",
 ) -> PrivateTrainer:
     """Make a module + torch optimizer + data train with DP-SGD (the Opacus-style entry point).
 
@@ -158,6 +159,8 @@ def make_private(
         seed: the secret noise seed (None: OS entropy); sampling gets its own generator.
         compile: compile the per-chunk tensor work.
         secure: noise and sampling from the OS CSPRNG (no seed).
+        method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); name one
+            for bit-for-bit reproducible runs.
 
     Raises:
         vmapdp.UnsupportedModuleError: the module mixes samples or updates buffers (with the fix).
@@ -203,6 +206,7 @@ def make_private(
         compile=compile,
         budget=(target_epsilon, delta) if target_epsilon is not None else None,
         secure=secure,
+        method=method,
     )
     state = init_train_state(params, opt, seed=seed, secure=secure)
     return PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)

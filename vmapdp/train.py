@@ -15,7 +15,9 @@ The tensor work of a chunk (norms, clipping, the masked sum) runs under
 ``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
 once. Noise is drawn outside the compiled graph, after aggregation, from a generator derived from
 ``(state.noise_seed, state.step)``: the same state always gives the same step, and a run resumed
-from a checkpoint continues exactly as if it had not stopped.
+from a checkpoint continues exactly as if it had not stopped (bit for bit with a named
+``method``; ``"auto"`` times its candidates again in the new process and may pick the other
+one, whose sums differ in rounding only).
 """
 
 from __future__ import annotations
@@ -272,7 +274,10 @@ def make_train_step(
         plan = sum_fns["ghost"].prepare(params, *shared, chunk)
         if key not in chosen:
             names = auto_candidates(plan, params, batch_size(chunk, call=call))
-            chosen[key] = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
+            name = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
+            if distributed:  # every rank runs rank 0's choice (each timed its own rows)
+                name = names[_dist.broadcast_int(names.index(name))]
+            chosen[key] = name
         return chosen[key]
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
