@@ -75,7 +75,7 @@ _SLICE_ELEMENTS = 1 << 24
 # convs with at most this many (C_out x C_in / groups) weights per kernel tap get their per-sample
 # norms from one grouped conv backward (fast for few channels); wider ones from unfolded patches
 _GROUPED_CONV_MAX = 4096
-# ... taking at most this many input channels (samples x C_in/groups) per call: mkldnn's grouped
+# ... taking at most this many input channels (samples x C_in) per call: mkldnn's grouped
 # backward slows down 2x past it (CPU, CIFAR-10 64->64 at 16x16: 13 ms in slices of 32, 26 in 64)
 _GROUPED_CHANNELS = 2048
 # per-sample grads formed on the way to a norm (small convs, mixed uses) are kept for the clipped

@@ -271,8 +271,8 @@ def make_train_step(
             sum_fns[method].prepare(params, *shared, chunk)
             return method
         key = _shape_key((params, *shared, chunk))
-        plan = sum_fns["ghost"].prepare(params, *shared, chunk)
-        if key not in chosen:
+        if key not in chosen:  # (a later chunk of this shape finds ghost's plan made here)
+            plan = sum_fns["ghost"].prepare(params, *shared, chunk)
             names = auto_candidates(plan, params, batch_size(chunk, call=call))
             name = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
             if distributed:  # every rank runs rank 0's choice (each timed its own rows)
