@@ -115,7 +115,7 @@ def test_ledger_json_round_trip_is_exact():
         (
             '{"format": "vmapdp.accounting.Ledger", "version": 1, "events": '
             '[{"type": "poisson_gaussian", "noise_multiplier": -1, "sample_rate": 0.1, "count": 1}]}',
-            r"noise_multiplier=-1.0 must be finite and > 0",
+            r"noise_multiplier=-1 must be finite and > 0",
         ),
     ],
 )

@@ -64,11 +64,12 @@ def positive(
     call: str, name: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = False, meaning: str = "", fix: str = ""
 ) -> float:
     """A real ``> 0`` (``>= 0`` with ``allow_zero``), finite unless ``allow_inf``; NaN never."""
+    given = value
     value = number(call, name, value, meaning=meaning)
     ok = (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
     if not ok:
         rng = (">= 0" if allow_zero else "> 0") if allow_inf else ("finite and >= 0" if allow_zero else "finite and > 0")
-        raise _value_error(call, name, value, rng, meaning, fix)
+        raise _value_error(call, name, given, rng, meaning, fix)
     return value
 
 
@@ -94,12 +95,13 @@ def probability(
     call: str, name: str, value: Any, *, allow_zero: bool = False, allow_one: bool = True, meaning: str = "", fix: str = ""
 ) -> float:
     """A real in ``(0, 1]`` (the bounds opened or closed by ``allow_zero`` / ``allow_one``)."""
+    given = value
     value = number(call, name, value, meaning=meaning)
     lo_ok = value >= 0 if allow_zero else value > 0
     hi_ok = value <= 1 if allow_one else value < 1
     if not (lo_ok and hi_ok):  # NaN fails both
         rng = f"in {'[' if allow_zero else '('}0, 1{']' if allow_one else ')'}"
-        raise _value_error(call, name, value, rng, meaning, fix)
+        raise _value_error(call, name, given, rng, meaning, fix)
     return value
 
 
