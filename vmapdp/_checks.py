@@ -22,6 +22,7 @@ import operator
 import warnings
 from typing import Any, Sequence
 
+import optree
 import torch
 
 ACCOUNTANTS = ("rdp", "pld", "prv", "gdp")
@@ -241,16 +242,20 @@ def noise_std_guarded(value: Any) -> Any:
     return value
 
 
-def params_dict(call: str, params: Any, *, what: str = "params") -> dict:
-    """A non-empty dict of tensors (the trainable params from ``vmapdp.functionalize``)."""
-    if not isinstance(params, dict):
+def params_dict(call: str, params: Any, *, what: str = "params", require_dict: bool = True) -> Any:
+    """A non-empty dict of tensors (the trainable params from ``vmapdp.functionalize``); with
+    ``require_dict=False`` any pytree that holds at least one tensor."""
+    if require_dict and not isinstance(params, dict):
         raise _type_error(call, what, params, "a dict of tensors keyed like named_parameters() (from vmapdp.functionalize)")
-    if not params:
+    leaves = [leaf for leaf in optree.tree_leaves(params, namespace="torch") if isinstance(leaf, torch.Tensor)]
+    if not leaves:
         raise ValueError(
-            f"{call}: {what}={{}} must hold at least one tensor; there is nothing to train (a model with no "
-            "parameters, or all of them frozen with requires_grad=False?). Unfreeze the parameters to train."
+            f"{call}: {what}={params!r} must hold at least one tensor; there is nothing to differentiate or train "
+            "(a model without parameters, or all of them frozen with requires_grad=False?). Unfreeze the "
+            "parameters to train (vmapdp.functionalize puts frozen ones in buffers)."
         )
-    bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
-    if bad:
-        raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
+    if isinstance(params, dict):
+        bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
     return params

@@ -397,6 +397,26 @@ def _repair(m: nn.Module) -> Optional[nn.Module]:
     return None
 
 
+def with_vmap_recurrent(module: nn.Module) -> nn.Module:
+    """``module`` itself, or (when it holds exact ``torch.nn`` RNN/GRU/LSTM layers or cells) a copy
+    with those swapped for their ``vmapdp.nn`` twins: same parameter names, equal outputs, and
+    batchable by ``vmap``. The copy shares every other tensor with ``module`` (nothing is
+    duplicated but the recurrent layers' own weights, which ``functional_call`` replaces anyway);
+    ``module`` is not changed. Used by :func:`vmapdp.functionalize`."""
+    if not any(type(m) in _TORCH_RECURRENT for m in module.modules()):
+        return module
+    memo: dict[int, Any] = {id(t): t for t in module.parameters()}
+    memo.update({id(t): t for t in module.buffers()})
+    copied = copy.deepcopy(module, memo)
+    for m in list(copied.modules()):
+        for name, child in list(m._modules.items()):
+            twin = _TORCH_RECURRENT.get(type(child)) if child is not None else None
+            if twin is not None:
+                setattr(m, name, twin.from_torch(child))
+    root = _TORCH_RECURRENT.get(type(copied))
+    return root.from_torch(copied) if root is not None else copied
+
+
 def _batch_norm_to_group_norm(bn: _BatchNorm) -> nn.GroupNorm:
     reference = next(
         (t for t in (bn.weight, bn.running_mean) if t is not None),
