@@ -460,7 +460,7 @@ def test_call_form_errors():
         acc.epsilon(ledger, delta=1e-5, steps=10)
     with pytest.raises(ValueError, match=r"epsilon: missing sample_rate=, steps="):
         acc.epsilon(noise_multiplier=1.0, delta=1e-5)
-    with pytest.raises(ValueError, match=r"expected a Ledger, an event, or an object with a .ledger"):
+    with pytest.raises(TypeError, match=r"expected a Ledger, an event, or an object with a .ledger"):
         acc.epsilon([1.0, 0.01, 10], delta=1e-5)
     with pytest.raises(TypeError):
         acc.epsilon(ledger, 1e-5)  # delta is keyword-only
@@ -474,7 +474,7 @@ def test_call_form_errors():
         PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, count=0)
     with pytest.raises(ValueError, match=r"PoissonGaussianEvent: noise_multiplier=0.0 must be finite and > 0"):
         PoissonGaussianEvent(noise_multiplier=0.0, sample_rate=0.1)
-    with pytest.raises(ValueError, match=r"Ledger.append\(event\): expected PoissonGaussianEvent"):
+    with pytest.raises(TypeError, match=r"Ledger.append\(event\): expected PoissonGaussianEvent"):
         Ledger().append((1.0, 0.1))
 
 

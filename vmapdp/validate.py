@@ -41,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from vmapdp import _checks
 from vmapdp import nn as vnn
 from vmapdp.errors import UnsupportedModuleError
 
@@ -242,8 +243,7 @@ def group_norm_groups(num_channels: int) -> int:
     References:
       Wu & He, "Group Normalization", ECCV 2018.
     """
-    if not isinstance(num_channels, int) or num_channels < 1:
-        raise ValueError(f"group_norm_groups: expected a positive int, got {num_channels=}")
+    num_channels = _checks.positive_int("group_norm_groups(num_channels)", "num_channels", num_channels)
     if num_channels == 1:
         return 1
     return max(g for g in range(1, min(_MAX_GROUPS, num_channels // 2) + 1) if num_channels % g == 0)
