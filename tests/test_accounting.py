@@ -115,7 +115,7 @@ def test_ledger_json_round_trip_is_exact():
         (
             '{"format": "vmapdp.accounting.Ledger", "version": 1, "events": '
             '[{"type": "poisson_gaussian", "noise_multiplier": -1, "sample_rate": 0.1, "count": 1}]}',
-            r"noise_multiplier=-1.0 is outside \(0, inf\)",
+            r"noise_multiplier=-1 must be finite and > 0",
         ),
     ],
 )
@@ -266,7 +266,8 @@ def test_rdp_epsilon_delta_round_trip(noise, rate, steps, delta):
 
 def test_limits_zero_rate_zero_steps_tiny_noise_and_non_private():
     for accountant in ("rdp", "pld"):
-        assert acc.epsilon(noise_multiplier=1.0, sample_rate=0.0, steps=1000, delta=1e-5, accountant=accountant) == 0.0
+        with pytest.raises(ValueError, match=r"sample_rate=0.0 must be in \(0, 1\]"):  # no data, no step: no event
+            acc.epsilon(noise_multiplier=1.0, sample_rate=0.0, steps=1000, delta=1e-5, accountant=accountant)
         assert acc.epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=0, delta=1e-5, accountant=accountant) == 0.0
         assert acc.epsilon(Ledger(), delta=1e-5, accountant=accountant) == 0.0
         assert (
@@ -388,13 +389,13 @@ def test_calibrate_with_pld_and_gdp():
 def test_calibrate_rejects_impossible_budgets():
     with pytest.raises(ValueError, match=r"calibrate_noise: target_epsilon=1e-05 needs noise_multiplier > 10000"):
         acc.calibrate_noise(target_epsilon=1e-5, delta=1e-5, sample_rate=0.5, steps=100_000)
-    with pytest.raises(ValueError, match=r"calibrate_noise: target_epsilon=0.0 is outside \(0, inf\)"):
+    with pytest.raises(ValueError, match=r"calibrate_noise: target_epsilon=0.0 must be finite and > 0"):
         acc.calibrate_noise(target_epsilon=0.0, delta=1e-5, sample_rate=0.5, steps=100)
     with pytest.raises(ValueError, match="delta is so large next to the chance of ever sampling"):
         acc.calibrate_noise(target_epsilon=10.0, delta=0.5, sample_rate=1e-4, steps=10)
-    with pytest.raises(ValueError, match=r"calibrate_noise: steps=0 is below 1"):
+    with pytest.raises(ValueError, match=r"calibrate_noise: steps=0 must be an int >= 1"):
         acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.5, steps=0)
-    with pytest.raises(ValueError, match="sample_rate=0.0 uses no data"):
+    with pytest.raises(ValueError, match=r"sample_rate=0.0 must be in \(0, 1\]"):
         acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.0, steps=10)
 
 
@@ -408,32 +409,49 @@ GOOD = dict(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5)
 @pytest.mark.parametrize(
     "override, match",
     [
-        (dict(sample_rate=1.5), r"epsilon: sample_rate=1.5 is outside \[0, 1\]; sample_rate is the probability"),
-        (dict(sample_rate=-0.1), r"sample_rate=-0.1 is outside \[0, 1\]"),
+        (dict(sample_rate=1.5), r"epsilon: sample_rate=1.5 must be in \(0, 1\]; sample_rate is the probability"),
+        (dict(sample_rate=-0.1), r"sample_rate=-0.1 must be in \(0, 1\]"),
         (dict(sample_rate=256), r"Did you pass the batch size\?"),
-        (dict(noise_multiplier=0.0), r"noise_multiplier=0.0 is outside \(0, inf\).*allow_non_private=True"),
-        (dict(noise_multiplier=-1.0), r"noise_multiplier=-1.0 is outside \(0, inf\)"),
+        (dict(noise_multiplier=0.0), r"noise_multiplier=0.0 must be finite and > 0.*allow_non_private=True"),
+        (dict(noise_multiplier=-1.0), r"noise_multiplier=-1.0 must be finite and > 0"),
         (dict(noise_multiplier=math.inf), r"noise_multiplier=inf must be finite"),
-        (dict(noise_multiplier=math.nan), r"noise_multiplier=nan must be a real number > 0"),
-        (dict(noise_multiplier="1.0"), r"noise_multiplier='1.0' must be a real number"),
-        (dict(delta=0.0), r"epsilon: delta=0.0 is outside \(0, 1\)"),
-        (dict(delta=1.0), r"delta=1.0 is outside \(0, 1\)"),
-        (dict(steps=10.5), r"epsilon: steps=10.5 must be an integer >= 0.*got float"),
-        (dict(steps=100.0), r"steps=100.0 must be an integer"),
-        (dict(steps=-1), r"steps=-1 is below 0"),
-        (dict(steps=True), r"steps=True must be an integer"),
-        (dict(accountant="moments"), r"epsilon: accountant='moments' is not one of 'rdp', 'pld', 'prv', 'gdp'"),
+        (dict(noise_multiplier=math.nan), r"noise_multiplier=nan must be finite and > 0"),
+        (dict(delta=0.0), r"epsilon: delta=0.0 must be in \(0, 1\); delta is the probability"),
+        (dict(delta=1.0), r"delta=1.0 must be in \(0, 1\)"),
+        (dict(steps=-1), r"steps=-1 must be an int >= 0"),
+        (dict(accountant="moments"), r"epsilon: accountant='moments' must be one of 'rdp', 'pld', 'prv', 'gdp'"),
         (dict(orders=[0.5, 2]), r"orders=\[0.5, 2\] must be a non-empty sequence of finite Renyi orders > 1"),
         (dict(orders=[2, 3], accountant="pld"), r"orders= applies to accountant='rdp' only"),
         (dict(eps_error=0.01), r"eps_error= and value_discretization_interval= apply to accountant='pld' only"),
-        (dict(eps_error=-1.0, accountant="pld"), r"eps_error=-1.0 must be a finite number > 0"),
+        (dict(eps_error=-1.0, accountant="pld"), r"eps_error=-1.0 must be finite and > 0"),
         (dict(value_discretization_interval=0.0, accountant="pld"), r"value_discretization_interval=0.0 must be"),
-        (dict(num_samples=0), r"num_samples=0 is below 1"),
+        (dict(num_samples=0), r"num_samples=0 must be an int >= 1"),
     ],
 )
 def test_epsilon_rejects_bad_input(override, match):
     with pytest.raises(ValueError, match=match):
         acc.epsilon(**{**GOOD, **override})
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (dict(noise_multiplier="1.0"), r"epsilon: noise_multiplier must be a real number \(int or float\), got str"),
+        (dict(steps=10.5), r"epsilon: steps must be an int >= 0, got float \(10.5\). Pass steps=int"),
+        (dict(steps=100.0), r"steps must be an int >= 0, got float"),
+        (dict(steps=True), r"steps must be an int >= 0, got bool"),
+        (dict(delta=None), r"delta must be a real number"),
+        (dict(accountant=1), r"accountant must be one of .* \(a str\), got int"),
+    ],
+)
+def test_epsilon_rejects_wrong_types(override, match):
+    with pytest.raises(TypeError, match=match):
+        acc.epsilon(**{**GOOD, **override})
+
+
+def test_accountant_names_are_spelled_exactly():
+    with pytest.raises(ValueError, match=r"accountant='PLD' must be one of .*Did you mean accountant='pld'\?"):
+        acc.epsilon(**GOOD, accountant="PLD")
 
 
 def test_call_form_errors():
@@ -442,26 +460,26 @@ def test_call_form_errors():
         acc.epsilon(ledger, delta=1e-5, steps=10)
     with pytest.raises(ValueError, match=r"epsilon: missing sample_rate=, steps="):
         acc.epsilon(noise_multiplier=1.0, delta=1e-5)
-    with pytest.raises(ValueError, match=r"expected a Ledger, an event, or an object with a .ledger"):
+    with pytest.raises(TypeError, match=r"expected a Ledger, an event, or an object with a .ledger"):
         acc.epsilon([1.0, 0.01, 10], delta=1e-5)
     with pytest.raises(TypeError):
         acc.epsilon(ledger, 1e-5)  # delta is keyword-only
-    with pytest.raises(ValueError, match=r"delta: epsilon=-1.0 is outside \[0, inf\)"):
+    with pytest.raises(ValueError, match=r"delta: epsilon=-1.0 must be finite and >= 0"):
         acc.delta(ledger, epsilon=-1.0)
     with pytest.raises(ValueError, match=r"epsilon_grid: the sequences have different lengths"):
         acc.epsilon_grid(noise_multiplier=[1.0, 2.0], sample_rate=[0.1, 0.2, 0.3], steps=10, delta=1e-5)
-    with pytest.raises(ValueError, match=r"epsilon_grid\[1\]: sample_rate=2.0 is outside \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"epsilon_grid\[1\]: sample_rate=2.0 must be in \(0, 1\]"):
         acc.epsilon_grid(noise_multiplier=1.0, sample_rate=[0.1, 2.0], steps=10, delta=1e-5)
-    with pytest.raises(ValueError, match=r"PoissonGaussianEvent: count=0 is below 1"):
+    with pytest.raises(ValueError, match=r"PoissonGaussianEvent: count=0 must be an int >= 1"):
         PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, count=0)
-    with pytest.raises(ValueError, match=r"PoissonGaussianEvent: noise_multiplier=0.0 is outside"):
+    with pytest.raises(ValueError, match=r"PoissonGaussianEvent: noise_multiplier=0.0 must be finite and > 0"):
         PoissonGaussianEvent(noise_multiplier=0.0, sample_rate=0.1)
-    with pytest.raises(ValueError, match=r"Ledger.append\(event\): expected PoissonGaussianEvent"):
+    with pytest.raises(TypeError, match=r"Ledger.append\(event\): expected PoissonGaussianEvent"):
         Ledger().append((1.0, 0.1))
 
 
 def test_delta_above_one_over_n_warns():
-    with pytest.warns(UserWarning, match=r"delta=0.001 >= 1/num_samples = 0.0001"):
+    with pytest.warns(UserWarning, match=r"epsilon: delta=0.001 must be below 1/num_samples = 1/10000 = 0.0001.*one random record"):
         acc.epsilon(**{**GOOD, "delta": 1e-3}, num_samples=10_000)
     acc.epsilon(**GOOD, num_samples=10_000)  # 1e-5 < 1e-4: no warning (warnings are errors)
 

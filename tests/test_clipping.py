@@ -199,9 +199,9 @@ def test_bad_clip_norm(bad):
 
 def test_bad_arguments():
     grads = random_grads(0)
-    with pytest.raises(ValueError, match=r"rule must be 'clip'"):
+    with pytest.raises(ValueError, match=r"rule='auto' must be one of 'clip', 'normalize'"):
         clip_and_sum(grads, 1.0, rule="auto")
-    with pytest.raises(ValueError, match=r"nonfinite must be"):
+    with pytest.raises(ValueError, match=r"nonfinite='ignore' must be one of 'zero', 'raise'"):
         clip_per_sample(grads, 1.0, nonfinite="ignore")
     with pytest.raises(ValueError, match=r"expected the same batch size on dim 0 of every leaf of grads.*'out.weight' has 2.*aggregated instead of per-sample"):
         clip_and_sum({"fc.weight": torch.zeros(9, 3), "out.weight": torch.zeros(2, 4)}, 1.0)
@@ -209,10 +209,100 @@ def test_bad_arguments():
         clip_and_sum({"w": torch.tensor(1.0)}, 1.0)
     with pytest.raises(TypeError, match=r"mask must have dtype torch.bool"):
         clip_and_sum(grads, 1.0, mask=torch.ones(9))
-    with pytest.raises(TypeError, match=r"l2_clip_norm must be a positive float"):
+    with pytest.raises(TypeError, match=r"l2_clip_norm must be a positive float or a 0-dim tensor, got str"):
         clip_and_sum(grads, "1.0")
 
 
 def test_public_names():
     for name in ["clip_per_sample", "clip_and_sum", "clip_and_sum_per_layer", "per_layer_sensitivity", "grad_norms"]:
         assert name in vmapdp.__all__
+
+
+# ---------------------------------------------------------------------------------------
+# Tensor clipping bounds (adaptive clipping passes them): never weaker than a valid bound
+# ---------------------------------------------------------------------------------------
+
+BAD_TENSOR_NORMS = [torch.tensor(math.nan), torch.tensor(math.inf), torch.tensor(-1.0), torch.tensor(0.0)]
+
+
+def _entry_points():
+    grads = random_grads(0)
+    return {
+        "clip_and_sum": lambda c: clip_and_sum(grads, c),
+        "clip_per_sample": lambda c: clip_per_sample(grads, c),
+        "clip_factors": lambda c: vmapdp.clipping.clip_factors(grad_norms(grads), c),
+        "clip_and_sum_per_layer": lambda c: clip_and_sum_per_layer(grads, {k: c for k in grads}),
+    }
+
+
+@pytest.mark.parametrize("entry", ["clip_and_sum", "clip_per_sample", "clip_factors", "clip_and_sum_per_layer"])
+@pytest.mark.parametrize("bad", BAD_TENSOR_NORMS, ids=["nan", "inf", "neg", "zero"])
+def test_bad_tensor_clip_norm_raises_eagerly(entry, bad):
+    with pytest.raises(ValueError, match=r"l2_clip_norms?(\[.*\])?=tensor\(.*\) must be finite and > 0.*switch clipping off or flip"):
+        _entry_points()[entry](bad)
+
+
+@pytest.mark.parametrize("entry", ["clip_and_sum", "clip_per_sample", "clip_factors"])
+def test_tensor_clip_norm_must_be_0_dim_and_floating(entry):
+    with pytest.raises(ValueError, match=r"l2_clip_norm must be a 0-dim tensor .*got shape \(2,\)"):
+        _entry_points()[entry](torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match=r"l2_clip_norm must be a float or a 0-dim floating-point tensor, got Tensor"):
+        _entry_points()[entry](torch.tensor(1))
+
+
+def test_valid_tensor_clip_norm_equals_float():
+    grads = random_grads(3)
+    a, na = clip_and_sum(grads, torch.tensor(0.7))
+    b, nb = clip_and_sum(grads, 0.7)
+    for k in grads:
+        torch.testing.assert_close(a[k], b[k])
+    torch.testing.assert_close(na, nb)
+
+
+@pytest.mark.parametrize("bad", BAD_TENSOR_NORMS, ids=["nan", "inf", "neg", "zero"])
+def test_bad_tensor_clip_norm_releases_nothing_when_traced(bad):
+    """Under torch.compile the bound cannot be read on the host: the sum must then be exactly 0
+    (a valid bound's release is at most C per sample; NaN/inf/-1 must never release more)."""
+    grads = random_grads(1)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda g, c: clip_and_sum(g, c), fullgraph=True, backend="eager")
+    summed, _ = fn(grads, bad)
+    for v in summed.values():
+        assert torch.equal(v, torch.zeros_like(v))
+    per = torch.compile(lambda g, c: clip_per_sample(g, c), fullgraph=True, backend="eager")(grads, bad)
+    for v in per.values():
+        assert torch.equal(v, torch.zeros_like(v))
+    good, _ = fn(grads, torch.tensor(0.5))  # the same graph with a valid bound clips as eager does
+    ref, _ = clip_and_sum(grads, 0.5)
+    for k in grads:
+        torch.testing.assert_close(good[k], ref[k])
+
+
+@pytest.mark.parametrize("bad", BAD_TENSOR_NORMS, ids=["nan", "inf", "neg", "zero"])
+def test_bad_tensor_clip_norm_releases_nothing_under_vmap(bad):
+    """A bound batched by vmap (one per run, e.g. a sweep) is not readable either: same guard."""
+    grads = random_grads(2)
+    cs = torch.stack([torch.tensor(0.5), bad])
+    summed, _ = torch.func.vmap(lambda c: clip_and_sum(grads, c))(cs)
+    ref, _ = clip_and_sum(grads, 0.5)
+    for k in grads:
+        torch.testing.assert_close(summed[k][0], ref[k])
+        assert torch.equal(summed[k][1], torch.zeros_like(summed[k][1]))
+
+
+def test_integer_grads_are_refused():
+    for fn in (grad_norms, lambda g: clip_and_sum(g, 1.0), lambda g: clip_per_sample(g, 1.0)):
+        with pytest.raises(TypeError, match=r"leaf 'w' has dtype torch.int64; an integer tensor is not a gradient"):
+            fn({"w": torch.ones(3, 2, dtype=torch.int64)})
+
+
+def test_summed_grads_are_caught_given_params():
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(4)}
+    per_sample = {"w": torch.randn(5, 4, 3), "b": torch.randn(5, 4)}
+    clip_and_sum(per_sample, 1.0, params=params)  # fine
+    clip_per_sample(per_sample, 1.0, params=params)
+    summed = {"w": per_sample["w"].sum(0), "b": per_sample["b"].sum(0)}  # leading dims agree (4)
+    clip_and_sum(summed, 1.0)  # undetectable without params (documented)
+    for fn in (clip_and_sum, clip_per_sample):
+        with pytest.raises(ValueError, match=r"grads\['w'\] has shape \(4, 3\), expected \(4, 4, 3\).*already summed over the batch"):
+            fn(summed, 1.0, params=params)

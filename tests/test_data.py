@@ -121,6 +121,32 @@ def test_bad_arguments(kwargs, match):
         PoissonSampler(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_samples=10.0, sample_rate=0.1), r"PoissonSampler: num_samples must be an int >= 1, got float"),
+        (dict(num_samples=10, sample_rate="0.1"), r"PoissonSampler: sample_rate must be a real number"),
+        (dict(num_samples=10, sample_rate=0.1, steps=2.0), r"steps must be an int >= 0, got float"),
+        (dict(num_samples=10, sample_rate=0.1, capacity=True), r"capacity must be an int >= 1, got bool"),
+    ],
+)
+def test_wrong_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        PoissonSampler(**kwargs)
+
+
+@pytest.mark.parametrize("other", [dict(num_samples=101, sample_rate=0.1), dict(num_samples=100, sample_rate=0.2)])
+def test_load_state_dict_refuses_another_size_or_rate(other):
+    saved = PoissonSampler(100, 0.1, key=b"k")
+    saved.sample()
+    with pytest.raises(ValueError, match=r"load_state_dict\(state\): the state comes from a sampler with (num_samples=100|sample_rate=0.1), this one has"):
+        PoissonSampler(**other, key=b"k").load_state_dict(saved.state_dict())
+    gen = PoissonSampler(100, 0.1, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"the state comes from a sampler with"):
+        PoissonSampler(**other, generator=torch.Generator()).load_state_dict(gen.state_dict())
+    PoissonSampler(100, 0.1, key=b"x").load_state_dict(saved.state_dict())  # same size and rate: fine
+
+
 def test_keyed_sampler_is_reproducible_resumable_and_the_default():
     a = PoissonSampler(100, 0.1, 4, key=b"secret")
     b = PoissonSampler(100, 0.1, 4, key=b"secret")

@@ -91,16 +91,35 @@ def test_half_precision_leaves_are_noised_in_float32():
     assert add_noise({"w": torch.zeros(3, dtype=torch.float64)}, 1.0, make_generator(0))["w"].dtype == torch.float64
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, torch.tensor(-1.0), torch.tensor(math.nan), torch.tensor(math.inf)])
 def test_bad_std(bad):
-    with pytest.raises(ValueError, match=r"add_noise\(tree, std, generator\): std=.* must be a finite float >= 0"):
+    with pytest.raises(ValueError, match=r"add_noise\(tree, std, generator\): std=.* must be finite and >= 0"):
         add_noise({"w": torch.zeros(2)}, bad, make_generator(0))
+    with pytest.raises(ValueError, match=r"std=.* must be finite and >= 0"):
+        add_noise({"w": torch.zeros(2)}, bad, key=b"k")
+
+
+def test_std_type_and_shape():
+    with pytest.raises(TypeError, match=r"add_noise\(tree, std, generator\): std must be a real number .*got str"):
+        add_noise({"w": torch.zeros(2)}, "1.0")
+    with pytest.raises(ValueError, match=r"std must be a 0-dim tensor, got shape \(2,\)"):
+        add_noise({"w": torch.zeros(2)}, torch.ones(2))
+    out = add_noise({"w": torch.zeros(2)}, torch.tensor(2.0), key=b"k")["w"]
+    assert torch.equal(out, add_noise({"w": torch.zeros(2)}, 2.0, key=b"k")["w"])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_bad_tensor_std_releases_nothing_when_traced(bad):
+    """Batched by vmap (or traced), the std cannot be read: a NaN/inf/negative one must give NaN (nothing released),
+    never the sum with less noise than asked."""
+    out = torch.func.vmap(lambda s: add_noise({"w": torch.ones(3)}, s, key=b"k")["w"])(torch.tensor([1.0, bad]))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
 
 
 def test_bad_generator_and_seed():
     with pytest.raises(TypeError, match=r"generator must be a torch.Generator or None.*make_generator"):
         add_noise({"w": torch.zeros(2)}, 1.0, 123)
-    with pytest.raises(ValueError, match=r"seed must be a non-negative int"):
+    with pytest.raises(ValueError, match=r"seed=-1 must be an int >= 0"):
         make_generator(-1)
     assert "add_noise" in vmapdp.__all__
 

@@ -210,9 +210,9 @@ def test_error_bad_mask_and_options():
         vmapdp.per_sample_grads(loss_fn)(params, buffers, batch, mask=torch.ones(4))
     with pytest.raises(ValueError, match=r"mask must have shape \[4\]"):
         vmapdp.per_sample_grads(loss_fn)(params, buffers, batch, mask=torch.ones(3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"chunk_size must be a positive int"):
+    with pytest.raises(ValueError, match=r"chunk_size=0 must be an int >= 1"):
         vmapdp.per_sample_grads(loss_fn, chunk_size=0)
-    with pytest.raises(ValueError, match=r"randomness must be"):
+    with pytest.raises(ValueError, match=r"randomness='per-sample' must be one of 'error', 'different', 'same'"):
         vmapdp.per_sample_grads(loss_fn, randomness="per-sample")
     with pytest.raises(TypeError, match=r"expected at least two arguments"):
         vmapdp.per_sample_grads(loss_fn)(batch)
@@ -259,3 +259,70 @@ def test_train_mode_batchnorm_is_named_with_the_fix():
     grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, torch.randn(3, 1, 5, 5))
     assert grads["1.0.weight"].shape == (3, 4)
     assert isinstance(model[1][0], nn.BatchNorm2d), "fix must not mutate its input"
+
+
+def test_empty_params_is_a_clear_error():
+    def loss_fn(params, buffers, x):
+        return (x**2).sum()
+
+    x = torch.randn(4, 3)
+    for fn in (vmapdp.per_sample_grads(loss_fn), vmapdp.per_sample_grad_norms(loss_fn)):
+        with pytest.raises(ValueError, match=r"per_sample_grads\(loss_fn\): params=\{\} must hold at least one tensor.*frozen"):
+            fn({}, {}, x)
+    for method in ("auto", "ghost", "vmap", "two_pass"):  # was a bare StopIteration (ghost.fn's next(iter(params)))
+        with pytest.raises(ValueError, match=r"clipped_grad_sum\(loss_fn\): params=\{\} must hold at least one tensor"):
+            vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)({}, {}, x)
+    with pytest.raises(ValueError, match=r"init_train_state\(params, optimizer\): params=\{\} must hold at least one tensor"):
+        vmapdp.init_train_state({}, vmapdp.optim.sgd(0.1))
+
+
+def _model_loss(apply):
+    def loss_fn(params, buffers, sample):
+        out = apply(params, buffers, sample[None])
+        return (out[0] if isinstance(out, tuple) else out).square().sum()
+
+    return loss_fn
+
+
+def test_raw_batch_norm_error_names_batch_norm_and_fix():
+    """Train-mode BatchNorm on one sample: torch's 'Expected more than 1 value per channel'
+    (a ValueError) becomes an UnsupportedModuleError naming BatchNorm and vmapdp.fix, whether the
+    loss goes through vmapdp.functionalize or calls the module's function directly."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    apply, params, buffers = vmapdp.functionalize(model)
+    x = torch.randn(5, 3)
+    for fn in (
+        vmapdp.per_sample_grads(_model_loss(apply)),
+        vmapdp.clipped_grad_sum(_model_loss(apply), l2_clip_norm=1.0, method="ghost"),
+        vmapdp.clipped_grad_sum(_model_loss(apply), l2_clip_norm=1.0, method="two_pass"),
+    ):
+        with pytest.raises(vmapdp.UnsupportedModuleError, match=r"BatchNorm1d.*GroupNorm"):
+            fn(params, buffers, x)
+
+    def raw(params, x):  # no functionalize: the engine translates torch's error itself
+        h = F.batch_norm(x[None] @ params["w"], None, None, training=True)
+        return h.sum()
+
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"per_sample_grads\(loss_fn\): a BatchNorm layer in training mode.*vmapdp\.fix\(model\)"):
+        vmapdp.per_sample_grads(raw)({"w": torch.randn(3, 4)}, x)
+
+
+@pytest.mark.parametrize("kind", ["GRU", "LSTM", "RNN", "GRUCell"])
+@pytest.mark.parametrize("method", ["per_sample_grads", "ghost", "two_pass", "vmap"])
+def test_torch_recurrent_layers_work_without_fix(kind, method):
+    """torch's own nn.GRU/LSTM/RNN (whose kernels vmap cannot batch) work with every method after
+    functionalize alone, equal to the one-sample-at-a-time oracle on the original module."""
+    torch.manual_seed(0)
+    cls = getattr(nn, kind)
+    model = cls(3, 4) if kind.endswith("Cell") else cls(3, 4, batch_first=True)
+    x = torch.randn(4, 3) if kind.endswith("Cell") else torch.randn(4, 5, 3)
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert type(model) is cls  # functionalize never changes the module
+    loss_fn = _model_loss(apply)
+    ref = vmapdp.testing.microbatch_grads(loss_fn, params, buffers, x)
+    if method == "per_sample_grads":
+        vmapdp.testing.assert_grads_close(vmapdp.per_sample_grads(loss_fn)(params, buffers, x), ref, rtol=1e-4)
+    else:
+        summed, _, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1e6, method=method)(params, buffers, x)
+        for k in params:
+            torch.testing.assert_close(summed[k], ref[k].sum(0).to(summed[k].dtype), rtol=1e-4, atol=1e-5)

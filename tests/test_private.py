@@ -126,3 +126,135 @@ def test_secure_trainer_saves_and_resumes(tmp_path):
     seeded = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"comes from a secure sampler"):
         vmapdp.load_state(tmp_path / "s.pt", sampler=seeded)
+
+
+def _mp(data_, **kw):
+    m = model()
+    args = dict(batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, compile=False, method="vmap")
+    args.update(kw)
+    return vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), data_, **args)
+
+
+@pytest.mark.parametrize("delta", [0.5, 1 / 120, 0.01])
+def test_delta_at_or_above_one_over_n_is_refused(delta):
+    """delta=0.5 used to be accepted (and epsilon() then reported 0)."""
+    with pytest.raises(ValueError, match=r"make_private\(model, optimizer, data\): delta=.* must be below 1/num_samples = 1/120.*one random record in the clear"):
+        _mp(data(), delta=delta)
+    _mp(data(), delta=1e-3)  # below 1/120: fine
+
+
+@pytest.mark.parametrize(
+    "loader_kw, match",
+    [
+        (dict(batch_size=12, collate_fn=lambda rows: torch.utils.data.default_collate(rows)), r"custom collate_fn \(<lambda>\).*not applied silently.*collate_fn=\.\.\."),
+        (dict(batch_size=12, drop_last=True), r"drop_last=True, which would be ignored.*Poisson sampling"),
+        (dict(batch_size=12, sampler=torch.utils.data.WeightedRandomSampler(torch.ones(120), 120)), r"custom sampler \(WeightedRandomSampler\).*Poisson sampling"),
+        (dict(batch_size=12, sampler=torch.utils.data.RandomSampler(range(120), replacement=True)), r"custom sampler \(RandomSampler\)"),
+        (dict(batch_sampler=torch.utils.data.BatchSampler(range(120), 12, False)), r"custom batch_sampler \(BatchSampler\).*Poisson sampling"),
+    ],
+)
+def test_loader_settings_that_change_a_batch_are_refused(loader_kw, match):
+    loader = torch.utils.data.DataLoader(data(), **loader_kw)
+    with pytest.raises(ValueError, match=match):
+        _mp(loader, batch_size=None)
+
+
+def test_plain_loaders_are_accepted():
+    for loader in (torch.utils.data.DataLoader(data(), batch_size=12), torch.utils.data.DataLoader(data(), batch_size=12, shuffle=True)):
+        assert _mp(loader, batch_size=None).expected_batch_size == pytest.approx(12.0)
+
+
+class _Rows(torch.utils.data.Dataset):
+    """The same data as data(), row by row: (x, y) tuples, or dicts like a transformers dataset."""
+
+    def __init__(self, as_dict):
+        self.x, self.y = data().tensors
+        self.as_dict = as_dict
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"inputs": self.x[i], "labels": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
+
+
+class _KwModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = model()
+
+    def forward(self, inputs):
+        return self.net(inputs)
+
+
+def test_dict_rows_and_an_explicit_collate_fn_train_like_tuple_rows():
+    """Dict rows (label under 'labels', other keys as keyword inputs) and an explicit per-row
+    collate_fn give the same run as the TensorDataset, bit for bit."""
+    ref = _mp(data(), seed=3)
+    ref.fit(1)
+    m = _KwModel()
+    by_dict = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), _Rows(True), batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, compile=False, method="vmap", seed=3)
+    by_dict.fit(1)
+    calls = []
+
+    def collate(rows):
+        calls.append(len(rows))
+        return torch.utils.data.default_collate(rows)
+
+    by_collate = _mp(_Rows(False), seed=3, collate_fn=collate)
+    by_collate.fit(1)
+    assert calls and all(c == by_collate.sampler.capacity or c % by_collate.sampler.capacity == 0 for c in calls)
+    for k, v in ref.state.params.items():
+        assert torch.equal(by_dict.state.params["net." + k], v)
+        assert torch.equal(by_collate.state.params[k], v)
+
+
+def test_bad_rows_and_collate_are_clear_errors():
+    class NoLabel(_Rows):
+        def __getitem__(self, i):
+            return {"inputs": self.x[i]}
+
+    with pytest.raises(ValueError, match=r"rows are dicts with keys \['inputs'\] but no 'labels' or 'label' key"):
+        _mp(NoLabel(True))
+
+    class Triple(_Rows):
+        def __getitem__(self, i):
+            return self.x[i], self.y[i], i
+
+    with pytest.raises(ValueError, match=r"must be an \(input, label\) pair .*got tuple of length 3"):
+        _mp(Triple(False))
+    trainer = _mp(_Rows(False), collate_fn=lambda rows: torch.utils.data.default_collate(rows[:-1]))
+    with pytest.raises(ValueError, match=r"collate_fn returned \d+ rows for \d+ sampled rows"):
+        trainer.fit(1)
+
+
+def test_argument_types_and_frozen_models():
+    with pytest.raises(TypeError, match=r"make_private\(model, optimizer, data\): batch_size must be an int >= 1, got float"):
+        _mp(data(), batch_size=12.0)
+    with pytest.raises(TypeError, match=r"noise_multiplier must be a real number"):
+        _mp(data(), noise_multiplier="1")
+    with pytest.raises(ValueError, match=r"method='GHOST' must be one of"):
+        _mp(data(), method="GHOST")
+    frozen = model().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"has no trainable parameters"):
+        vmapdp.make_private(frozen, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), data(), batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)
+
+
+def test_torch_gru_model_trains_without_fix():
+    class Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(2, 4, batch_first=True)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.gru(x)[0][:, -1])
+
+    torch.manual_seed(0)
+    x = torch.randn(60, 3, 2)
+    ds = torch.utils.data.TensorDataset(x, (x[:, :, 0].sum(1) > 0).long())
+    m = Seq()
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=10, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, compile=False, method="ghost", seed=0)
+    trainer.fit(1)
+    assert isinstance(m.gru, nn.GRU) and trainer.state.step == 6
+    assert all(torch.equal(p.detach(), trainer.state.params[k]) for k, p in m.named_parameters())

@@ -285,7 +285,7 @@ def test_checkpoint_round_trip_with_adam_and_bad_files(tmp_path):
         (dict(noise_multiplier=-1.0), r"noise_multiplier=-1.0 must be finite and >= 0"),
         (dict(expected_batch_size=0), r"expected_batch_size=0 must be finite and > 0"),
         (dict(sample_rate=0.0), r"sample_rate=0.0 must be in \(0, 1\]"),
-        (dict(physical_batch_size=0), r"physical_batch_size=0 must be a positive int"),
+        (dict(physical_batch_size=0), r"physical_batch_size=0 must be an int >= 1"),
         (dict(budget=(1.0, 2.0)), r"budget delta=2.0 must be in \(0, 1\)"),
     ],
 )
@@ -325,7 +325,7 @@ def test_empty_batch_still_releases_noise_without_a_physical_batch_size():
 def test_budget_needs_an_upper_bound_accountant_and_distributed_is_not_silently_ignored():
     _, _, _, _, loss_fn = problem()
     for bad in ("gdp", "bogus"):
-        with pytest.raises(ValueError, match=r"accountant=.* must be 'rdp' or 'pld'"):
+        with pytest.raises(ValueError, match=r"accountant=.* must be one of 'rdp', 'pld', 'prv'; a budget is only enforced against an upper bound"):
             make(loss_fn, budget=(1.0, 1e-5), accountant=bad)
     with pytest.raises(RuntimeError, match=r"distributed=True needs an initialized torch\.distributed process group"):
         make(loss_fn, distributed=True)  # no process group in this process (tests/test_distributed.py has the rest)

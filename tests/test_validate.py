@@ -309,8 +309,10 @@ def test_group_norm_groups(channels, groups):
 
 
 def test_group_norm_groups_rejects_nonpositive():
-    with pytest.raises(ValueError, match="expected a positive int, got num_channels=0"):
+    with pytest.raises(ValueError, match=r"group_norm_groups\(num_channels\): num_channels=0 must be an int >= 1"):
         group_norm_groups(0)
+    with pytest.raises(TypeError, match=r"num_channels must be an int >= 1, got float"):
+        group_norm_groups(4.0)
 
 
 @pytest.mark.parametrize("channels", [1, 3, 6, 16, 64, 100])

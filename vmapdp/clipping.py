@@ -37,7 +37,8 @@ import optree
 import torch
 from torch import Tensor
 
-from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp import _checks
+from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths, rows, zero_rows
 
 __all__ = [
     "grad_norms",
@@ -61,6 +62,7 @@ def grad_norms(grads: Any) -> Tensor:
     leaves = optree.tree_leaves(grads, namespace="torch")
     if not leaves:
         raise ValueError("grad_norms(grads): grads has no tensor leaves.")
+    _check_floating("grad_norms(grads)", grads)
     sq = None
     for g in leaves:
         # one fused pass per leaf, accumulated in float32 or wider, no squared copy of the grads
@@ -69,25 +71,45 @@ def grad_norms(grads: Any) -> Tensor:
     return sq.sqrt()
 
 
-def _check_clip_norm(call: str, name: str, value: Any) -> None:
-    if isinstance(value, Tensor):
-        return  # traced values are not inspected (no host sync); callers validate at construction
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{call}: {name} must be a positive float, got {type(value).__name__}.")
-    if not (value > 0):  # also rejects NaN
+def _check_floating(call: str, grads: Any) -> None:
+    """Per-sample gradients are floating point: an int or bool leaf is something else (labels?)."""
+    for name, leaf in leaves_with_paths(grads):
+        if isinstance(leaf, Tensor) and not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{call}: grads must hold floating-point per-sample gradients, but leaf {name!r} has dtype "
+                f"{leaf.dtype}; an integer tensor is not a gradient (labels or indices passed by mistake?). "
+                "Pass the output of vmapdp.per_sample_grads (or cast with .float())."
+            )
+
+
+def _check_shapes(call: str, grads: Any, params: Any, b: int) -> None:
+    """With ``params`` given: every leaf of ``grads`` is ``[B, *param.shape]`` (catches grads that
+    were already summed over the batch, which the leading dims alone cannot always reveal)."""
+    if params is None:
+        return
+    gp, pp = dict(leaves_with_paths(grads)), dict(leaves_with_paths(params))
+    if gp.keys() != pp.keys():
+        raise ValueError(f"{call}: grads and params have different keys: {sorted(gp.keys() ^ pp.keys())[:10]}. Pass per-sample grads of these params.")
+    bad = [(k, tuple(gp[k].shape), (b,) + tuple(pp[k].shape)) for k in gp if tuple(gp[k].shape) != (b,) + tuple(pp[k].shape)]
+    if bad:
+        k, got, want = bad[0]
         raise ValueError(
-            f"{call}: {name}={value!r} must be > 0 (the largest L2 norm one sample may contribute); "
-            "use math.inf only to switch clipping off in non-private tests."
+            f"{call}: grads[{k!r}] has shape {got}, expected {want} = [B, *params[{k!r}].shape]; per-sample "
+            "gradients carry one row per sample in front of the parameter's shape. Did you pass gradients "
+            "already summed over the batch? Clipping must come before the sum (vmapdp.per_sample_grads)."
         )
 
 
+def _check_clip_norm(call: str, name: str, value: Any) -> float | Tensor:
+    """The clipping bound: :func:`vmapdp._checks.clip_norm` (numbers, and 0-dim tensors read on the
+    host when not tracing; :func:`clip_factors` makes an unchecked tensor safe)."""
+    return _checks.clip_norm(call, name, value)
+
+
 def _check_rule(call: str, rule: str, stability: float, nonfinite: str) -> None:
-    if rule not in ("clip", "normalize"):
-        raise ValueError(f"{call}: rule must be 'clip' (flat clipping) or 'normalize' (automatic clipping), got {rule!r}.")
-    if not (isinstance(stability, (int, float)) and stability > 0 and math.isfinite(stability)):
-        raise ValueError(f"{call}: stability={stability!r} must be a positive finite float (used by rule='normalize').")
-    if nonfinite not in ("zero", "raise"):
-        raise ValueError(f"{call}: nonfinite must be 'zero' or 'raise', got {nonfinite!r}.")
+    _checks.choice(call, "rule", rule, ("clip", "normalize"), why="'clip' is flat clipping, 'normalize' automatic clipping")
+    _checks.positive(call, "stability", stability, meaning="it is added to the norm by rule='normalize'")
+    _checks.choice(call, "nonfinite", nonfinite, ("zero", "raise"), why="a non-finite sample is dropped ('zero') or raises ('raise')")
 
 
 def clip_factors(norms: Tensor, l2_clip_norm: float | Tensor, *, rule: Rule = "clip", stability: float = 0.01) -> Tensor:
@@ -99,8 +121,15 @@ def clip_factors(norms: Tensor, l2_clip_norm: float | Tensor, *, rule: Rule = "c
     _check_rule("clip_factors", rule, stability, "zero")
     _check_clip_norm("clip_factors", "l2_clip_norm", l2_clip_norm)
     if rule == "normalize":
-        return l2_clip_norm / (norms + stability)
-    return torch.where(norms > l2_clip_norm, l2_clip_norm / norms, torch.ones((), dtype=norms.dtype, device=norms.device))
+        factors = l2_clip_norm / (norms + stability)
+    else:
+        factors = torch.where(norms > l2_clip_norm, l2_clip_norm / norms, torch.ones((), dtype=norms.dtype, device=norms.device))
+    ok = _checks.clip_norm_ok(l2_clip_norm)
+    if ok is not None:
+        # a tensor bound the host could not read (traced): if it is NaN, inf or <= 0 the factor is
+        # 0, so such a bound releases nothing (never an unclipped, flipped or NaN contribution)
+        factors = torch.where(ok.to(factors.device), factors, torch.zeros((), dtype=factors.dtype, device=factors.device))
+    return factors
 
 
 def _keep(norms: Tensor, mask: Tensor | None, nonfinite: str, call: str) -> Tensor:
@@ -129,9 +158,11 @@ def _weighted_sum(grads: Any, weights: Tensor) -> Any:
     return optree.tree_map(one, grads, namespace="torch")
 
 
-def _prepare(call: str, grads: Any, mask: Tensor | None) -> Tensor | None:
-    """Check the grads' batch dim and the mask; the mask on the grads' device."""
+def _prepare(call: str, grads: Any, mask: Tensor | None, params: Any = None) -> Tensor | None:
+    """Check the grads' dtype, batch dim (and shapes, given params) and the mask; the mask on the grads' device."""
     b = batch_size(grads, call=call, what="grads")
+    _check_floating(call, grads)
+    _check_shapes(call, grads, params, b)
     if mask is None:
         return None
     check_mask(mask, b, call=call)
@@ -145,6 +176,7 @@ def clip_per_sample(
     rule: Rule = "clip",
     stability: float = 0.01,
     nonfinite: NonFinite = "zero",
+    params: Any = None,
 ) -> Any:
     """Scale each sample's gradient so that its total L2 norm is at most ``l2_clip_norm``.
 
@@ -153,6 +185,8 @@ def clip_per_sample(
         l2_clip_norm: the bound ``C > 0``.
         rule: ``"clip"`` (``min(1, C/norm)``) or ``"normalize"`` (``C/(norm + stability)``).
         nonfinite: ``"zero"`` returns 0 for a sample with NaN/inf; ``"raise"`` raises.
+        params: optional, the params the grads are of: every leaf must then be ``[B, *param.shape]``
+            (see :func:`clip_and_sum`).
 
     Returns:
         A pytree like ``grads`` (same keys, shapes, dtypes).
@@ -165,7 +199,7 @@ def clip_per_sample(
     call = "clip_per_sample(grads, l2_clip_norm)"
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
-    _prepare(call, grads, None)
+    _prepare(call, grads, None, params)
     norms = grad_norms(grads)
     keep = _keep(norms, None, nonfinite, call)
     factors = clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
@@ -185,6 +219,7 @@ def clip_and_sum(
     rule: Rule = "clip",
     stability: float = 0.01,
     nonfinite: NonFinite = "zero",
+    params: Any = None,
 ) -> tuple[Any, Tensor]:
     """Clip every sample's gradient to total L2 norm ``l2_clip_norm`` and sum over the batch.
 
@@ -194,6 +229,12 @@ def clip_and_sum(
             under adding or removing one sample).
         mask: optional bool ``[B]``; False rows (padding) contribute exactly 0, even if NaN.
         rule, stability, nonfinite: see the module docstring.
+        params: optional, the params the grads are of (a pytree like ``grads`` without the ``B``
+            dim). Given, every leaf must be ``[B, *param.shape]``: this catches gradients already
+            summed over the batch. Without it only the leading dims can be compared, which catches
+            summed grads whose leaves' first dims differ but not those whose first dims happen to
+            agree (e.g. ``{"w": [4, 3], "b": [4]}`` is a valid batch of 4 per-sample grads of a
+            ``[3]`` weight and a scalar): pass ``params`` where you have them.
 
     Returns:
         ``(summed, norms)``: ``summed`` like one sample's gradient (leaves without the ``B`` dim,
@@ -209,7 +250,7 @@ def clip_and_sum(
     call = "clip_and_sum(grads, l2_clip_norm)"
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
-    mask = _prepare(call, grads, mask)
+    mask = _prepare(call, grads, mask, params)
     norms = grad_norms(grads)
     keep = _keep(norms, mask, nonfinite, call)
     weights = torch.where(keep, clip_factors(norms, l2_clip_norm, rule=rule, stability=stability), 0.0)

@@ -21,6 +21,7 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp import _checks
 from vmapdp.noise import key_bytes
 
 __all__ = ["PoissonSampler", "default_capacity", "gather", "gather_dataset"]
@@ -101,23 +102,15 @@ class PoissonSampler:
         secure: bool = False,
     ):
         call = "PoissonSampler"
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"{call}: num_samples={num_samples!r} must be an int >= 1 (the dataset size).")
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0.0 < sample_rate <= 1.0:
-            raise ValueError(
-                f"{call}: sample_rate={sample_rate!r} must be in (0, 1]: the probability that each example "
-                "is in a step's batch (expected batch size / num_samples)."
-            )
+        num_samples = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+        sample_rate = _checks.sample_rate(call, sample_rate)
         if steps is None:
             steps = max(1, round(1.0 / sample_rate))
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"{call}: steps={steps!r} must be an int >= 0.")
-        if not 0.0 < overflow_probability < 1.0:
-            raise ValueError(f"{call}: overflow_probability={overflow_probability!r} must be in (0, 1).")
+        steps = _checks.positive_int(call, "steps", steps, minimum=0, meaning="steps is how many batches to yield")
+        _checks.probability(call, "overflow_probability", overflow_probability, allow_one=False, meaning="it sets the default capacity")
         if capacity is None:
             capacity = default_capacity(num_samples, sample_rate, overflow_probability)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"{call}: capacity={capacity!r} must be an int >= 1 (the physical batch size).")
+        capacity = _checks.positive_int(call, "capacity", capacity, meaning="capacity is the physical batch size")
         if secure and generator is not None:
             raise ValueError(
                 f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
@@ -183,9 +176,25 @@ class PoissonSampler:
             "generator": None if self.generator is None else self.generator.get_state(),
             "key": self.key,
             "draws": self._draws,
+            "num_samples": self.num_samples,
+            "sample_rate": self.sample_rate,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`). A state saved by a sampler of another
+        dataset size or rate is refused: its stream would sample other batches than the ones the
+        ledger and the resumed run assume."""
+        call = "PoissonSampler.load_state_dict(state)"
+        if not isinstance(state, dict):
+            raise TypeError(f"{call}: state must be a dict from PoissonSampler.state_dict(), got {type(state).__name__}.")
+        for name, mine in (("num_samples", self.num_samples), ("sample_rate", self.sample_rate)):
+            theirs = state.get(name)  # (absent in states saved before this check existed)
+            if theirs is not None and theirs != mine:
+                raise ValueError(
+                    f"{call}: the state comes from a sampler with {name}={theirs!r}, this one has {name}={mine!r}; "
+                    "resuming it would continue another sampling process than the one the run (and its privacy "
+                    f"ledger) used. Make the sampler with the same num_samples and sample_rate as the saved run."
+                )
         saved = state.get("generator")
         if state.get("key") is not None:
             if self.secure or self.generator is not None:

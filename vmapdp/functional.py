@@ -8,6 +8,9 @@
   (``requires_grad=False``), keyed by their names in the module.
 * ``apply(params, buffers, *args, **kwargs)`` returns what ``module(*args, **kwargs)`` would return
   with those tensors in place, through ``torch.func.functional_call``. The module is never mutated.
+  ``torch.nn.RNN`` / ``GRU`` / ``LSTM`` layers and cells (which ``vmap`` cannot batch) run as their
+  ``vmapdp.nn`` twins (same parameter names, equal outputs) in a copy of the module, so they work
+  with every method without ``vmapdp.fix``.
 
 The dicts hold detached tensors that share storage with the module (no copy). vmapdp never
 writes into them in place; if you do, the module sees it.
@@ -57,7 +60,7 @@ class FunctionalModel:
             )
         try:
             return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:  # (train-mode BatchNorm on one sample raises ValueError)
             explained = _explain(self, params, buffers, err)
             if explained is err:
                 raise
@@ -119,6 +122,10 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
         (params if p.requires_grad else frozen)[name] = p.detach()
     buffers: Buffers = {name: b.detach() for name, b in module.named_buffers()}
     buffers.update(frozen)
-    apply = FunctionalModel(module, tuple(params), tuple(buffers))
+    from vmapdp.validate import with_vmap_recurrent
+
+    # torch's RNN/GRU/LSTM kernels cannot be batched by vmap: apply runs a copy with vmapdp.nn's
+    # twins in their place (same parameter names, equal outputs); params stay the module's own
+    apply = FunctionalModel(with_vmap_recurrent(module), tuple(params), tuple(buffers))
     return apply, params, buffers
 

@@ -62,6 +62,7 @@ from torch import Tensor
 from torch.func import vjp, vmap
 from torch.overrides import TorchFunctionMode
 
+from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
 from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, _weighted_sum, clip_and_sum, clip_factors, grad_norms
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
@@ -1012,12 +1013,10 @@ def clipped_grad_sum(
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
         raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
-    if method not in METHODS:
-        raise ValueError(f"{call}: method={method!r} must be one of {METHODS}.")
+    _checks.choice(call, "method", method, METHODS)
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
-    if norm_chunk_size is not None and (isinstance(norm_chunk_size, bool) or not isinstance(norm_chunk_size, int) or norm_chunk_size < 1):
-        raise ValueError(f"{call}: norm_chunk_size={norm_chunk_size!r} must be a positive int or None.")
+    _checks.optional_positive_int(call, "norm_chunk_size", norm_chunk_size)
     if method == "two_pass" and randomness != "error":
         raise ValueError(
             f"{call}: method='two_pass' runs the forward twice, so a random layer (dropout) would draw "
@@ -1117,6 +1116,7 @@ def clipped_grad_sum(
         if len(args) < 2:
             raise TypeError(f"{call}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
         params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
+        _checks.params_dict(call, params, require_dict=False)
         if mask is not None:
             check_mask(mask, batch_size(batch, call=call), call=call)
         if method == "vmap" or batch_size(batch, call=call) == 0:

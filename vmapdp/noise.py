@@ -32,6 +32,7 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp import _checks
 from vmapdp._tree import acc_dtype
 
 __all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
@@ -96,8 +97,8 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
     """
     if seed is None:
         seed = secrets.randbits(63)
-    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"make_generator(seed): seed must be a non-negative int or None, got {seed!r}.")
+    else:
+        seed = _checks.positive_int("make_generator(seed)", "seed", seed, minimum=0, fix="Or pass seed=None (OS entropy).")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
@@ -126,12 +127,14 @@ def add_noise(
         state gives the same noise. The noise is drawn in float32 or wider.
 
     Raises:
-        ValueError: ``std`` negative or not finite; a generator on another device than a leaf.
+        TypeError: ``std`` not a number or a 0-dim floating tensor.
+        ValueError: ``std`` negative or not finite (a tensor one too: read on the host when not
+        tracing; while tracing such a std gives NaN, that is nothing released); a generator on
+        another device than a leaf.
     """
     call = "add_noise(tree, std, generator)"
-    if not isinstance(std, Tensor):
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not (std >= 0) or not math.isfinite(std):
-            raise ValueError(f"{call}: std={std!r} must be a finite float >= 0 (noise_multiplier * l2_clip_norm).")
+    # a tensor std is read on the host when not tracing; traced, a NaN/inf/negative one gives NaN noise
+    std = _checks.noise_std_guarded(_checks.noise_std(call, std))
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(
             f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}. "

@@ -21,8 +21,10 @@ import torch
 from torch import Tensor
 from torch.func import grad, grad_and_value, vmap
 
-from vmapdp._tree import batch_size, check_chunk_size, check_mask, zero_rows
+from vmapdp import _checks
+from vmapdp._tree import batch_size, check_mask, zero_rows
 from vmapdp.clipping import grad_norms
+from vmapdp.errors import explain_torch_error
 
 __all__ = ["per_sample_grads", "per_sample_grad_norms"]
 
@@ -47,9 +49,8 @@ _INPLACE_HELP = (
 
 
 def _check_options(call: str, chunk_size: int | None, randomness: str, argnums: Any) -> None:
-    check_chunk_size(call, chunk_size)
-    if randomness not in ("error", "different", "same"):
-        raise ValueError(f"{call}: randomness must be 'error', 'different' or 'same', got {randomness!r}.")
+    _checks.optional_positive_int(call, "chunk_size", chunk_size)
+    _checks.choice(call, "randomness", randomness, ("error", "different", "same"), why="see vmapdp.per_sample_grads")
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
     if not nums or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in nums):
         raise ValueError(f"{call}: argnums must be a non-negative int or a tuple of them, got {argnums!r}.")
@@ -79,12 +80,14 @@ def _mapped(
                 f"{call}: argnums={argnums!r} points at the batch or past it; only the shared arguments "
                 f"0..{len(args) - 2} can be differentiated."
             )
+        for n in nums:  # an empty params dict: nothing to differentiate (clear error, not an empty result)
+            _checks.params_dict(call, args[n], what="params" if n == 0 else f"argument {n}", require_dict=False)
         b = batch_size(args[-1], call=call)
         in_dims = (None,) * (len(args) - 1) + (0,)
         mapped = vmap(transform, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
         try:
             grads, value = mapped(*args)
-        except RuntimeError as err:
+        except (RuntimeError, ValueError) as err:
             raise _explain_runtime_error(call, err) from err
         if has_aux:
             losses, aux = value
@@ -101,7 +104,10 @@ def _mapped(
     return run
 
 
-def _explain_runtime_error(call: str, err: RuntimeError) -> Exception:
+def _explain_runtime_error(call: str, err: Exception) -> Exception:
+    known = explain_torch_error(call, err)
+    if known is not None:
+        return known
     msg = str(err)
     if "randomness" in msg and "vmap" in msg:
         return RuntimeError(f"{call}: {_RANDOMNESS_HELP}")

@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vmapdp import accounting, optim
+from vmapdp import _checks, accounting, optim
+from vmapdp._tree import batch_size
+from vmapdp.ghost import METHODS
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
 from vmapdp.functional import functionalize
 from vmapdp.train import TrainState, init_train_state, make_train_step
-from vmapdp.validate import validate
+from vmapdp.validate import VMAP_SLOW, VMAP_UNSUPPORTED, validate
 
 __all__ = ["make_private", "PrivateTrainer"]
 
@@ -88,7 +90,11 @@ class PrivateTrainer:
         tensors = _tensors_of(self._data)
         if tensors is not None:
             return gather(tensors, indices)
-        return tuple(gather_dataset(self._data, indices))
+        batch = gather_dataset(self._data, indices, getattr(self, "_collate_fn", None))
+        rows = batch_size(batch, call="make_private: collate_fn(rows)")
+        if rows != len(indices):
+            raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
+        return batch if isinstance(batch, dict) else tuple(batch)
 
     def _write_back(self) -> None:
         with torch.no_grad():
@@ -139,6 +145,7 @@ def make_private(
     compile: bool = True,
     secure: bool = False,
     method: str = "auto",
+    collate_fn: Callable[[list], Any] | None = None,
 ) -> PrivateTrainer:
     """Make a module + torch optimizer + data train with DP-SGD (the Opacus-style entry point).
 
@@ -148,10 +155,15 @@ def make_private(
         optimizer: a ``torch.optim`` optimizer over ``model.parameters()``; only its class and
             hyperparameters are used (SGD, Adam, AdamW run on the same kernels; others through
             :func:`vmapdp.optim.from_torch`).
-        data: a map-style ``Dataset`` of ``(x, y)`` pairs or a ``DataLoader`` over one (its
-            ``batch_size`` becomes the expected batch size, as in Opacus).
+        data: a map-style ``Dataset`` of ``(x, y)`` pairs, or of dicts (``{"input_ids": ...,
+            "labels": ...}``: the label under ``"labels"`` or ``"label"``, every other key passed to
+            the model as a keyword argument; a model output with ``.logits`` is fine), or a
+            ``DataLoader`` over one (its ``batch_size`` becomes the expected batch size, as in
+            Opacus). Poisson sampling replaces the loader's batching, so a loader with a custom
+            ``sampler``, ``batch_sampler``, ``collate_fn`` or ``drop_last=True`` is refused.
         l2_clip_norm: per-sample clipping bound.
-        delta: the delta of the (epsilon, delta) guarantee; below 1 / len(dataset).
+        delta: the delta of the (epsilon, delta) guarantee, in ``(0, 1 / len(dataset))`` (a larger
+            one is refused: publishing one random record is already ``(0, 1/n)``-DP); use much less.
         noise_multiplier: noise std / l2_clip_norm; or give ``target_epsilon`` and ``epochs`` to
             calibrate it (RDP, never above the target).
         batch_size: expected batch size (required for a Dataset).
@@ -159,6 +171,9 @@ def make_private(
         seed: the secret noise seed (None: OS entropy); sampling gets its own generator.
         compile: compile the per-chunk tensor work.
         secure: noise and sampling from the OS CSPRNG (no seed).
+        collate_fn: collates the sampled rows into a batch (default ``default_collate``). It must
+            treat each row on its own (pad, tokenise; never mix rows, as mixup does) and keep one
+            row per sample; padding rows are passed too.
         method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); name one
             for bit-for-bit reproducible runs.
 
@@ -167,31 +182,62 @@ def make_private(
         ValueError: a bad or missing argument (named).
     """
     call = "make_private(model, optimizer, data)"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{call}: optimizer must be a torch.optim.Optimizer over model.parameters(), got {type(optimizer).__name__}.")
     if isinstance(data, torch.utils.data.DataLoader):
-        batch_size = batch_size or data.batch_size
+        _check_loader(call, data)
+        batch_size = batch_size if batch_size is not None else data.batch_size
         data = data.dataset
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(f"{call}: collate_fn must be callable or None, got {type(collate_fn).__name__}.")
+    if isinstance(data, torch.utils.data.IterableDataset) or not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+        raise TypeError(
+            f"{call}: data must be a map-style Dataset (len() and data[i]) or a DataLoader over one, got "
+            f"{type(data).__name__}; Poisson sampling picks rows by index. Wrap the examples in a map-style Dataset."
+        )
     if batch_size is None:
         raise ValueError(f"{call}: batch_size is required when data is a Dataset (the expected batch size of Poisson sampling).")
-    n = len(data)
-    if not 0 < batch_size <= n:
-        raise ValueError(f"{call}: batch_size={batch_size} must be in [1, {n}] (the dataset size).")
-    if not 0 < delta < 1:
-        raise ValueError(f"{call}: delta={delta!r} must be in (0, 1), and below 1/len(dataset) = {1 / n:.3g}.")
+    n = _checks.positive_int(call, "len(data)", len(data), meaning="the dataset must hold at least one example")
+    batch_size = _checks.positive_int(call, "batch_size", batch_size, meaning="batch_size is the expected batch size of Poisson sampling")
+    if batch_size > n:
+        raise ValueError(f"{call}: batch_size={batch_size} must be in [1, {n}] (the dataset size); it is the expected batch size of Poisson sampling.")
+    delta = _checks.delta(call, delta, num_samples=n)
+    l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, meaning=_checks.CLIP_MEANING)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError(f"{call}: give exactly one of noise_multiplier= or target_epsilon= (with epochs=).")
+    if noise_multiplier is not None:
+        noise_multiplier = _checks.noise_multiplier(call, noise_multiplier)
+    _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
+    label_key = _row_form(call, data)
     sample_rate = batch_size / n
     if target_epsilon is not None:
-        if not epochs:
+        if epochs is None:
             raise ValueError(f"{call}: target_epsilon needs epochs= to know how many steps to calibrate for.")
+        epochs = _checks.positive_int(call, "epochs", epochs, meaning="epochs is how many epochs to calibrate the noise for")
         noise_multiplier = accounting.calibrate_noise(
             target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=epochs * max(1, round(1 / sample_rate))
         )
-    validate(model, raise_on_problem=True)
+    # torch's recurrent layers are fine: functionalize runs them as their vmapdp.nn twins
+    problems = [p for p in validate(model) if not (p.fixable and p.kind in (VMAP_UNSUPPORTED, VMAP_SLOW))]
+    if problems:
+        validate(model, raise_on_problem=True)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"{call}: model {type(model).__name__} has no trainable parameters (none, or all with requires_grad=False); "
+            "there is nothing to train. Unfreeze the parameters to train (or add adapters: vmapdp.nn.add_lora)."
+        )
     apply, params, buffers = functionalize(model)
 
     def loss_fn(params, buffers, sample):
-        x, y = sample
-        return criterion(apply(params, buffers, x[None]), y[None])
+        if label_key is None:
+            x, y = sample
+            out = apply(params, buffers, x[None])
+        else:  # a dict row: the label under label_key, every other key an input of the model
+            y = sample[label_key]
+            out = apply(params, buffers, **{k: v[None] for k, v in sample.items() if k != label_key})
+        return criterion(_logits(out), y[None])
 
     opt = _functional_optimizer(optimizer)
     sampler = PoissonSampler(n, sample_rate, key=None if secure else _sampler_key(seed), secure=secure)
@@ -209,7 +255,75 @@ def make_private(
         method=method,
     )
     state = init_train_state(params, opt, seed=seed, secure=secure)
-    return PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
+    trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
+    trainer._collate_fn = collate_fn
+    return trainer
+
+
+_DEFAULT_COLLATES = (torch.utils.data.default_collate, torch.utils.data._utils.collate.default_collate)
+
+
+def _check_loader(call: str, loader: torch.utils.data.DataLoader) -> None:
+    """Refuse a DataLoader whose settings change what a batch is: make_private replaces its batching
+    by Poisson sampling (rows drawn independently at rate batch_size / len(dataset)), so those
+    settings would be ignored, and the privacy analysis assumes exactly that sampling."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    replaced = "make_private replaces the loader's batching by Poisson sampling (each row in a step's batch independently, with probability batch_size / len(dataset)); the accounting assumes exactly that"
+    fix = "Pass loader.dataset with batch_size= instead"
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise ValueError(f"{call}: the DataLoader has a custom batch_sampler ({type(loader.batch_sampler).__name__}), which would be ignored: {replaced}. {fix}.")
+    sampler = loader.sampler
+    plain_random = type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(loader.dataset)
+    if type(sampler) is not SequentialSampler and not plain_random:
+        raise ValueError(
+            f"{call}: the DataLoader has a custom sampler ({type(sampler).__name__}), which would be ignored: {replaced}; "
+            f"a weighted or subset sampler changes who is sampled, and that is not what is accounted. {fix} (a subset: torch.utils.data.Subset)."
+        )
+    if loader.drop_last:
+        raise ValueError(f"{call}: the DataLoader has drop_last=True, which would be ignored (Poisson sampling has no last batch to drop): {replaced}. {fix}, or drop_last=False.")
+    if loader.collate_fn not in _DEFAULT_COLLATES:
+        name = getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__)
+        raise ValueError(
+            f"{call}: the DataLoader has a custom collate_fn ({name}); make_private draws the rows itself, so it is "
+            "not applied silently. If it collates each row on its own (padding, tokenising; never mixing rows "
+            f"as mixup does), pass it explicitly: make_private(loader.dataset, ..., batch_size={loader.batch_size}, collate_fn=...)."
+        )
+
+
+def _row_form(call: str, data: Any) -> str | None:
+    """How a row reads: None for ``(x, y)`` pairs, or the label key of dict rows."""
+    if _tensors_of(data) is not None:
+        if len(data.tensors) != 2:
+            raise ValueError(f"{call}: a TensorDataset must hold (inputs, labels), got {len(data.tensors)} tensors.")
+        return None
+    row = data[0]
+    if isinstance(row, dict):
+        keys = [k for k in ("labels", "label") if k in row]
+        if not keys:
+            raise ValueError(
+                f"{call}: the dataset's rows are dicts with keys {sorted(row)} but no 'labels' or 'label' key; "
+                "make_private passes every other key to the model as a keyword argument and the label to the "
+                "criterion. Rename the label key to 'labels'."
+            )
+        return keys[0]
+    if isinstance(row, (tuple, list)) and len(row) == 2:
+        return None
+    raise ValueError(
+        f"{call}: a row of the dataset must be an (input, label) pair or a dict with a 'labels' key, got "
+        f"{type(row).__name__}{f' of length {len(row)}' if isinstance(row, (tuple, list)) else ''}. Return (x, y) from __getitem__."
+    )
+
+
+def _logits(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(out, dict) and isinstance(out.get("logits"), Tensor):
+        return out["logits"]
+    raise TypeError(f"make_private: the model returned {type(out).__name__}; the criterion needs a tensor of logits (or an output with .logits).")
 
 
 def _sampler_key(seed: int | None) -> bytes:

@@ -23,7 +23,6 @@ one, whose sums differ in rounding only).
 from __future__ import annotations
 
 import functools
-import math
 import secrets
 import types
 import warnings
@@ -33,7 +32,7 @@ import optree
 import torch
 from torch import Tensor
 
-from vmapdp import accounting
+from vmapdp import _checks, accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
@@ -67,6 +66,8 @@ class TrainState(NamedTuple):
 
 
 def accountant_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
+    _checks.delta("epsilon(delta)", delta)  # checked even before the first step
+    _checks.accountant("epsilon(delta)", accountant)
     if not ledger.events:
         return 0.0
     return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
@@ -88,12 +89,11 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
             such a state holds no seed (``seed`` must be None) and is not reproducible.
     """
     call = "init_train_state(params, optimizer)"
-    if not isinstance(params, dict) or not params:
-        raise TypeError(f"{call}: params must be a non-empty dict of tensors (from vmapdp.functionalize), got {type(params).__name__}.")
+    _checks.params_dict(call, params)
     if secure and seed is not None:
         raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"{call}: seed={seed!r} must be a non-negative int or None.")
+    if seed is not None:
+        _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")
     if not secure and seed is None:
         seed = secrets.randbits(128)
     params = {k: v.detach().clone() for k, v in params.items()}
@@ -113,16 +113,6 @@ def _fresh_function(fn: Callable) -> Callable:
     limit. A fresh code object gives each step its own cache.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def _check_positive(call: str, name: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{call}: {name} must be a number, got {type(value).__name__}.")
-    ok = (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
-    if not ok:
-        rng = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{call}: {name}={value!r} must be finite and {rng}.")
-    return float(value)
 
 
 def make_train_step(
@@ -204,28 +194,20 @@ def make_train_step(
         loss_fn = mixed_precision(loss_fn, precision)  # float32 params, clipping and noise
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(optimizer).__name__}.")
-    l2_clip_norm = _check_positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0)
-    noise_multiplier = _check_positive(call, "noise_multiplier", noise_multiplier, allow_zero=True)
-    expected_batch_size = _check_positive(call, "expected_batch_size", expected_batch_size)
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
-        raise ValueError(f"{call}: sample_rate={sample_rate!r} must be in (0, 1]: the Poisson rate the batches were sampled with.")
-    if physical_batch_size is not None and (isinstance(physical_batch_size, bool) or not isinstance(physical_batch_size, int) or physical_batch_size < 1):
-        raise ValueError(f"{call}: physical_batch_size={physical_batch_size!r} must be a positive int or None.")
+    noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
+    l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
+    expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
+    sample_rate = _checks.sample_rate(call, sample_rate)
+    physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     if budget is not None:
         if not (isinstance(budget, tuple) and len(budget) == 2):
-            raise ValueError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
-        _check_positive(call, "budget epsilon", budget[0])
-        if not 0 < budget[1] < 1:
-            raise ValueError(f"{call}: budget delta={budget[1]!r} must be in (0, 1).")
+            raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
+        _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
+        _checks.delta(call, budget[1], name="budget delta")
     if distributed:
         _dist.require_initialized(call)
-    if method not in METHODS:
-        raise ValueError(f"{call}: method={method!r} must be one of {METHODS} (see vmapdp.clipped_grad_sum).")
-    if accountant not in ("rdp", "pld", "prv"):
-        raise ValueError(
-            f"{call}: accountant={accountant!r} must be 'rdp' or 'pld' ('prv'): a budget is only enforced "
-            "against an upper bound on epsilon ('gdp' is an approximation that can under-report)."
-        )
+    _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
+    _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
     if noise_multiplier == 0:
         warnings.warn(
             f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a "

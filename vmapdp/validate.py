@@ -41,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from vmapdp import _checks
 from vmapdp import nn as vnn
 from vmapdp.errors import UnsupportedModuleError
 
@@ -242,8 +243,7 @@ def group_norm_groups(num_channels: int) -> int:
     References:
       Wu & He, "Group Normalization", ECCV 2018.
     """
-    if not isinstance(num_channels, int) or num_channels < 1:
-        raise ValueError(f"group_norm_groups: expected a positive int, got {num_channels=}")
+    num_channels = _checks.positive_int("group_norm_groups(num_channels)", "num_channels", num_channels)
     if num_channels == 1:
         return 1
     return max(g for g in range(1, min(_MAX_GROUPS, num_channels // 2) + 1) if num_channels % g == 0)
@@ -395,6 +395,26 @@ def _repair(m: nn.Module) -> Optional[nn.Module]:
     if twin is not None:
         return twin.from_torch(m)
     return None
+
+
+def with_vmap_recurrent(module: nn.Module) -> nn.Module:
+    """``module`` itself, or (when it holds exact ``torch.nn`` RNN/GRU/LSTM layers or cells) a copy
+    with those swapped for their ``vmapdp.nn`` twins: same parameter names, equal outputs, and
+    batchable by ``vmap``. The copy shares every other tensor with ``module`` (nothing is
+    duplicated but the recurrent layers' own weights, which ``functional_call`` replaces anyway);
+    ``module`` is not changed. Used by :func:`vmapdp.functionalize`."""
+    if not any(type(m) in _TORCH_RECURRENT for m in module.modules()):
+        return module
+    memo: dict[int, Any] = {id(t): t for t in module.parameters()}
+    memo.update({id(t): t for t in module.buffers()})
+    copied = copy.deepcopy(module, memo)
+    for m in list(copied.modules()):
+        for name, child in list(m._modules.items()):
+            twin = _TORCH_RECURRENT.get(type(child)) if child is not None else None
+            if twin is not None:
+                setattr(m, name, twin.from_torch(child))
+    root = _TORCH_RECURRENT.get(type(copied))
+    return root.from_torch(copied) if root is not None else copied
 
 
 def _batch_norm_to_group_norm(bn: _BatchNorm) -> nn.GroupNorm:

@@ -40,7 +40,7 @@ def _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_n
         inner = getattr(ledger, "ledger", None)
         if isinstance(inner, Ledger):  # e.g. a TrainState carrying its ledger
             return inner
-        raise ValueError(
+        raise TypeError(
             f"{where}: expected a Ledger, an event, or an object with a .ledger Ledger "
             f"(a train state); got {type(ledger).__name__}. Build one with "
             "Ledger().record(noise_multiplier=..., sample_rate=..., count=...)."

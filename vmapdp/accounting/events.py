@@ -169,7 +169,7 @@ class Ledger:
     def append(self, event: Event) -> "Ledger":
         """A new ledger with ``event`` added at the end (merged into the last if identical)."""
         if not isinstance(event, _EVENT_TYPES):
-            raise ValueError(
+            raise TypeError(
                 f"Ledger.append(event): expected PoissonGaussianEvent or NonPrivateEvent; got "
                 f"{type(event).__name__} ({event!r})."
             )
@@ -187,7 +187,7 @@ class Ledger:
     def extend(self, other: "Ledger") -> "Ledger":
         """The composition of this ledger followed by ``other``."""
         if not isinstance(other, Ledger):
-            raise ValueError(f"Ledger.extend(other): expected a Ledger; got {type(other).__name__}.")
+            raise TypeError(f"Ledger.extend(other): expected a Ledger; got {type(other).__name__}.")
         return Ledger(self.events + other.events)
 
     def __add__(self, other: "Ledger") -> "Ledger":

@@ -1,0 +1,228 @@
+"""One argument, one check: every public entry point that takes an argument refuses the same bad
+values with the same exception type (TypeError for a wrong type, ValueError for a wrong range)
+and a message that names the call and the argument. A new entry point that hand-rolls its own
+check (and accepts what the others refuse) fails here."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp import _checks
+from vmapdp import accounting as acc
+from vmapdp.accounting import Ledger, PoissonGaussianEvent
+from vmapdp.data import PoissonSampler
+
+# --- tiny fixtures ------------------------------------------------------------------------------
+
+_X = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+_Y = torch.tensor([0, 1, 0, 1, 1, 0])
+_PARAMS = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(1))}
+_GRADS = {"w": torch.randn(6, 3, 2, generator=torch.Generator().manual_seed(2))}
+
+
+def _loss(params, sample):
+    x, y = sample
+    return F.cross_entropy((x @ params["w"])[None], y[None])
+
+
+def _step(**kw):
+    args = dict(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=3.0, sample_rate=0.5, compile=False, method="vmap")
+    args.update(kw)
+    return vmapdp.make_train_step(_loss, vmapdp.optim.sgd(0.1), **args)
+
+
+def _private(**kw):
+    model = nn.Linear(3, 2)
+    ds = torch.utils.data.TensorDataset(torch.randn(200, 3), torch.zeros(200, dtype=torch.long))
+    args = dict(batch_size=10, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-5, compile=False, method="vmap")
+    args.update(kw)
+    return vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), ds, **args)
+
+
+_ACC = dict(noise_multiplier=1.0, sample_rate=0.01, steps=100)
+_STATE = vmapdp.init_train_state(_PARAMS, vmapdp.optim.sgd(0.1), seed=0)
+
+
+def _grid(**kw):
+    args = dict(noise_multiplier=[1.0], sample_rate=[0.01], steps=[100], delta=[1e-5])
+    args.update({k: [v] for k, v in kw.items() if k != "accountant"})
+    if "accountant" in kw:
+        args["accountant"] = kw["accountant"]
+    return acc.epsilon_grid(**args)
+
+
+# --- the table: argument -> {entry point: call with that argument set} ----------------------------
+
+ENTRY_POINTS = {
+    "l2_clip_norm": {
+        "clip_and_sum": lambda v: vmapdp.clip_and_sum(_GRADS, v),
+        "clip_per_sample": lambda v: vmapdp.clip_per_sample(_GRADS, v),
+        "clip_factors": lambda v: vmapdp.clipping.clip_factors(torch.ones(3), v),
+        "clip_and_sum_per_layer": lambda v: vmapdp.clip_and_sum_per_layer(_GRADS, {"w": v}),
+        "clipped_grad_sum": lambda v: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=v),
+        "make_train_step": lambda v: _step(l2_clip_norm=v),
+        "make_private": lambda v: _private(l2_clip_norm=v),
+    },
+    "noise_multiplier": {
+        "accounting.epsilon": lambda v: acc.epsilon(**{**_ACC, "noise_multiplier": v}, delta=1e-5),
+        "accounting.delta": lambda v: acc.delta(**{**_ACC, "noise_multiplier": v}, epsilon=1.0),
+        "accounting.epsilon_bounds": lambda v: acc.epsilon_bounds(**{**_ACC, "noise_multiplier": v}, delta=1e-5),
+        "accounting.epsilon_grid": lambda v: _grid(noise_multiplier=v),
+        "PoissonGaussianEvent": lambda v: PoissonGaussianEvent(noise_multiplier=v, sample_rate=0.1),
+        "Ledger.record": lambda v: Ledger().record(noise_multiplier=v, sample_rate=0.1),
+        "make_train_step": lambda v: _step(noise_multiplier=v),
+        "make_private": lambda v: _private(noise_multiplier=v),
+    },
+    "sample_rate": {
+        "accounting.epsilon": lambda v: acc.epsilon(**{**_ACC, "sample_rate": v}, delta=1e-5),
+        "accounting.delta": lambda v: acc.delta(**{**_ACC, "sample_rate": v}, epsilon=1.0),
+        "accounting.epsilon_bounds": lambda v: acc.epsilon_bounds(**{**_ACC, "sample_rate": v}, delta=1e-5),
+        "accounting.epsilon_grid": lambda v: _grid(sample_rate=v),
+        "calibrate_noise": lambda v: acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=v, steps=100),
+        "PoissonGaussianEvent": lambda v: PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=v),
+        "Ledger.record": lambda v: Ledger().record(noise_multiplier=1.0, sample_rate=v),
+        "PoissonSampler": lambda v: PoissonSampler(100, v),
+        "make_train_step": lambda v: _step(sample_rate=v),
+    },
+    "delta": {
+        "accounting.epsilon": lambda v: acc.epsilon(**_ACC, delta=v),
+        "accounting.epsilon_bounds": lambda v: acc.epsilon_bounds(**_ACC, delta=v),
+        "accounting.epsilon_grid": lambda v: _grid(delta=v),
+        "calibrate_noise": lambda v: acc.calibrate_noise(target_epsilon=1.0, delta=v, sample_rate=0.01, steps=100),
+        "make_train_step(budget=)": lambda v: _step(budget=(1.0, v)),
+        "make_private": lambda v: _private(delta=v),
+        "TrainState.epsilon": lambda v: _STATE.epsilon(v),  # checked even before the first step
+    },
+    "accountant": {
+        "accounting.epsilon": lambda v: acc.epsilon(**_ACC, delta=1e-5, accountant=v),
+        "accounting.delta": lambda v: acc.delta(**_ACC, epsilon=1.0, accountant=v),
+        "accounting.epsilon_grid": lambda v: _grid(accountant=v),
+        "calibrate_noise": lambda v: acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=100, accountant=v),
+        "make_train_step": lambda v: _step(budget=(1.0, 1e-5), accountant=v),
+        "TrainState.epsilon": lambda v: _STATE.epsilon(1e-5, accountant=v),
+    },
+    "steps": {
+        "accounting.epsilon": lambda v: acc.epsilon(**{**_ACC, "steps": v}, delta=1e-5),
+        "accounting.delta": lambda v: acc.delta(**{**_ACC, "steps": v}, epsilon=1.0),
+        "calibrate_noise": lambda v: acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=v),
+        "PoissonSampler": lambda v: PoissonSampler(100, 0.1, steps=v),
+    },
+    "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": {
+        "make_train_step(physical_batch_size=)": lambda v: _step(physical_batch_size=v),
+        "PoissonSampler(capacity=)": lambda v: PoissonSampler(100, 0.1, capacity=v),
+        "make_private(batch_size=)": lambda v: _private(batch_size=v),
+        "per_sample_grads(chunk_size=)": lambda v: vmapdp.per_sample_grads(_loss, chunk_size=v),
+        "clipped_grad_sum(norm_chunk_size=)": lambda v: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=1.0, norm_chunk_size=v),
+    },
+    "method": {
+        "clipped_grad_sum": lambda v: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=1.0, method=v),
+        "make_train_step": lambda v: _step(method=v),
+        "make_private": lambda v: _private(method=v),
+    },
+    "std": {
+        "add_noise(generator=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, v, vmapdp.make_generator(0)),
+        "add_noise(key=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, v, key=b"k"),
+    },
+}
+
+# argument -> (name the message must carry, [(bad value, exception type)])
+BAD = {
+    "l2_clip_norm": ("l2_clip_norm", [("1.0", TypeError), (None, TypeError), (True, TypeError), (math.nan, ValueError), (-1.0, ValueError), (0.0, ValueError), (0, ValueError)]),
+    "noise_multiplier": ("noise_multiplier", [("1", TypeError), (True, TypeError), (math.nan, ValueError), (-1.0, ValueError), (math.inf, ValueError)]),
+    "sample_rate": ("sample_rate", [("0.1", TypeError), (True, TypeError), (0.0, ValueError), (0, ValueError), (-0.1, ValueError), (1.5, ValueError), (math.nan, ValueError)]),
+    "delta": ("delta", [("1e-5", TypeError), (None, TypeError), (0.0, ValueError), (1.0, ValueError), (-1e-5, ValueError), (1.5, ValueError), (math.nan, ValueError)]),
+    "accountant": ("accountant", [(1, TypeError), (None, TypeError), ("PLD", ValueError), ("Rdp", ValueError), ("moments", ValueError)]),
+    "steps": ("steps", [(10.0, TypeError), ("10", TypeError), (True, TypeError), (-1, ValueError)]),
+    "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": (None, [(2.0, TypeError), ("2", TypeError), (True, TypeError), (0, ValueError), (-1, ValueError)]),
+    "method": ("method", [(1, TypeError), ("GHOST", ValueError), ("fast", ValueError)]),
+    "std": ("std", [("1.0", TypeError), (None, TypeError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError)]),
+}
+
+CASES = [
+    pytest.param(arg, entry, value, exc, id=f"{arg.split(' ')[0]}-{entry}-{value!r}")
+    for arg, entries in ENTRY_POINTS.items()
+    for entry in entries
+    for value, exc in BAD[arg][1]
+]
+
+
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier=0:UserWarning")
+@pytest.mark.parametrize("arg, entry, value, exc", CASES)
+def test_same_argument_same_check_everywhere(arg, entry, value, exc):
+    name = BAD[arg][0] or re.search(r"\((\w+)=\)", entry).group(1)
+    with pytest.raises(exc) as info:
+        ENTRY_POINTS[arg][entry](value)
+    message = str(info.value)
+    assert type(info.value) is exc, f"{entry} raised {type(info.value).__name__} for {arg}={value!r}: {message}"
+    assert re.search(rf"\b{re.escape(name)}\b", message), f"{entry}: the message does not name {name}: {message}"
+    assert ": " in message and not message.startswith(name), f"{entry}: the message does not start with the call: {message}"
+
+
+def test_good_values_pass_every_entry_point():
+    """The table's calls are right apart from the bad value (so the test above can fail)."""
+    good = {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 0.05, "delta": 1e-5, "accountant": "rdp", "steps": 100,
+            "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": 4, "method": "vmap", "std": 1.0}
+    for arg, entries in ENTRY_POINTS.items():
+        for entry, call in entries.items():
+            call(good[arg])
+
+
+# --- tensor clipping bounds: raise eagerly, release nothing when they cannot be read ---------------
+
+TENSOR_ENTRIES = {
+    "clip_and_sum": lambda c: vmapdp.clip_and_sum(_GRADS, c)[0],
+    "clip_per_sample": lambda c: vmapdp.clip_per_sample(_GRADS, c),
+    "clipped_grad_sum(vmap)": lambda c: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=c, method="vmap")(_PARAMS, (_X, _Y))[0],
+    "clipped_grad_sum(ghost)": lambda c: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=c, method="ghost")(_PARAMS, (_X, _Y))[0],
+    "clipped_grad_sum(two_pass)": lambda c: vmapdp.clipped_grad_sum(_loss, l2_clip_norm=c, method="two_pass")(_PARAMS, (_X, _Y))[0],
+}
+BAD_TENSORS = {"nan": torch.tensor(math.nan), "inf": torch.tensor(math.inf), "neg": torch.tensor(-1.0), "zero": torch.tensor(0.0)}
+
+
+@pytest.mark.parametrize("entry", list(TENSOR_ENTRIES))
+@pytest.mark.parametrize("bad", list(BAD_TENSORS))
+def test_bad_tensor_clip_norm_raises_eagerly(entry, bad):
+    with pytest.raises(ValueError, match=r"l2_clip_norm=tensor\(.*\) must be finite and > 0"):
+        TENSOR_ENTRIES[entry](BAD_TENSORS[bad])
+
+
+@pytest.mark.parametrize("entry", list(TENSOR_ENTRIES))
+def test_tensor_clip_norm_of_wrong_shape_is_refused(entry):
+    with pytest.raises(ValueError, match=r"l2_clip_norm must be a 0-dim tensor .*got shape \(2,\)"):
+        TENSOR_ENTRIES[entry](torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("entry", ["clip_and_sum", "clip_per_sample", "clipped_grad_sum(vmap)"])
+def test_bad_tensor_clip_norm_releases_nothing_when_it_cannot_be_read(entry):
+    """Batched by vmap the bound cannot be read on the host: a valid bound in the same batch clips
+    as usual, every invalid one releases exactly 0 (never an unclipped or flipped sum)."""
+    cs = torch.stack([torch.tensor(0.5), *BAD_TENSORS.values()])
+    out = torch.func.vmap(TENSOR_ENTRIES[entry], randomness="error")(cs)
+    ref = TENSOR_ENTRIES[entry](torch.tensor(0.5))
+    for k in out:
+        torch.testing.assert_close(out[k][0], ref[k])
+        assert torch.equal(out[k][1:], torch.zeros_like(out[k][1:])), f"{entry} released something for an invalid bound"
+
+
+def test_make_train_step_and_make_private_take_numbers_only():
+    for call in (lambda: _step(l2_clip_norm=torch.tensor(1.0)), lambda: _private(l2_clip_norm=torch.tensor(1.0))):
+        with pytest.raises(TypeError, match=r"l2_clip_norm must be a real number"):
+            call()
+
+
+def test_checks_module_basics():
+    assert _checks.positive("f(x)", "x", 2) == 2.0 and isinstance(_checks.positive("f(x)", "x", 2), float)
+    assert _checks.accountant("f", "prv") == "pld"
+    assert _checks.positive("f", "x", math.inf, allow_inf=True) == math.inf
+    assert _checks.probability("f", "q", 0.0, allow_zero=True) == 0.0
+    with pytest.raises(ValueError, match=r"f: x=0 must be finite and > 0"):
+        _checks.positive("f", "x", 0)
+    with pytest.raises(ValueError, match=r"delta=0.01 must be below 1/num_samples = 1/100 = 0.01"):
+        _checks.delta("f", 0.01, num_samples=100)

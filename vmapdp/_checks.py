@@ -1,0 +1,261 @@
+"""One home for argument checks: the same argument gets the same check everywhere.
+
+Every public entry point checks its arguments through these functions, so a bad value raises
+the same exception with the same message shape wherever it is passed:
+
+* ``TypeError`` for a wrong type (``noise_multiplier="1"``, ``steps=10.0``, ``delta=None``),
+* ``ValueError`` for a value out of range (``sample_rate=0``, ``delta=1``, ``l2_clip_norm=nan``),
+
+and the message reads ``"<call>: <name>=<value> must be <range>; <what it means>. <one fix>"``.
+
+Tensor clipping norms (adaptive clipping passes them) are checked on the host when that is
+possible (eagerly, outside ``torch.compile``); where it is not (while tracing), the clipping
+code makes the computation itself safe with :func:`clip_norm_ok` (an invalid norm releases
+nothing, never more than a valid one).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import warnings
+from typing import Any, Sequence
+
+import optree
+import torch
+
+ACCOUNTANTS = ("rdp", "pld", "prv", "gdp")
+
+NOISE_MEANING = "noise_multiplier is the noise std divided by l2_clip_norm"
+SAMPLE_RATE_MEANING = (
+    "sample_rate is the probability that each example is in a step's batch "
+    "(expected batch size / dataset size)"
+)
+DELTA_MEANING = (
+    "delta is the probability with which the epsilon guarantee may fail; it must be well below "
+    "1/num_samples (e.g. 1e-5), because a mechanism that publishes one random record in the clear "
+    "is already (0, 1/num_samples)-DP"
+)
+CLIP_MEANING = "l2_clip_norm is the largest L2 norm one sample's gradient may contribute"
+
+
+def is_real(value: Any) -> bool:
+    """A real number that is not a bool (``True`` is an int to Python, never a rate here)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _type_error(call: str, name: str, value: Any, kind: str, fix: str = "") -> TypeError:
+    return TypeError(f"{call}: {name} must be {kind}, got {type(value).__name__} ({value!r}).{' ' + fix if fix else ''}")
+
+
+def _value_error(call: str, name: str, value: Any, rng: str, meaning: str = "", fix: str = "") -> ValueError:
+    tail = f"; {meaning}." if meaning else "."
+    return ValueError(f"{call}: {name}={value!r} must be {rng}{tail}{' ' + fix if fix else ''}")
+
+
+def number(call: str, name: str, value: Any, *, meaning: str = "") -> float:
+    """A real number (int or float, not bool): TypeError otherwise."""
+    if not is_real(value):
+        raise _type_error(call, name, value, "a real number (int or float)", f"Pass e.g. {name}=float(...)." if not meaning else f"({meaning}.)")
+    return float(value)
+
+
+def positive(
+    call: str, name: str, value: Any, *, allow_zero: bool = False, allow_inf: bool = False, meaning: str = "", fix: str = ""
+) -> float:
+    """A real ``> 0`` (``>= 0`` with ``allow_zero``), finite unless ``allow_inf``; NaN never."""
+    given = value
+    value = number(call, name, value, meaning=meaning)
+    ok = (value >= 0 if allow_zero else value > 0) and (allow_inf or math.isfinite(value))
+    if not ok:
+        rng = (">= 0" if allow_zero else "> 0") if allow_inf else ("finite and >= 0" if allow_zero else "finite and > 0")
+        raise _value_error(call, name, given, rng, meaning, fix)
+    return value
+
+
+def positive_int(call: str, name: str, value: Any, *, minimum: int = 1, meaning: str = "", fix: str = "") -> int:
+    """An int (``operator.index``: no floats, not even 10.0; no bools) ``>= minimum``."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise _type_error(call, name, value, f"an int >= {minimum}", f"Pass {name}=int(...).")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise _type_error(call, name, value, f"an int >= {minimum}", f"Pass {name}=int(...).") from None
+    if value < minimum:
+        raise _value_error(call, name, value, f"an int >= {minimum}", meaning, fix)
+    return value
+
+
+def optional_positive_int(call: str, name: str, value: Any, *, meaning: str = "") -> int | None:
+    """None, or an int >= 1."""
+    return None if value is None else positive_int(call, name, value, meaning=meaning, fix=f"Or pass {name}=None.")
+
+
+def probability(
+    call: str, name: str, value: Any, *, allow_zero: bool = False, allow_one: bool = True, meaning: str = "", fix: str = ""
+) -> float:
+    """A real in ``(0, 1]`` (the bounds opened or closed by ``allow_zero`` / ``allow_one``)."""
+    given = value
+    value = number(call, name, value, meaning=meaning)
+    lo_ok = value >= 0 if allow_zero else value > 0
+    hi_ok = value <= 1 if allow_one else value < 1
+    if not (lo_ok and hi_ok):  # NaN fails both
+        rng = f"in {'[' if allow_zero else '('}0, 1{']' if allow_one else ')'}"
+        raise _value_error(call, name, given, rng, meaning, fix)
+    return value
+
+
+def sample_rate(call: str, value: Any, *, name: str = "sample_rate") -> float:
+    """The Poisson sampling rate, in ``(0, 1]`` everywhere (a rate of 0 samples no data: such a
+    step is no step, and needs no accounting)."""
+    fix = "Did you pass the batch size? Use sample_rate=expected_batch_size/num_samples." if is_real(value) and value > 1 else ""
+    return probability(call, name, value, meaning=SAMPLE_RATE_MEANING, fix=fix)
+
+
+def noise_multiplier(call: str, value: Any, *, allow_zero: bool = False, zero_fix: str = "") -> float:
+    """A finite noise multiplier ``> 0`` (``>= 0`` with ``allow_zero``: training without privacy)."""
+    fix = ""
+    if is_real(value) and value == 0 and not allow_zero:
+        fix = zero_fix or "Zero noise is not private: use a positive noise_multiplier."
+    elif is_real(value) and math.isinf(value):
+        fix = "A step that releases nothing needs no event: leave it out of the ledger."
+    return positive(call, "noise_multiplier", value, allow_zero=allow_zero, meaning=NOISE_MEANING, fix=fix)
+
+
+def delta(call: str, value: Any, *, name: str = "delta", num_samples: int | None = None, refuse_large: bool = True) -> float:
+    """``0 < delta < 1``; with ``num_samples``, also ``delta < 1/num_samples`` (a ValueError, or a
+    warning where ``refuse_large=False``: the accountants, which only report)."""
+    value = probability(call, name, value, allow_one=False, meaning=DELTA_MEANING, fix=f"Pass e.g. {name}=1e-5.")
+    if num_samples is not None and value >= 1.0 / num_samples:
+        text = (
+            f"{call}: {name}={value!r} must be below 1/num_samples = 1/{num_samples} = {1.0 / num_samples:.3g}; "
+            f"{DELTA_MEANING}, so such a guarantee protects nobody. Pass {name} well below 1/num_samples, "
+            f"e.g. {name}={_suggest_delta(num_samples):.1e} (about 1/num_samples**1.1)."
+        )
+        if refuse_large:
+            raise ValueError(text)
+        warnings.warn(text, UserWarning, stacklevel=3)
+    return value
+
+
+def _suggest_delta(n: int) -> float:
+    return 10.0 ** math.floor(math.log10(1.0 / n**1.1))
+
+
+def epsilon(call: str, value: Any, *, name: str = "epsilon", allow_zero: bool = True) -> float:
+    """A finite epsilon ``>= 0`` (``> 0`` unless ``allow_zero``)."""
+    return positive(call, name, value, allow_zero=allow_zero, meaning="epsilon is the privacy budget", fix=f"E.g. {name}=8.0.")
+
+
+def choice(call: str, name: str, value: Any, options: Sequence[str], *, why: str = "") -> str:
+    """One of ``options``, spelled exactly (no case folding: ``"PLD"`` is refused with the fix)."""
+    listed = ", ".join(map(repr, options))
+    if not isinstance(value, str):
+        raise _type_error(call, name, value, f"one of {listed} (a str)")
+    if value not in options:
+        close = [o for o in options if o.lower() == value.lower()]
+        fix = f"Did you mean {name}={close[0]!r}? Options are spelled exactly." if close else ""
+        raise _value_error(call, name, value, f"one of {listed}", why, fix)
+    return value
+
+
+def accountant(call: str, value: Any, options: Sequence[str] = ACCOUNTANTS, *, why: str = "") -> str:
+    """An accountant name (exact spelling); ``"prv"`` is returned as ``"pld"`` (the same one)."""
+    why = why or "'rdp' is a fast upper bound, 'pld' ('prv') a tight upper bound, 'gdp' a CLT approximation (not a bound)"
+    value = choice(call, "accountant", value, options, why=why)
+    return "pld" if value == "prv" else value
+
+
+def clip_norm(call: str, name: str, value: Any, *, allow_inf: bool = True) -> float | torch.Tensor:
+    """A clipping bound ``C``: a real ``> 0`` (``math.inf`` switches clipping off, for non-private
+    tests, where ``allow_inf``), or a 0-dim floating tensor that is finite and ``> 0``.
+
+    A tensor is read on the host when possible (not while ``torch.compile`` traces, not inside a
+    functorch transform that batches or tracks it); the clipping code then still guards the
+    computation with :func:`clip_norm_ok`, so an unchecked NaN / inf / non-positive tensor releases
+    nothing rather than switching clipping off or flipping gradients.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(
+                f"{call}: {name} must be a 0-dim tensor (one bound for every sample), got shape "
+                f"{tuple(value.shape)}; {CLIP_MEANING}. Pass a float or a 0-dim tensor (per-layer bounds: "
+                "vmapdp.clip_and_sum_per_layer)."
+            )
+        if not value.is_floating_point():
+            raise _type_error(call, name, value, "a float or a 0-dim floating-point tensor", "Pass float(...) or a float tensor.")
+        if _host_readable(value):
+            v = float(value.detach())
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(
+                    f"{call}: {name}={value!r} must be finite and > 0; {CLIP_MEANING}, and a NaN, "
+                    "infinite or non-positive bound would switch clipping off or flip gradients. "
+                    "Check the code that computes it (adaptive clipping?)."
+                )
+        return value
+    if not is_real(value):
+        raise _type_error(call, name, value, "a positive float or a 0-dim tensor", f"({CLIP_MEANING}.)")
+    fix = "math.inf switches clipping off, for non-private tests only." if allow_inf else ""
+    return positive(call, name, value, allow_inf=allow_inf, meaning=CLIP_MEANING, fix=fix)
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s value can be read now without breaking a trace."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
+        return False
+    return t.device.type != "meta"
+
+
+def clip_norm_ok(value: Any) -> Any:
+    """For a tensor bound: a bool tensor, True where it is finite and > 0 (computed on the device,
+    no host read). For a number (checked eagerly): None."""
+    if isinstance(value, torch.Tensor):
+        return torch.isfinite(value) & (value > 0)
+    return None
+
+
+def noise_std(call: str, value: Any) -> float | torch.Tensor:
+    """A noise std: a finite real ``>= 0``, or a 0-dim floating tensor checked like
+    :func:`clip_norm` (host read when possible; traced, :func:`noise_std_guarded` makes a bad one
+    release NaN, that is nothing)."""
+    meaning = "std is the noise standard deviation, noise_multiplier * l2_clip_norm"
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{call}: std must be a 0-dim tensor, got shape {tuple(value.shape)}; {meaning}. Pass a float or a 0-dim tensor.")
+        if not value.is_floating_point():
+            raise _type_error(call, "std", value, "a float or a 0-dim floating-point tensor", "Pass float(...) or a float tensor.")
+        if _host_readable(value):
+            v = float(value.detach())
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{call}: std={value!r} must be finite and >= 0; {meaning}.")
+        return value
+    return positive(call, "std", value, allow_zero=True, meaning=meaning)
+
+
+def noise_std_guarded(value: Any) -> Any:
+    """A tensor std that is NaN where it is not finite and >= 0 (noise of NaN releases nothing)."""
+    if isinstance(value, torch.Tensor):
+        return torch.where(torch.isfinite(value) & (value >= 0), value, torch.full_like(value, math.nan))
+    return value
+
+
+def params_dict(call: str, params: Any, *, what: str = "params", require_dict: bool = True) -> Any:
+    """A non-empty dict of tensors (the trainable params from ``vmapdp.functionalize``); with
+    ``require_dict=False`` any pytree that holds at least one tensor."""
+    if require_dict and not isinstance(params, dict):
+        raise _type_error(call, what, params, "a dict of tensors keyed like named_parameters() (from vmapdp.functionalize)")
+    leaves = [leaf for leaf in optree.tree_leaves(params, namespace="torch") if isinstance(leaf, torch.Tensor)]
+    if not leaves:
+        raise ValueError(
+            f"{call}: {what}={params!r} must hold at least one tensor; there is nothing to differentiate or train "
+            "(a model without parameters, or all of them frozen with requires_grad=False?). Unfreeze the "
+            "parameters to train (vmapdp.functionalize puts frozen ones in buffers)."
+        )
+    if isinstance(params, dict):
+        bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
+    return params
