@@ -126,3 +126,40 @@ def test_secure_trainer_saves_and_resumes(tmp_path):
     seeded = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"comes from a secure sampler"):
         vmapdp.load_state(tmp_path / "s.pt", sampler=seeded)
+
+
+def test_load_of_another_models_checkpoint_changes_nothing(tmp_path):
+    ds = data()
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # the same first layer, another head
+    donor = vmapdp.make_private(other, torch.optim.SGD(other.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, seed=1, compile=False)
+    next(donor.train_epoch())
+    donor.save(str(tmp_path / "other.pt"))
+    m = model()
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, seed=0, compile=False)
+    weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    state, sampler_state = trainer.state, trainer.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"params\['2.weight'\] is \(3, 8\) torch.float32 in the file, expected \(2, 8\) torch.float32.*another model"):
+        trainer.load(str(tmp_path / "other.pt"))
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in weights.items())  # not half-loaded
+    assert trainer.state is state and trainer.sampler.state_dict() == sampler_state
+
+
+def test_no_trainer_spends_past_a_budget_it_loads(tmp_path):
+    ds = data()
+    kw = dict(batch_size=24, l2_clip_norm=1.0, delta=1e-3, compile=False, method="vmap")
+    m = model()
+    budgeted = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, target_epsilon=1.0, epochs=1, seed=0, **kw)
+    assert budgeted.state.budgets == ((1.0, 1e-3, "rdp"),)  # recorded at init
+    budgeted.save(str(tmp_path / "fresh.pt"))  # before any step
+    budgeted.fit(epochs=1)
+    with pytest.raises(PrivacyBudgetExceeded):
+        budgeted.fit(epochs=1)
+    budgeted.save(str(tmp_path / "spent.pt"))
+    for name in ("fresh.pt", "spent.pt"):  # a trainer without a budget, or a looser one, loads the run ...
+        for extra in (dict(noise_multiplier=budgeted.noise_multiplier), dict(target_epsilon=10.0, epochs=10)):
+            m2 = model()
+            trainer = vmapdp.make_private(m2, torch.optim.SGD(m2.parameters(), lr=0.1), ds, seed=0, **kw, **extra)
+            trainer.load(str(tmp_path / name))
+            with pytest.raises(PrivacyBudgetExceeded, match=r"budget 1 \(delta=0.001, rdp; the budget recorded in the state\)"):
+                trainer.fit(epochs=2)  # ... and stops at the recorded budget
+            assert trainer.epsilon() <= 1.0
