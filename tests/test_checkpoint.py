@@ -157,7 +157,9 @@ def test_fuzz_every_single_bit_flip_and_truncation_is_refused(saved, tmp_path):
 def test_every_field_edited_in_place_is_refused(saved, tmp_path, field):
     path, *_ = saved
     bad = tmp_path / "edited.pt"
-    bad.write_bytes(edited(path.read_bytes(), EDITS[field]))
+    raw = path.read_bytes()
+    bad.write_bytes(edited(raw, EDITS[field]))
+    assert bad.read_bytes() != raw  # the edit changed something
     _refused(bad, match=r"integrity check failed: the SHA-256 stored in the file does not match")
 
 
@@ -215,3 +217,35 @@ def test_like_refuses_another_models_checkpoint_before_touching_the_sampler(save
     with pytest.raises(ValueError, match=r"optimizer state \(AdamState\) does not fit this run's \(SGDState\)"):
         vmapdp.load_state(path, sampler=s, like=sgd_like)
     assert vmapdp.load_state(path, sampler=s, like=vmapdp.init_train_state(state.params, optim.adam(1e-2), seed=1)).step == 2
+
+
+def test_a_trainer_refusing_a_damaged_checkpoint_keeps_its_module_state_and_sampler(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 5, generator=g)
+    ds = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, target_epsilon=5.0, epochs=2, delta=1e-3, seed=0, compile=False)
+    next(trainer.train_epoch())
+    path = tmp_path / "t.pt"
+    trainer.save(str(path))
+    next(trainer.train_epoch())  # the trainer moves on: a good load would move it back
+    raw = path.read_bytes()
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    state, sampler_state = trainer.state, trainer.sampler.state_dict()
+    rng = random.Random(1)
+    damaged = [edited(raw, _ledger_sigma), edited(raw, lambda p: p.update(budgets=[])), raw[: len(raw) - 7]]
+    assert len(set(damaged)) == 3 and raw not in damaged
+    for _ in range(50):
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        damaged.append(bytes(flipped))
+    for content in damaged:
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=r"integrity check failed|not a (complete )?vmapdp checkpoint|not supported|unknown digest"):
+            trainer.load(str(path))
+        assert trainer.state is state and trainer.sampler.state_dict() == sampler_state
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in weights.items())
+    path.write_bytes(raw)
+    trainer.load(str(path))
+    assert trainer.state.step == 1 and all(torch.equal(p.detach(), trainer.state.params[k]) for k, p in m.named_parameters())
