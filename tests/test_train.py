@@ -173,16 +173,14 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
     _, params, buffers, data, loss_fn = problem(n=60)
     sampler = PoissonSampler(60, 0.1, 6, torch.Generator().manual_seed(0))
     batches = [(gather(data, i), m) for i, m in sampler]
+    eager = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity)
     torch._dynamo.reset()
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity, compile=True)
     s_e = s_c = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
     for batch, mask in batches:
-        s_c, m_c = compiled(s_c, batch, mask, buffers)
-    # eager runs the method the compiled step chose (the noise key binds the method run)
-    eager = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity, method=list(compiled.chosen_methods.values())[0])
-    for batch, mask in batches:
         s_e, m_e = eager(s_e, batch, mask, buffers)
+        s_c, m_c = compiled(s_c, batch, mask, buffers)
     for k in params:
         torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m_c["loss"], m_e["loss"])
@@ -193,7 +191,10 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
 
 @pytest.mark.parametrize("faster", ["ghost", "vmap"])
 def test_auto_step_runs_the_method_that_timed_faster(monkeypatch, faster):
-    from vmapdp import ghost
+    from vmapdp import ghost, train
+
+    config = train.step_config  # the noise key binds the method asked for: unbind it, to compare the computations
+    monkeypatch.setattr(train, "step_config", lambda **kw: config(**dict(kw, method="any")))
 
     timed = []
 
@@ -444,15 +445,14 @@ AUTO_RESUME_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("first", ["auto", "vmap"])
-def test_auto_resume_in_a_new_process_replays_the_saved_choice_bitwise(tmp_path, monkeypatch, first):
+def test_auto_resume_in_a_new_process_replays_the_saved_choice_bitwise(tmp_path, monkeypatch):
     """8 steps straight vs 4 + save + a new process whose clock favours the other method + 4."""
     from vmapdp import ghost
 
     monkeypatch.setattr(ghost, "_elapsed", lambda name, run, device: (run(), 1.0 if name == "vmap" else 2.0)[1])
     _, params, buffers, data, loss_fn = problem(n=50)
     sampler = PoissonSampler(50, 0.2, 8, key=b"resume")
-    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity, method=first)
+    step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)  # method="auto"
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=11)
     for t, (indices, mask) in enumerate(sampler):
         state, _ = step(state, gather(data, indices), mask, buffers)
@@ -467,3 +467,20 @@ def test_auto_resume_in_a_new_process_replays_the_saved_choice_bitwise(tmp_path,
     assert resumed.step == 8 and resumed.ledger == state.ledger and resumed.methods == state.methods
     for k in params:
         assert torch.equal(resumed.params[k], state.params[k]), k
+
+
+def test_a_named_method_is_recorded_and_an_auto_step_on_its_state_replays_it(monkeypatch):
+    from vmapdp import ghost
+
+    timed = []
+    monkeypatch.setattr(ghost, "_elapsed", lambda name, run, device: (run(), timed.append(name), 1.0 if name == "ghost" else 2.0)[2])
+    _, params, buffers, data, loss_fn = problem(n=12)
+    mask = torch.ones(12, dtype=torch.bool)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
+    state, _ = make(loss_fn, physical_batch_size=6, method="vmap")(state, data, mask, buffers)
+    assert [m for _, m in state.methods] == ["vmap"]
+    auto = make(loss_fn, physical_batch_size=6)
+    state, _ = auto(state, data, mask, buffers)  # the clock favours ghost, the state says vmap
+    assert timed == [] and list(auto.chosen_methods.values()) == ["vmap"] and [m for _, m in state.methods] == ["vmap"]
+    fresh, _ = auto(vmapdp.init_train_state({k: v + 1 for k, v in params.items()}, optim.sgd(0.5), seed=3), data, mask, buffers)
+    assert [m for _, m in fresh.methods] == ["vmap"]  # this step object's choice, made on the same shape

@@ -16,7 +16,7 @@ The tensor work of a chunk (norms, clipping, the masked sum) runs under
 once. Noise is drawn outside the compiled graph, after aggregation, from a key derived from
 ``(state.noise_seed, state.step)`` bound to the run (``state.run_id``, a digest of the initial
 params) and to the step's release-defining configuration (clip norm, noise multiplier, expected
-batch size, sample rate, rule, method run, ...): see :func:`noise_binding`. The same state and
+batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
 configuration always give the same step, and a run resumed from a checkpoint continues bit for
 bit as if it had not stopped: the method ``"auto"`` chose for each chunk shape is recorded in the
 state (``state.methods``) and replayed. A budget given to a step is recorded in the state
@@ -183,9 +183,10 @@ def step_config(
     rule: str = "clip",
     nonfinite: str = "zero",
     randomness: str = "error",
-    precision: torch.dtype | None = None,
+    method: str = "auto",
 ) -> str:
-    """The release-defining configuration of a step, canonically (floats in hex: exact)."""
+    """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
+    as asked for (``"auto"`` whatever it chooses)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -194,20 +195,21 @@ def step_config(
         ("rule", rule),
         ("nonfinite", nonfinite),
         ("randomness", randomness),
-        ("precision", str(precision)),
+        ("method", method),
     )
     return repr(fields)
 
 
-def noise_binding(run_id: str, config: str, methods: Any) -> str:
-    """What a step's noise key binds besides ``(seed, step)``: the run, the step's configuration
-    (:func:`step_config`) and the methods its chunks ran (sorted, unique). Hex SHA-256.
+def noise_binding(run_id: str, config: str) -> str:
+    """What a step's noise key binds besides ``(seed, step)``: the run (``state.run_id``) and the
+    step's configuration (:func:`step_config`). Hex SHA-256.
 
-    Execution details that change only rounding and must not change the noise are left out:
-    ``physical_batch_size``, ``compile``, ``distributed`` (a distributed run equals one process).
+    Execution details that change only rounding are left out, so that the runs they make can be
+    compared noise for noise: ``physical_batch_size``, ``compile``, ``distributed`` (a distributed
+    run equals one process), ``precision`` (a bf16 step tracks the float32 one) and what
+    ``"auto"`` chose.
     """
-    text = repr((run_id, config, tuple(sorted(set(methods)))))
-    return hashlib.sha256(b"vmapdp-noise-binding:" + text.encode()).hexdigest()
+    return hashlib.sha256(b"vmapdp-noise-binding:" + repr((run_id, config)).encode()).hexdigest()
 
 
 def _step_key(seed: int, step: int, binding: str) -> bytes:
@@ -361,7 +363,7 @@ def make_train_step(
         rule=rule,
         nonfinite=nonfinite,
         randomness=randomness,
-        precision=precision,
+        method=method,
     )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
@@ -454,21 +456,19 @@ def make_train_step(
             raise ValueError(f"{scall}: the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
         summed, stats = None, None
         recorded = dict(state.methods)
-        ran: list[str] = []
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             chunk_mask = mask[start : start + size]
-            name, digest = method_for(recorded, state.params, shared, chunk, chunk_mask)
-            recorded[digest] = name
-            ran.append(name)
-            with full_float32(device.type):  # no TF32 on CUDA: the norm/sum margins assume float32
+            with full_float32(device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
+                name, digest = method_for(recorded, state.params, shared, chunk, chunk_mask)
                 s, st = runner(name)(state.params, chunk_mask, shared, chunk)
+            recorded[digest] = name
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
         if summed is None:  # an empty batch: the step still releases noise
             summed = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
             stats = torch.zeros(5, device=device)
-        binding = noise_binding(state.run_id, config, ran or [method])  # an empty batch: the named method (or "auto")
+        binding = noise_binding(state.run_id, config)
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 draws, every rank gets its noisy sum
