@@ -34,7 +34,7 @@ from vmapdp.clipping import clip_and_sum
 from vmapdp.data import PoissonSampler
 from vmapdp.noise import add_noise
 from vmapdp.per_sample import per_sample_grads
-from vmapdp.train import TrainState, _step_key
+from vmapdp.train import TrainState, _step_key, noise_binding, step_config
 
 ALPHA = 1e-3  # false-alarm rate of every statistical check here (sampler, noise)
 BETA = 0.05  # the audit's lower bound holds with confidence 1 - BETA
@@ -71,6 +71,7 @@ def mutant_train_step(
     clip=True,
     divisor="expected",
     use_mask=True,
+    key_method="vmap",
 ):
     """vmapdp's step composition re-implemented, with at most one deliberate bug switched on."""
     del compile
@@ -81,11 +82,13 @@ def mutant_train_step(
         m = mask if use_mask else torch.ones_like(mask)  # bug: padded rows are summed
         grads = grads_fn(state.params, *shared, batch, mask=m)
         summed, _ = clip_and_sum(grads, l2_clip_norm if clip else math.inf, mask=m)  # bug: no clipping
-        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, key=_step_key(state.noise_seed, state.step))  # bug: noise x scale
+        config = step_config(l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, sample_rate=sample_rate, method=key_method)
+        key = _step_key(state.noise_seed, state.step, noise_binding(state.run_id, config))  # vmapdp's key
+        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, key=key)  # bug: noise x scale
         div = expected_batch_size if divisor == "expected" else m.sum().clamp_min(1)  # bug: realised size
         update = {k: v / div for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        return TrainState(params, opt_state, state.noise_seed, state.step + 1, state.ledger.append(event)), {}
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1, ledger=state.ledger.append(event)), {}
 
     return step
 
@@ -145,6 +148,7 @@ def test_mutant_builder_without_a_bug_is_vmapdps_step(setup):
     mine, _ = make_step(loss_fn, noise_scale=1.0)(state, data, MASK, buffers)
     assert all(torch.equal(real.params[k], mine.params[k]) for k in params)
     ghosted, _ = make_step(loss_fn, method="ghost")(state, data, MASK, buffers)  # the default for this MLP
+    mine, _ = make_step(loss_fn, noise_scale=1.0, key_method="ghost")(state, data, MASK, buffers)  # the noise key binds the method
     assert all(torch.allclose(ghosted.params[k], mine.params[k], rtol=1e-5, atol=1e-7) for k in params)
     assert real.ledger == mine.ledger
 

@@ -178,13 +178,15 @@ class _Rows(torch.utils.data.Dataset):
         return {"inputs": self.x[i], "labels": self.y[i]} if self.as_dict else (self.x[i], self.y[i])
 
 
-class _KwModel(nn.Module):
+class _KwModel(nn.Sequential):
+    """model(), called with a keyword input; the same parameter names (the run id, and so the
+    noise, binds them)."""
+
     def __init__(self):
-        super().__init__()
-        self.net = model()
+        super().__init__(*model())
 
     def forward(self, inputs):
-        return self.net(inputs)
+        return super().forward(inputs)
 
 
 def test_dict_rows_and_an_explicit_collate_fn_train_like_tuple_rows():
@@ -205,7 +207,7 @@ def test_dict_rows_and_an_explicit_collate_fn_train_like_tuple_rows():
     by_collate.fit(1)
     assert calls and all(c == by_collate.sampler.capacity or c % by_collate.sampler.capacity == 0 for c in calls)
     for k, v in ref.state.params.items():
-        assert torch.equal(by_dict.state.params["net." + k], v)
+        assert torch.equal(by_dict.state.params[k], v)
         assert torch.equal(by_collate.state.params[k], v)
 
 
@@ -258,3 +260,40 @@ def test_torch_gru_model_trains_without_fix():
     trainer.fit(1)
     assert isinstance(m.gru, nn.GRU) and trainer.state.step == 6
     assert all(torch.equal(p.detach(), trainer.state.params[k]) for k, p in m.named_parameters())
+
+
+def test_load_of_another_models_checkpoint_changes_nothing(tmp_path):
+    ds = data()
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # the same first layer, another head
+    donor = vmapdp.make_private(other, torch.optim.SGD(other.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, seed=1, compile=False)
+    next(donor.train_epoch())
+    donor.save(str(tmp_path / "other.pt"))
+    m = model()
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, seed=0, compile=False)
+    weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    state, sampler_state = trainer.state, trainer.sampler.state_dict()
+    with pytest.raises(ValueError, match=r"params\['2.weight'\] is \(3, 8\) torch.float32 in the file, expected \(2, 8\) torch.float32.*another model"):
+        trainer.load(str(tmp_path / "other.pt"))
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in weights.items())  # not half-loaded
+    assert trainer.state is state and trainer.sampler.state_dict() == sampler_state
+
+
+def test_no_trainer_spends_past_a_budget_it_loads(tmp_path):
+    ds = data()
+    kw = dict(batch_size=24, l2_clip_norm=1.0, delta=1e-3, compile=False, method="vmap")
+    m = model()
+    budgeted = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, target_epsilon=1.0, epochs=1, seed=0, **kw)
+    assert budgeted.state.budgets == ((1.0, 1e-3, "rdp"),)  # recorded at init
+    budgeted.save(str(tmp_path / "fresh.pt"))  # before any step
+    budgeted.fit(epochs=1)
+    with pytest.raises(PrivacyBudgetExceeded):
+        budgeted.fit(epochs=1)
+    budgeted.save(str(tmp_path / "spent.pt"))
+    for name in ("fresh.pt", "spent.pt"):  # a trainer without a budget, or a looser one, loads the run ...
+        for extra in (dict(noise_multiplier=budgeted.noise_multiplier), dict(target_epsilon=10.0, epochs=10)):
+            m2 = model()
+            trainer = vmapdp.make_private(m2, torch.optim.SGD(m2.parameters(), lr=0.1), ds, seed=0, **kw, **extra)
+            trainer.load(str(tmp_path / name))
+            with pytest.raises(PrivacyBudgetExceeded, match=r"budget 1 \(delta=0.001, rdp; the budget recorded in the state\)"):
+                trainer.fit(epochs=2)  # ... and stops at the recorded budget
+            assert trainer.epsilon() <= 1.0

@@ -1,13 +1,23 @@
-"""Save and restore a training run: atomic, complete, and safe to load.
+"""Save and restore a training run: atomic, complete, verified, and safe to load.
 
 ``save_state(path, state, sampler=...)`` writes the params, the optimizer state, the noise seed,
-the step count, the privacy ledger and (optionally) the Poisson sampler's RNG state to a file
-beside ``path`` and renames it into place, so a crash mid-write never leaves half a checkpoint.
-``load_state(path)`` reads it with ``torch.load(weights_only=True)``: no arbitrary code runs, only
-tensors, numbers, strings and vmapdp's own optimizer-state classes are accepted.
+the step count, the privacy ledger, the run id, the budgets the run was given, the methods its
+chunks ran and (optionally) the Poisson sampler's RNG state to a file beside ``path`` and renames
+it into place, so a crash mid-write never leaves half a checkpoint.
 
-Resuming from a checkpoint gives the same trajectory as not stopping: the noise of step ``t`` is
-derived from ``(noise_seed, t)``, and the sampler continues from its saved generator state.
+The file is a one-line header (``vmapdp-checkpoint 2 sha256``), a 32-byte digest, then the body
+(``torch.save`` of the fields). The digest is SHA-256 over the header line and every byte of
+the body (or HMAC-SHA256 under ``key=``), checked by ``load_state`` before anything is parsed:
+every flipped bit, truncation or field edited in place is refused, and a refused load changes
+nothing. The body is then read with ``torch.load(weights_only=True)``: no arbitrary code runs.
+
+What the digest does and does not do: a plain SHA-256 catches corruption and naive edits, not a
+forger who edits a field and re-computes the digest (the format is public). Against that,
+save and load with ``key=`` (a secret the user keeps apart from the checkpoints): an HMAC only
+the key holder can compute. Either way, resuming from a checkpoint gives the same trajectory as
+not stopping: the noise of step ``t`` is derived from ``(noise_seed, t)`` bound to the run and
+the step's configuration, the sampler continues from its saved state, and ``"auto"`` replays
+the methods it chose.
 
 The file holds the noise seed: anyone who has it can remove the noise from released updates.
 Keep checkpoints as private as the training data.
@@ -16,12 +26,16 @@ Keep checkpoints as private as the training data.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import io
 import os
 import pickle
 import tempfile
 import zipfile
 from typing import Any
 
+import optree
 import torch
 
 from vmapdp.accounting import Ledger
@@ -31,19 +45,46 @@ from vmapdp.train import TrainState
 __all__ = ["save_state", "load_state"]
 
 _FORMAT = "vmapdp.TrainState"
-_VERSION = 1
+_VERSION = 2
+_MAGIC = b"vmapdp-checkpoint"
+_DIGEST_BYTES = 32
+_MAX_HEADER = 64
+_FIELDS = ("params", "opt_state", "noise_seed", "step", "ledger", "sampler", "run_id", "budgets", "methods")
 
 
-def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = None) -> None:
-    """Write ``state`` (and the sampler's RNG state) to ``path`` atomically.
+def _key_bytes(call: str, key: Any) -> bytes | None:
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, (bytes, bytearray)):
+        raise TypeError(f"{call}: key must be bytes or str (the secret of the checkpoint's HMAC), got {type(key).__name__}.")
+    if len(key) < 16:
+        raise ValueError(f"{call}: key has {len(key)} bytes; use at least 16 random bytes (e.g. secrets.token_bytes(32)).")
+    return bytes(key)
+
+
+def _digest(header: bytes, body: bytes, key: bytes | None) -> bytes:
+    if key is None:
+        return hashlib.sha256(header + body).digest()
+    return hmac.new(key, header + body, hashlib.sha256).digest()
+
+
+def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = None, key: bytes | str | None = None) -> None:
+    """Write ``state`` (and the sampler's RNG state) to ``path`` atomically, with an integrity digest.
 
     Args:
         path: the checkpoint file; replaced only once the new file is complete.
         state: a :class:`vmapdp.TrainState`.
-        sampler: optional :class:`vmapdp.data.PoissonSampler` whose generator state is saved too.
+        sampler: optional :class:`vmapdp.data.PoissonSampler` whose RNG state is saved too; a
+            checkpoint with it must then be loaded with a sampler (see :func:`load_state`).
+        key: optional secret (bytes or str, >= 16 bytes) for an HMAC-SHA256 instead of a plain
+            SHA-256: only someone with the key can write a file that loads under it.
     """
+    call = "save_state(path, state)"
     if not isinstance(state, TrainState):
-        raise TypeError(f"save_state(path, state): state must be a vmapdp.TrainState, got {type(state).__name__}.")
+        raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
+    secret = _key_bytes(call, key)
     payload = {
         "format": _FORMAT,
         "version": _VERSION,
@@ -53,13 +94,20 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
         "step": state.step,
         "ledger": state.ledger.to_json(),
         "sampler": None if sampler is None else sampler.state_dict(),
+        "run_id": state.run_id,
+        "budgets": [list(b) for b in state.budgets],
+        "methods": [list(m) for m in state.methods],
     }
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    body = buffer.getvalue()
+    header = _MAGIC + f" {_VERSION} {'sha256' if secret is None else 'hmac-sha256'}\n".encode()
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".vmapdp-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            f.write(header + _digest(header, body, secret) + body)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -77,46 +125,164 @@ def _allowing(classes: tuple) -> Any:
     return contextlib.nullcontext()
 
 
-def load_state(path: str | os.PathLike, *, sampler: Any = None, map_location: Any = None) -> TrainState:
-    """Read a checkpoint written by :func:`save_state`.
+def _verified_body(call: str, raw: bytes, secret: bytes | None) -> bytes:
+    """The body of a checkpoint file whose header and digest check out; ValueError otherwise."""
+    end = raw.find(b"\n", 0, _MAX_HEADER)
+    if not raw.startswith(_MAGIC + b" "):
+        hint = " (a version-1 vmapdp checkpoint or a plain torch.save file: they carry no integrity digest and are not loaded)" if raw[:2] == b"PK" else ""
+        raise ValueError(f"{call}: not a vmapdp checkpoint: the file does not start with the header {_MAGIC.decode()!r}{hint}; nothing was loaded.")
+    if end < 0 or len(raw) < end + 1 + _DIGEST_BYTES:
+        raise ValueError(
+            f"{call}: not a complete vmapdp checkpoint ({len(raw)} bytes: no complete header and digest). "
+            "The file is truncated or corrupted; nothing was loaded. Restore it from a good copy."
+        )
+    header = raw[: end + 1]
+    fields = header[len(_MAGIC) + 1 : -1].split(b" ")
+    if len(fields) != 2 or fields[0] != str(_VERSION).encode():
+        raise ValueError(
+            f"{call}: checkpoint header {header[:-1]!r} is not supported (expected version {_VERSION}); "
+            "the file is corrupted or from another vmapdp version; nothing was loaded."
+        )
+    algorithm = fields[1]
+    if algorithm not in (b"sha256", b"hmac-sha256"):
+        raise ValueError(f"{call}: unknown digest {algorithm!r} in the header (expected b'sha256' or b'hmac-sha256'); the file is corrupted; nothing was loaded.")
+    if algorithm == b"hmac-sha256" and secret is None:
+        raise ValueError(f"{call}: the checkpoint was saved with key= (HMAC-SHA256) and no key was given: pass the same key=; nothing was loaded.")
+    if algorithm == b"sha256" and secret is not None:
+        raise ValueError(
+            f"{call}: key= was given but the checkpoint carries a plain SHA-256, which anyone can re-compute: "
+            "it cannot be authenticated. Load it without key= only if you trust the file; nothing was loaded."
+        )
+    stored = raw[end + 1 : end + 1 + _DIGEST_BYTES]
+    body = raw[end + 1 + _DIGEST_BYTES :]
+    if not hmac.compare_digest(stored, _digest(header, body, secret)):
+        what = "HMAC-SHA256 under this key" if secret is not None else "SHA-256"
+        raise ValueError(
+            f"{call}: integrity check failed: the {what} stored in the file does not match its {len(raw)} bytes. "
+            "The file is truncated, corrupted or was edited after save_state"
+            + (" (or the key is wrong)" if secret is not None else "")
+            + "; nothing was loaded. Restore it from a good copy."
+        )
+    return body
+
+
+def _leaf_signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    return (type(x).__name__,)
+
+
+def _check_like(call: str, state: TrainState, like: Any) -> None:
+    """Refuse a loaded ``state`` that does not fit ``like`` (same param keys, shapes, dtypes,
+    optimizer-state structure and secure mode): checked before anything is written."""
+    if not isinstance(like, TrainState):
+        raise TypeError(f"{call}: like must be a vmapdp.TrainState (the run the checkpoint must fit), got {type(like).__name__}.")
+    fix = "It was saved from another model or optimizer; load it into a run built like the one that saved it. Nothing was loaded."
+    if set(state.params) != set(like.params):
+        extra, missing = sorted(set(state.params) - set(like.params)), sorted(set(like.params) - set(state.params))
+        raise ValueError(f"{call}: the checkpoint's params do not fit this run: expected keys {sorted(like.params)}, got extra {extra} and missing {missing}. {fix}")
+    for k, v in like.params.items():
+        got = state.params[k]
+        if got.shape != v.shape or got.dtype != v.dtype:
+            raise ValueError(
+                f"{call}: the checkpoint does not fit this run: params[{k!r}] is {tuple(got.shape)} {got.dtype} in the file, "
+                f"expected {tuple(v.shape)} {v.dtype}. {fix}"
+            )
+    ours = optree.tree_map(_leaf_signature, like.opt_state, namespace="torch")
+    theirs = optree.tree_map(_leaf_signature, state.opt_state, namespace="torch")
+    if optree.tree_structure(like.opt_state, namespace="torch") != optree.tree_structure(state.opt_state, namespace="torch") or ours != theirs:
+        raise ValueError(f"{call}: the checkpoint's optimizer state ({type(state.opt_state).__name__}) does not fit this run's ({type(like.opt_state).__name__}). {fix}")
+    if (state.noise_seed is None) != (like.noise_seed is None):
+        mode = "secure (no seed)" if state.noise_seed is None else "seeded"
+        raise ValueError(f"{call}: the checkpoint is {mode} but this run is not; use the same secure= setting. Nothing was loaded.")
+
+
+def _restore_sampler(call: str, sampler: Any, saved: Any) -> None:
+    """Restore ``saved`` into ``sampler``, all or nothing (the sampler's old state is put back on error)."""
+    before = sampler.state_dict()
+    try:
+        sampler.load_state_dict(saved)
+    except BaseException:
+        sampler.load_state_dict(before)
+        raise
+
+
+def load_state(
+    path: str | os.PathLike,
+    *,
+    sampler: Any = None,
+    map_location: Any = None,
+    key: bytes | str | None = None,
+    like: TrainState | None = None,
+    ignore_sampler: bool = False,
+) -> TrainState:
+    """Read a checkpoint written by :func:`save_state`, verifying its digest first.
 
     Args:
         path: the checkpoint file.
-        sampler: optional :class:`vmapdp.data.PoissonSampler` to restore the sampling RNG into.
+        sampler: the :class:`vmapdp.data.PoissonSampler` to restore the sampling state into;
+            required when the checkpoint holds one (a run resumed without it would draw new
+            batches under the noise keys of steps it repeats), refused when it holds none.
         map_location: as for ``torch.load`` (e.g. ``"cpu"``).
+        key: the secret given to ``save_state(key=)``, for an HMAC-SHA256 check.
+        like: a state the checkpoint must fit (param keys, shapes, dtypes, optimizer state,
+            secure mode); checked before the sampler is touched.
+        ignore_sampler: read a checkpoint that holds sampler state without a sampler, for
+            evaluation or inspection only; do not resume training from the result.
 
     Raises:
-        ValueError: the file is truncated, corrupted, not a vmapdp checkpoint, or of another
-            version; nothing is restored in that case (the sampler is left as it was).
+        ValueError: the file is truncated, corrupted, edited, not a vmapdp checkpoint, of another
+            version, keyed differently, holds sampler state that was not asked for (or none for
+            a given sampler), or does not fit ``like``; nothing is restored in that case (the
+            sampler is left as it was).
+        TypeError: ``key`` or ``like`` of the wrong type.
     """
     path = os.fspath(path)
     call = f"load_state({path!r})"
+    secret = _key_bytes(call, key)
+    with open(path, "rb") as f:
+        raw = f.read()
+    body = _verified_body(call, raw, secret)
     try:
         with _allowing(SAFE_GLOBALS):
-            payload = torch.load(path, map_location=map_location, weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as err:  # truncated, foreign, disallowed
+            payload = torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as err:  # a digest over a bad body
         raise ValueError(
-            f"{call}: not a complete vmapdp checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200]}). "
-            "The file is truncated or corrupted, or was not written by vmapdp.save_state; nothing was loaded."
+            f"{call}: not a readable vmapdp checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+            "its digest matches, so it was written that way (not by vmapdp.save_state); nothing was loaded."
         ) from err
-    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
-        raise ValueError(f"{call}: not a vmapdp checkpoint (no format marker {_FORMAT!r}).")
-    if payload.get("version") != _VERSION:
-        raise ValueError(f"{call}: checkpoint version {payload.get('version')!r} is not supported (expected {_VERSION}); upgrade vmapdp.")
-    missing = [k for k in ("params", "opt_state", "noise_seed", "step", "ledger", "sampler") if k not in payload]
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("version") != _VERSION:
+        raise ValueError(f"{call}: the body is not a version-{_VERSION} {_FORMAT!r} payload; nothing was loaded.")
+    missing = [k for k in _FIELDS if k not in payload]
     if missing:
         raise ValueError(f"{call}: the checkpoint lacks {missing}; nothing was loaded.")
     params = payload["params"]
     if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
         raise ValueError(f"{call}: 'params' is not a dict of tensors; nothing was loaded.")
-    if not isinstance(payload["step"], int) or payload["step"] < 0:
-        raise ValueError(f"{call}: 'step' must be an int >= 0, got {payload['step']!r}.")
+    if isinstance(payload["step"], bool) or not isinstance(payload["step"], int) or payload["step"] < 0:
+        raise ValueError(f"{call}: 'step' must be an int >= 0, got {payload['step']!r}; nothing was loaded.")
     ledger = Ledger.from_json(payload["ledger"])
     if ledger.steps != payload["step"]:
         raise ValueError(f"{call}: the ledger records {ledger.steps} steps but the state says {payload['step']}; the checkpoint is inconsistent.")
-    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger)
+    try:
+        budgets = tuple((float(e), float(d), str(a)) for e, d, a in payload["budgets"])
+        methods = tuple((str(k), str(m)) for k, m in payload["methods"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{call}: malformed 'budgets' or 'methods' ({err}); nothing was loaded.") from err
+    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods)
+    if like is not None:
+        _check_like(call, state, like)
+    saved = payload["sampler"]
+    holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None)
     if sampler is not None:
-        if payload["sampler"] is None:
-            raise ValueError(f"{call}: a sampler was given but the checkpoint holds no sampler state (save with sampler=...).")
-        sampler.load_state_dict(payload["sampler"])
+        if saved is None:
+            raise ValueError(f"{call}: a sampler was given but the checkpoint holds no sampler state (save with sampler=...); nothing was loaded.")
+        _restore_sampler(call, sampler, saved)
+    elif holds_sampler and not ignore_sampler:
+        raise ValueError(
+            f"{call}: the checkpoint holds the sampler's state (saved with sampler=) but no sampler was given: a run "
+            "resumed with a fresh sampler would draw new batches under the noise keys of the steps it repeats. Pass "
+            "sampler=PoissonSampler(...) made like the saved one (its state is restored), or ignore_sampler=True to "
+            "read the state for evaluation only; nothing was loaded."
+        )
     return state

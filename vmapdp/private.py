@@ -121,11 +121,18 @@ class PrivateTrainer:
         """Epsilon spent so far (at ``delta``, default the one given to make_private)."""
         return self.state.epsilon(self.delta if delta is None else delta, accountant=accountant)
 
-    def save(self, path: str) -> None:
-        save_state(path, self.state, sampler=self.sampler)
+    def save(self, path: str, *, key: bytes | str | None = None) -> None:
+        """Save the state and the sampler's state (see :func:`vmapdp.save_state`; ``key=`` for an HMAC)."""
+        save_state(path, self.state, sampler=self.sampler, key=key)
 
-    def load(self, path: str) -> None:
-        self.state = load_state(path, sampler=self.sampler)
+    def load(self, path: str, *, key: bytes | str | None = None) -> None:
+        """Load a checkpoint of this run, all or nothing: the file's digest, its fit to this model
+        and optimizer (every param's key, shape and dtype, the optimizer state) and the sampler's
+        state are all checked before the state, the sampler or the module is written. The budgets
+        recorded in the checkpoint stay enforced on top of this trainer's own."""
+        device = next(iter(self.state.params.values())).device
+        state = load_state(path, sampler=self.sampler, like=self.state, key=key, map_location=device)
+        self.state = state
         self._write_back()
 
 
@@ -254,7 +261,7 @@ def make_private(
         secure=secure,
         method=method,
     )
-    state = init_train_state(params, opt, seed=seed, secure=secure)
+    state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None)
     trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
     trainer._collate_fn = collate_fn
     return trainer

@@ -13,16 +13,21 @@ One logical step, in this fixed order::
 
 The tensor work of a chunk (norms, clipping, the masked sum) runs under
 ``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
-once. Noise is drawn outside the compiled graph, after aggregation, from a generator derived from
-``(state.noise_seed, state.step)``: the same state always gives the same step, and a run resumed
-from a checkpoint continues exactly as if it had not stopped (bit for bit with a named
-``method``; ``"auto"`` times its candidates again in the new process and may pick the other
-one, whose sums differ in rounding only).
+once. Noise is drawn outside the compiled graph, after aggregation, from a key derived from
+``(state.noise_seed, state.step)`` bound to the run (``state.run_id``, a digest of the initial
+params) and to the step's release-defining configuration (clip norm, noise multiplier, expected
+batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
+configuration always give the same step, and a run resumed from a checkpoint continues bit for
+bit as if it had not stopped: the method ``"auto"`` chose for each chunk shape is recorded in the
+state (``state.methods``) and replayed. A budget given to a step is recorded in the state
+(``state.budgets``) and enforced by every later step on it, whatever that step was given.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import math
 import secrets
 import types
 import warnings
@@ -40,11 +45,12 @@ from vmapdp.ghost import METHODS, _shape_key, auto_candidates, clipped_grad_sum,
 from vmapdp.noise import add_noise
 from vmapdp.precision import mixed_precision
 
-__all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded"]
+__all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
 
 class PrivacyBudgetExceeded(RuntimeError):
-    """The next step would take epsilon past the budget given to ``make_train_step``."""
+    """The next step would take epsilon past a budget: the one given to ``make_train_step`` or one
+    recorded in the state (``TrainState.budgets``, kept in checkpoints)."""
 
 
 class TrainState(NamedTuple):
@@ -55,10 +61,16 @@ class TrainState(NamedTuple):
     noise_seed: int | None  # secret seed of the noise (None: noise from the OS CSPRNG)
     step: int  # logical steps taken
     ledger: Ledger  # privacy events recorded so far
+    run_id: str = ""  # hex SHA-256 of the initial params (init_train_state); bound into every noise key
+    budgets: tuple[tuple[float, float, str], ...] = ()  # (epsilon, delta, accountant): every budget ever given, all enforced
+    methods: tuple[tuple[str, str], ...] = ()  # (chunk shape digest, method run): replayed on resume
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
-        return f"TrainState(params={{{len(self.params)} tensors}}, opt_state={type(self.opt_state).__name__}, noise_seed={seed}, step={self.step}, ledger={self.ledger!r})"
+        return (
+            f"TrainState(params={{{len(self.params)} tensors}}, opt_state={type(self.opt_state).__name__}, noise_seed={seed}, "
+            f"step={self.step}, ledger={self.ledger!r}, budgets={self.budgets!r}, methods={dict(self.methods)!r})"
+        )
 
     def epsilon(self, delta: float, *, accountant: str = "rdp") -> float:
         """Epsilon spent so far at ``delta`` (from the ledger; host-side float math)."""
@@ -73,7 +85,45 @@ def accountant_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
     return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
 
 
-def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | None = None, secure: bool = False) -> TrainState:
+def _check_budget(call: str, budget: Any, accountant: str) -> tuple[float, float, str] | None:
+    """``budget=(epsilon, delta)`` checked, as the state records it: ``(epsilon, delta, accountant)``."""
+    if budget is None:
+        return None
+    if not (isinstance(budget, tuple) and len(budget) == 2):
+        raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
+    eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
+    _checks.delta(call, budget[1], name="budget delta")
+    accountant = _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
+    return (eps, float(budget[1]), accountant)
+
+
+def _merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple[tuple[float, float, str], ...]:
+    """``budgets`` plus ``new``, keeping the smallest epsilon per (delta, accountant): the tightest of each."""
+    best: dict[tuple[float, str], float] = {}
+    for eps, delta, acc in budgets + ((new,) if new is not None else ()):
+        best[(delta, acc)] = min(eps, best.get((delta, acc), math.inf))
+    return tuple(sorted((eps, delta, acc) for (delta, acc), eps in best.items()))
+
+
+def params_digest(params: dict[str, Tensor]) -> str:
+    """Hex SHA-256 of a params dict: names (sorted), dtypes, shapes and bytes (the run id of a state)."""
+    h = hashlib.sha256(b"vmapdp-params:")
+    for k in sorted(params):
+        v = params[k].detach()
+        h.update(repr((k, str(v.dtype), tuple(v.shape))).encode())
+        h.update(v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    return h.hexdigest()
+
+
+def init_train_state(
+    params: dict[str, Tensor],
+    optimizer: Any,
+    *,
+    seed: int | None = None,
+    secure: bool = False,
+    budget: tuple[float, float] | None = None,
+    accountant: str = "rdp",
+) -> TrainState:
     """The state before the first step.
 
     Args:
@@ -82,11 +132,22 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
         optimizer: an init/update pair from :mod:`vmapdp.optim`.
         seed: the secret seed of the noise. Anyone who knows it can subtract the noise, so keep it
             as secret as the data, and large (a small int can be guessed; use it for tests and
-            reproducible experiments only); ``None`` draws 128 bits from OS entropy. Never reuse a
-            seed for two runs on different data: equal noise cancels in the difference of their
-            releases.
+            reproducible experiments only); ``None`` draws 128 bits from OS entropy. The noise key
+            of every step also binds the run id (a digest of ``params``) and the step's
+            configuration (:func:`noise_binding`), so re-using a seed across runs that differ in
+            their initial params, clip norm, noise multiplier, expected batch size, sample rate,
+            rule or method gives independent noise. What stays the caller's responsibility:
+            never reuse a seed for two runs with the same initial params and configuration on
+            different data (two fine-tunes from one checkpoint, or from one ``init_train_state``,
+            with the same hyperparameters): their noise is equal and cancels in the difference
+            of their releases. The optimizer's hyperparameters (learning rate, momentum) are not
+            bound. With ``seed=None`` every run has its own random seed and nothing is shared.
         secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
             such a state holds no seed (``seed`` must be None) and is not reproducible.
+        budget: ``(epsilon, delta)`` recorded in the state from the start: every step on it (or
+            on its descendants and checkpoints) raises :class:`PrivacyBudgetExceeded` rather than
+            spend past it, whatever budget the step itself was given (see ``make_train_step``).
+        accountant: the accountant ``budget`` is enforced with (``"rdp"`` or ``"pld"``).
     """
     call = "init_train_state(params, optimizer)"
     _checks.params_dict(call, params)
@@ -94,15 +155,67 @@ def init_train_state(params: dict[str, Tensor], optimizer: Any, *, seed: int | N
         raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
     if seed is not None:
         _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")
+    recorded = _check_budget(call, budget, accountant)
     if not secure and seed is None:
         seed = secrets.randbits(128)
     params = {k: v.detach().clone() for k, v in params.items()}
-    return TrainState(params=params, opt_state=optimizer.init(params), noise_seed=seed, step=0, ledger=Ledger())
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        noise_seed=seed,
+        step=0,
+        ledger=Ledger(),
+        run_id=params_digest(params),
+        budgets=_merge_budgets((), recorded),
+    )
 
 
-def _step_key(seed: int, step: int) -> bytes:
-    """The noise key of step ``step``: distinct for every (seed, step), hashed by add_noise(key=)."""
-    return f"vmapdp-noise:{seed}:{step}".encode()
+def step_config(
+    *,
+    l2_clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    sample_rate: float,
+    rule: str = "clip",
+    nonfinite: str = "zero",
+    randomness: str = "error",
+    method: str = "auto",
+) -> str:
+    """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
+    as asked for (``"auto"`` whatever it chooses)."""
+    fields = (
+        ("l2_clip_norm", float(l2_clip_norm).hex()),
+        ("noise_multiplier", float(noise_multiplier).hex()),
+        ("expected_batch_size", float(expected_batch_size).hex()),
+        ("sample_rate", float(sample_rate).hex()),
+        ("rule", rule),
+        ("nonfinite", nonfinite),
+        ("randomness", randomness),
+        ("method", method),
+    )
+    return repr(fields)
+
+
+def noise_binding(run_id: str, config: str) -> str:
+    """What a step's noise key binds besides ``(seed, step)``: the run (``state.run_id``) and the
+    step's configuration (:func:`step_config`). Hex SHA-256.
+
+    Execution details that change only rounding are left out, so that the runs they make can be
+    compared noise for noise: ``physical_batch_size``, ``compile``, ``distributed`` (a distributed
+    run equals one process), ``precision`` (a bf16 step tracks the float32 one) and what
+    ``"auto"`` chose.
+    """
+    return hashlib.sha256(b"vmapdp-noise-binding:" + repr((run_id, config)).encode()).hexdigest()
+
+
+def _step_key(seed: int, step: int, binding: str) -> bytes:
+    """The noise key of step ``step``: distinct for every (seed, step, binding), hashed by add_noise(key=)."""
+    return f"vmapdp-noise:v2:{seed}:{step}:{binding}".encode()
+
+
+def _shape_digest(key: tuple) -> str:
+    """A stable, serialisable name for a ghost ``_shape_key`` (kept in ``TrainState.methods``)."""
+    return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
 
 
 def _fresh_function(fn: Callable) -> Callable:
@@ -157,14 +270,20 @@ def make_train_step(
             ``"ghost"`` or ``"two_pass"``; all exact, they differ in speed and memory (see
             :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times ghost and vmap, each as it will
             run (compiled when ``compile``), on the first chunk of each shape and keeps the faster
-            (``step.chosen_methods``); the first step then compiles both.
+            (``step.chosen_methods``); the first step then compiles both. What each chunk shape
+            ran (named or chosen) is recorded in the new state (``state.methods``): a step on a
+            state that has a choice for the shape replays it without racing, so a resumed run
+            (``load_state``) is bit for bit the uninterrupted one.
         norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`.
         randomness: for random layers (dropout): ``"different"`` per sample; see
             :func:`vmapdp.per_sample_grads`.
         compile: run each chunk's tensor work under ``torch.compile(fullgraph=True)``.
         budget: ``(epsilon, delta)``: a step that would take epsilon past it raises
-            :class:`PrivacyBudgetExceeded` before computing anything.
+            :class:`PrivacyBudgetExceeded` before computing anything. It is recorded in the new
+            state (``state.budgets``, saved in checkpoints) and every budget a state holds is
+            enforced too: a step with a looser budget or none cannot spend past a budget the run
+            was ever given.
         accountant: the accountant for the budget check: ``"rdp"`` or ``"pld"`` (upper bounds;
             ``"gdp"`` is an approximation and is refused here).
         secure: draw the noise from the OS CSPRNG (the state must hold no seed).
@@ -199,11 +318,7 @@ def make_train_step(
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
     sample_rate = _checks.sample_rate(call, sample_rate)
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
-    if budget is not None:
-        if not (isinstance(budget, tuple) and len(budget) == 2):
-            raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
-        _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
-        _checks.delta(call, budget[1], name="budget delta")
+    own_budget = _check_budget(call, budget, accountant)
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
@@ -219,6 +334,16 @@ def make_train_step(
     else:
         event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
     noise_std = noise_multiplier * l2_clip_norm if noise_multiplier > 0 else 0.0
+    config = step_config(
+        l2_clip_norm=l2_clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        rule=rule,
+        nonfinite=nonfinite,
+        randomness=randomness,
+        method=method,
+    )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
     sum_fns = {
@@ -246,21 +371,40 @@ def make_train_step(
 
     run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
     chosen: dict[tuple, str] = {}  # "auto"'s method per chunk shape
+    digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
 
-    def method_for(params, shared, chunk, mask) -> str:
-        """The chunk's method; its plan made eagerly, once per shape, to keep the compiled graph free of it."""
+    def runner(name: str) -> Callable:
+        """The (compiled) chunk function of ``name``; made on first use for a method replayed from a state."""
+        if name not in run_chunk:
+            sum_fns[name] = clipped_grad_sum(
+                loss_fn, l2_clip_norm=l2_clip_norm, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
+            )
+            run_chunk[name] = chunk_fn(sum_fns[name])
+        return run_chunk[name]
+
+    def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
+        """The chunk's method and its shape digest; its plan made eagerly, once per shape, to keep
+        the compiled graph free of it. ``recorded``: the state's methods (replayed by "auto")."""
+        key = _shape_key((params, *shared, chunk))
+        if key not in digests:
+            digests[key] = _shape_digest(key)
+        digest = digests[key]
         if method != "auto":
             sum_fns[method].prepare(params, *shared, chunk)
-            return method
-        key = _shape_key((params, *shared, chunk))
-        if key not in chosen:  # (a later chunk of this shape finds ghost's plan made here)
-            plan = sum_fns["ghost"].prepare(params, *shared, chunk)
-            names = auto_candidates(plan, params, batch_size(chunk, call=call))
-            name = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
-            if distributed:  # every rank runs rank 0's choice (each timed its own rows)
-                name = names[_dist.broadcast_int(names.index(name))]
+            return method, digest
+        if key not in chosen:  # (a later chunk of this shape finds the plan made here)
+            if recorded.get(digest) in METHODS and recorded[digest] != "auto":  # replay the state's choice: no race
+                name = recorded[digest]
+                runner(name)
+                sum_fns[name].prepare(params, *shared, chunk)
+            else:
+                plan = sum_fns["ghost"].prepare(params, *shared, chunk)
+                names = auto_candidates(plan, params, batch_size(chunk, call=call))
+                name = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
+                if distributed:  # every rank runs rank 0's choice (each timed its own rows)
+                    name = names[_dist.broadcast_int(names.index(name))]
             chosen[key] = name
-        return chosen[key]
+        return chosen[key], digest
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
@@ -277,35 +421,41 @@ def make_train_step(
         device = next(iter(state.params.values())).device
         mask = mask.to(device)  # samplers make masks on the CPU
         new_ledger = state.ledger.append(event)
-        if budget is not None:
-            eps = accountant_epsilon(new_ledger, budget[1], accountant)
-            if eps > budget[0]:
+        budgets = _merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
+        for b_eps, b_delta, b_accountant in budgets:
+            eps = accountant_epsilon(new_ledger, b_delta, b_accountant)
+            if eps > b_eps:
+                whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
                 raise PrivacyBudgetExceeded(
-                    f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {budget[0]:g} "
-                    f"(delta={budget[1]:g}, {accountant}). Training stops here; the state is unchanged."
+                    f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "
+                    f"(delta={b_delta:g}, {b_accountant}; the budget {whose}). Training stops here; the state is unchanged."
                 )
         size = physical_batch_size or max(n, 1)
         if n % size:
             raise ValueError(f"{scall}: the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
         summed, stats = None, None
+        recorded = dict(state.methods)
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             chunk_mask = mask[start : start + size]
-            with full_float32(device.type):  # no TF32 on CUDA: the norm/sum margins assume float32
-                s, st = run_chunk[method_for(state.params, shared, chunk, chunk_mask)](state.params, chunk_mask, shared, chunk)
+            with full_float32(device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
+                name, digest = method_for(recorded, state.params, shared, chunk, chunk_mask)
+                s, st = runner(name)(state.params, chunk_mask, shared, chunk)
+            recorded[digest] = name
             summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
             stats = st if stats is None else stats + st
         if summed is None:  # an empty batch: the step still releases noise
             summed = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
             stats = torch.zeros(5, device=device)
+        binding = noise_binding(state.run_id, config)
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
-            summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step))
+            summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 draws, every rank gets its noisy sum
             noisy = _dist.broadcast_tree(add_noise(summed, noise_std, secure=True) if _dist.rank() == 0 else summed, src=0)
         elif secure:
             noisy = add_noise(summed, noise_std, secure=True)
         else:
-            noisy = add_noise(summed, noise_std, key=_step_key(state.noise_seed, state.step))
+            noisy = add_noise(summed, noise_std, key=_step_key(state.noise_seed, state.step, binding))
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
         real = stats[1].clamp_min(1.0)
@@ -316,7 +466,8 @@ def make_train_step(
             "mean_grad_norm": stats[3] / real,
             "nonfinite": stats[4],
         }
-        return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger), metrics
+        new_methods = tuple(sorted(recorded.items()))
+        return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger, state.run_id, budgets, new_methods), metrics
 
     step.chosen_methods = chosen  # type: ignore[attr-defined]
     return step

@@ -1,0 +1,251 @@
+"""Checkpoints: complete, verified (every flipped bit, truncation and edited field refused), all or nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp import optim
+from vmapdp.data import PoissonSampler, gather
+from vmapdp.optim import SAFE_GLOBALS
+
+N, Q = 40, 0.2
+KEY = b"a-secret-checkpoint-key-of-32-by"
+
+
+def problem():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    apply, params, buffers = vmapdp.functionalize(model)
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return params, buffers, data, loss_fn
+
+
+def sampler(key=b"sampler-key"):
+    return PoissonSampler(N, Q, 2, key=key)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A small state after two steps: with a sampler, a ledger, a budget and a recorded method."""
+    params, buffers, data, loss_fn = problem()
+    opt = optim.adam(1e-2)
+    step = vmapdp.make_train_step(
+        loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=N * Q, sample_rate=Q, compile=False, method="ghost", budget=(50.0, 1e-5)
+    )
+    s = sampler()
+    state = vmapdp.init_train_state(params, opt, seed=7)
+    for indices, mask in s:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    path = tmp_path_factory.mktemp("ckpt") / "s.pt"
+    vmapdp.save_state(path, state, sampler=s)
+    return path, state, s.state_dict(), step, (buffers, data)
+
+
+def split(raw: bytes) -> tuple[bytes, bytes, bytes]:
+    end = raw.index(b"\n") + 1
+    return raw[:end], raw[end : end + 32], raw[end + 32 :]
+
+
+def edited(raw: bytes, change, *, rehash: bool = False) -> bytes:
+    """The file with one field changed in its body (the digest kept, or naively re-computed)."""
+    header, digest, body = split(raw)
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        payload = torch.load(io.BytesIO(body), weights_only=True)
+    change(payload)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    body = buf.getvalue()
+    if rehash:
+        digest = hashlib.sha256(header + body).digest()
+    return header + digest + body
+
+
+def _ledger_sigma(p):
+    ledger = json.loads(p["ledger"])
+    ledger["events"][0]["noise_multiplier"] = 190.0  # would under-report epsilon
+    p["ledger"] = json.dumps(ledger)
+
+
+def _weight(p):
+    p["params"]["0.weight"][0, 0] += 1e-3
+
+
+EDITS = {
+    "ledger noise_multiplier": _ledger_sigma,
+    "step": lambda p: p.update(step=p["step"] + 1),
+    "seed": lambda p: p.update(noise_seed=p["noise_seed"] + 1),
+    "weight element": _weight,
+    "budget": lambda p: p.update(budgets=[[1e9, 1e-5, "rdp"]]),
+    "budget removed": lambda p: p.update(budgets=[]),
+    "sampler draws": lambda p: p["sampler"].update(draws=0),
+    "run id": lambda p: p.update(run_id="0" * 64),
+    "methods": lambda p: p.update(methods=[[k, "vmap"] for k, _ in p["methods"]]),
+}
+
+
+def test_round_trip_keeps_every_field_and_steps_like_the_original(saved, tmp_path):
+    path, state, sampler_state, step, (buffers, data) = saved
+    s = sampler(key=b"overwritten-by-load")
+    loaded = vmapdp.load_state(path, sampler=s)
+    assert s.state_dict() == sampler_state
+    assert loaded.step == 2 and loaded.noise_seed == 7 and loaded.ledger == state.ledger
+    assert loaded.run_id == state.run_id and len(loaded.run_id) == 64
+    assert loaded.budgets == state.budgets == ((50.0, 1e-5, "rdp"),)
+    assert loaded.methods == state.methods and {m for _, m in loaded.methods} == {"ghost"}
+    assert torch.equal(loaded.opt_state.exp_avg["0.weight"], state.opt_state.exp_avg["0.weight"])
+    batch, mask = gather(data, torch.arange(8)), torch.ones(8, dtype=torch.bool)
+    a, _ = step(state, batch, mask, buffers)
+    b, _ = step(loaded, batch, mask, buffers)
+    assert all(torch.equal(a.params[k], b.params[k]) for k in state.params)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".vmapdp-")] == []  # no temp files left
+
+
+def test_foreign_and_old_files_are_refused(saved, tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"not a vmapdp checkpoint: the file does not start with the header .*plain torch.save file"):
+        vmapdp.load_state(tmp_path / "other.pt")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"not a vmapdp checkpoint"):
+        vmapdp.load_state(tmp_path / "empty.pt")
+
+
+def _refused(path, *, key=None, match=r"integrity check failed|not a (complete )?vmapdp checkpoint|not supported|unknown digest|saved with key="):
+    s = sampler(key=b"the-callers-own-sampler")
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=match):
+        vmapdp.load_state(path, sampler=s, key=key)
+    assert s.state_dict() == before  # a failed load leaves the sampler as it was
+
+
+def test_fuzz_every_single_bit_flip_and_truncation_is_refused(saved, tmp_path):
+    path, *_ = saved
+    raw = path.read_bytes()
+    header, _, _ = split(raw)
+    rng = random.Random(0)
+    # every bit of the header and digest, then 300 seeded random bits across the whole file
+    offsets = [(i, b) for i in range(len(header) + 32) for b in range(8)]
+    offsets += [(rng.randrange(len(raw)), rng.randrange(8)) for _ in range(300)]
+    bad = tmp_path / "bad.pt"
+    for i, bit in offsets:
+        flipped = bytearray(raw)
+        flipped[i] ^= 1 << bit
+        bad.write_bytes(bytes(flipped))
+        _refused(bad)
+    for cut in (0, 1, len(header) - 1, len(header), len(header) + 31, len(header) + 32, len(header) + 100, len(raw) // 2, len(raw) - 1):
+        bad.write_bytes(raw[:cut])
+        _refused(bad)
+    bad.write_bytes(raw + b"\0")  # an appended byte too
+    _refused(bad)
+
+
+@pytest.mark.parametrize("field", list(EDITS))
+def test_every_field_edited_in_place_is_refused(saved, tmp_path, field):
+    path, *_ = saved
+    bad = tmp_path / "edited.pt"
+    raw = path.read_bytes()
+    bad.write_bytes(edited(raw, EDITS[field]))
+    assert bad.read_bytes() != raw  # the edit changed something
+    _refused(bad, match=r"integrity check failed: the SHA-256 stored in the file does not match")
+
+
+def test_a_keyed_checkpoint_refuses_a_forger_who_recomputes_the_hash(saved, tmp_path):
+    path, state, _, _, _ = saved
+    s = sampler()
+    keyed = tmp_path / "keyed.pt"
+    vmapdp.save_state(keyed, state, sampler=s, key=KEY)
+    assert vmapdp.load_state(keyed, sampler=sampler(), key=KEY).step == 2
+    forged = tmp_path / "forged.pt"
+    # the documented limit of a plain SHA-256: a forger who re-computes it is not detected ...
+    forged.write_bytes(edited(path.read_bytes(), _ledger_sigma, rehash=True))
+    assert vmapdp.load_state(forged, sampler=sampler()).ledger.events[0].noise_multiplier == 190.0
+    # ... a keyed checkpoint is: re-hashing with SHA-256, or with the wrong key, does not pass
+    _refused(forged, key=KEY, match=r"key= was given but the checkpoint carries a plain SHA-256")
+    forged.write_bytes(edited(keyed.read_bytes(), _ledger_sigma))
+    _refused(forged, key=KEY, match=r"integrity check failed: the HMAC-SHA256 under this key")
+    _refused(keyed, key=b"another-key-another-key-another-", match=r"integrity check failed.*or the key is wrong")
+    _refused(keyed, match=r"saved with key= .* pass the same key=")
+    with pytest.raises(TypeError, match=r"key must be bytes or str"):
+        vmapdp.load_state(keyed, key=123)
+    with pytest.raises(ValueError, match=r"key has 3 bytes; use at least 16"):
+        vmapdp.save_state(keyed, state, key=b"abc")
+
+
+def test_sampler_state_is_restored_or_the_load_refused(saved, tmp_path):
+    path, state, sampler_state, _, _ = saved
+    with pytest.raises(ValueError, match=r"holds the sampler's state .* but no sampler was given.*Pass sampler=PoissonSampler"):
+        vmapdp.load_state(path)
+    assert vmapdp.load_state(path, ignore_sampler=True).step == 2  # for evaluation only
+    bare = tmp_path / "bare.pt"
+    vmapdp.save_state(bare, state)
+    _refused(bare, match=r"a sampler was given but the checkpoint holds no sampler state")
+    assert vmapdp.load_state(bare).step == 2
+    secure = tmp_path / "secure.pt"  # a secure sampler has no state to lose: nothing to pass
+    vmapdp.save_state(secure, state, sampler=PoissonSampler(N, Q, secure=True))
+    assert vmapdp.load_state(secure).step == 2
+    seeded = PoissonSampler(N, Q, generator=torch.Generator().manual_seed(0))
+    before = seeded.state_dict()
+    with pytest.raises(ValueError, match=r"comes from a keyed sampler"):
+        vmapdp.load_state(path, sampler=seeded)
+    assert torch.equal(seeded.state_dict()["generator"], before["generator"])
+
+
+def test_like_refuses_another_models_checkpoint_before_touching_the_sampler(saved, tmp_path):
+    path, state, _, _, _ = saved
+    other = dict(state.params, **{"2.weight": torch.zeros(5, 4)})
+    like = vmapdp.init_train_state(other, optim.adam(1e-2), seed=1)
+    s = sampler(key=b"untouched")
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=r"params\['2.weight'\] is \(3, 4\) torch.float32 in the file, expected \(5, 4\) torch.float32"):
+        vmapdp.load_state(path, sampler=s, like=like)
+    assert s.state_dict() == before
+    sgd_like = vmapdp.init_train_state(state.params, optim.sgd(0.1), seed=1)
+    with pytest.raises(ValueError, match=r"optimizer state \(AdamState\) does not fit this run's \(SGDState\)"):
+        vmapdp.load_state(path, sampler=s, like=sgd_like)
+    assert vmapdp.load_state(path, sampler=s, like=vmapdp.init_train_state(state.params, optim.adam(1e-2), seed=1)).step == 2
+
+
+def test_a_trainer_refusing_a_damaged_checkpoint_keeps_its_module_state_and_sampler(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 5, generator=g)
+    ds = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, target_epsilon=5.0, epochs=2, delta=1e-3, seed=0, compile=False)
+    next(trainer.train_epoch())
+    path = tmp_path / "t.pt"
+    trainer.save(str(path))
+    next(trainer.train_epoch())  # the trainer moves on: a good load would move it back
+    raw = path.read_bytes()
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    state, sampler_state = trainer.state, trainer.sampler.state_dict()
+    rng = random.Random(1)
+    damaged = [edited(raw, _ledger_sigma), edited(raw, lambda p: p.update(budgets=[])), raw[: len(raw) - 7]]
+    assert len(set(damaged)) == 3 and raw not in damaged
+    for _ in range(50):
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        damaged.append(bytes(flipped))
+    for content in damaged:
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=r"integrity check failed|not a (complete )?vmapdp checkpoint|not supported|unknown digest"):
+            trainer.load(str(path))
+        assert trainer.state is state and trainer.sampler.state_dict() == sampler_state
+        assert all(torch.equal(m.state_dict()[k], v) for k, v in weights.items())
+    path.write_bytes(raw)
+    trainer.load(str(path))
+    assert trainer.state.step == 1 and all(torch.equal(p.detach(), trainer.state.params[k]) for k, p in m.named_parameters())
