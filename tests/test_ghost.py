@@ -521,8 +521,10 @@ def test_merged_uses_compile_with_fullgraph(name):
     _assert_close(got[0], got[1], want[0], want[1], rtol=1e-5)
 
 
-def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
-    """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA."""
+def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it(monkeypatch):
+    """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA. The
+    legacy allow_tf32 flags are used only on a torch without the fp32_precision API."""
+    monkeypatch.setattr(ghost, "_fp32_precision_flags", lambda: [])  # a torch < 2.9
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
@@ -534,6 +536,32 @@ def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
         assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def test_full_float32_uses_the_fp32_precision_api_when_torch_has_it():
+    """TF32 set through torch's fp32_precision API (torch >= 2.9): writing or reading the legacy
+    allow_tf32 flags then raises in torch, which made every step fail. The guard sets and restores
+    fp32_precision only (the attributes exist on CPU builds too)."""
+    b = torch.backends
+    objs = [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn]
+    assert ghost._fp32_precision_flags() == objs  # torch 2.13 has the API
+    saved = [o.fp32_precision for o in objs]
+    try:
+        for o in objs:
+            o.fp32_precision = "tf32"
+        with pytest.raises(KeyError), ghost.full_float32("cuda"):
+            assert [o.fp32_precision for o in objs] == ["ieee"] * 3
+            raise KeyError
+        assert [o.fp32_precision for o in objs] == ["tf32"] * 3
+        b.cuda.matmul.fp32_precision = "none"  # inherit: restored as it was
+        with ghost.full_float32("cuda"):
+            assert b.cuda.matmul.fp32_precision == "ieee"
+        assert b.cuda.matmul.fp32_precision == "none"
+        with ghost.full_float32("cpu"):
+            assert b.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        for o, v in zip(objs, saved):
+            o.fp32_precision = v
 
 
 def test_auto_vmap_budget_is_inclusive_and_the_race_leaves_the_rng_alone(monkeypatch):

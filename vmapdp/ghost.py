@@ -63,6 +63,7 @@ from torch.func import vjp, vmap
 from torch.overrides import TorchFunctionMode
 
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp.errors import UnsupportedModuleError
 from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, _weighted_sum, clip_and_sum, clip_factors, grad_norms
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
@@ -104,6 +105,24 @@ class _Plan:
     sites: list[_Site] = field(default_factory=list)
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
+    # ops whose *batched* backward mixes the samples of a batch (two_pass refuses them; see
+    # _COUPLING) and the reduced-precision dtypes the forward computed in (two_pass refuses them)
+    coupled: list[str] = field(default_factory=list)
+    low_precision: list[str] = field(default_factory=list)
+
+
+# Ops whose backward, run once over a whole batch (method="two_pass": one batched backward of the
+# weighted losses), is not the sum of the samples' own backwards: the op's batching rule merges
+# the batch into the op's own index set and the backward then counts over all of it.
+# scale_grad_by_freq divides each token's gradient by its frequency in the *batch* (measured: 1.9 C
+# of sensitivity). Per-sample methods (vmap, ghost) differentiate each sample on its own.
+_COUPLING = {
+    F.embedding: (5, "scale_grad_by_freq", "F.embedding(scale_grad_by_freq=True) (nn.Embedding(scale_grad_by_freq=True))"),
+    F.embedding_bag: (5, "scale_grad_by_freq", "F.embedding_bag(scale_grad_by_freq=True) (nn.EmbeddingBag(scale_grad_by_freq=True))"),
+    torch.embedding: (3, "scale_grad_by_freq", "torch.embedding(scale_grad_by_freq=True)"),
+    torch.embedding_bag: (3, "scale_grad_by_freq", "torch.embedding_bag(scale_grad_by_freq=True)"),
+}
+_LOW = (torch.bfloat16, torch.float16)
 
 
 # The run in progress (a stack, for nesting); a module-level list keeps the mode itself stateless,
@@ -238,8 +257,44 @@ class _Run:
             raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
         return out
 
+    # -- what the probe refuses or records -------------------------------------------------------
+    def _inspect(self, func, args: tuple, kwargs: dict) -> None:
+        """Probe only: refuse what ghost clipping cannot run, record what two_pass cannot."""
+        if isinstance(kwargs.get("out"), Tensor):
+            raise UnsupportedModuleError(
+                f"ghost clipping: the model calls {getattr(func, '__name__', func)}(..., out=...), writing into a "
+                "tensor in place during the forward (torch.nn.utils.spectral_norm and "
+                "torch.nn.utils.parametrizations.spectral_norm do so in their power iteration); expected "
+                "out-of-place ops, because the forward is mapped over the batch. Remove the spectral norm "
+                "(or apply it outside the loss), or use method='vmap'."
+            )
+        if func in (F.embedding, F.embedding_bag) and _arg(args, kwargs, 3, "max_norm") is not None:
+            raise UnsupportedModuleError(
+                f"ghost clipping: an embedding with max_norm={_arg(args, kwargs, 3, 'max_norm')!r} "
+                "(nn.Embedding(max_norm=...)) renormalises the rows of its weight in place during the forward, "
+                "from the tokens of the whole batch; expected max_norm=None. Renormalise out of place in the "
+                "model (w = w * (max_norm / w.norm(dim=1, keepdim=True)).clamp(max=1)) or drop max_norm."
+            )
+        if func in _COUPLING:
+            i, name, what = _COUPLING[func]
+            if _arg(args, kwargs, i, name, False) and what not in self.plan.coupled:
+                self.plan.coupled.append(what)
+
+    def _record_dtypes(self, out: Any) -> None:
+        for leaf in optree.tree_leaves(out, namespace="torch"):
+            if isinstance(leaf, Tensor) and leaf.dtype in _LOW and str(leaf.dtype) not in self.plan.low_precision:
+                self.plan.low_precision.append(str(leaf.dtype))
+
     # -- the interception ----------------------------------------------------------------------
     def call(self, func, args: tuple, kwargs: dict) -> Any:
+        if self.probe:
+            self._inspect(func, args, kwargs)
+            out = self._call(func, args, kwargs)
+            self._record_dtypes(out)
+            return out
+        return self._call(func, args, kwargs)
+
+    def _call(self, func, args: tuple, kwargs: dict) -> Any:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
             out = func(*args, **kwargs)
             if isinstance(out, Tensor) and out is not args[0]:
@@ -249,6 +304,8 @@ class _Run:
         cand = self._candidate(func, args, kwargs)
         if cand is None:
             keys = self._keys_in((args, kwargs))
+            if func is F.embedding and _arg(args, kwargs, 2, "padding_idx") is not None:
+                func, args, kwargs = _embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
         kind, wk, bk, meta = cand
         keys = {wk} | ({bk} if bk else set())
@@ -267,6 +324,8 @@ class _Run:
         if index >= len(self.plan.candidates):
             raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
         if not self.plan.candidates[index]:
+            if func is F.embedding and _arg(args, kwargs, 2, "padding_idx") is not None:
+                func, args, kwargs = _embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys)
         out = func(*args, **kwargs)
         if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != _Site(kind, wk, bk, tuple(out.shape), out.dtype, meta):
@@ -280,6 +339,20 @@ class _Run:
             self.versions.append(_version_of(x))
         self.saved.append(x)
         return out + tap
+
+
+def _embedding_with_padding(embedding: Callable, input: Tensor, weight: Tensor, padding_idx: int | None = None, *rest: Any, **kwargs: Any) -> Tensor:
+    """``F.embedding(input, weight, padding_idx, ...)`` with the padding rows' gradient zeroed by a
+    ``where`` instead of by the op: torch's batching rule for the embedding backward zeroes the
+    padding row of the first sample only when the weight is batched (ghost's per-sample views, an
+    embedding inside a vmap), so half the gradients were wrong. The forward is the same (padding
+    only changes the gradient); the gradient equals the op's for every sample."""
+    kwargs = dict(kwargs)
+    kwargs.pop("padding_idx", None)
+    if padding_idx < 0:
+        padding_idx += weight.shape[0]
+    out = embedding(input, weight, None, *rest, **kwargs)
+    return torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
 
 
 def _version_of(x: Tensor) -> tuple[Tensor, int]:
@@ -300,8 +373,17 @@ def _run_loss(run: _Run, loss_fn: Callable, params: dict[str, Tensor], shared: t
         _ACTIVE.pop()
 
 
+def _rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The global RNGs (CPU and ``device``'s) restored on exit: random layers (dropout) then draw
+    in the real run as if what ran inside (the probe, auto's race) had never run."""
+    accelerator = device.type != "cpu"
+    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None)
+
+
 def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> _Plan:
-    """Run the loss on one sample to learn which ops see which params (shapes only matter)."""
+    """Run the loss on one sample to learn which ops see which params (shapes only matter).
+
+    The global RNGs are restored afterwards (the probe's dropout draws are not the step's)."""
     one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
 
     run = _Run(params, None, [], {})
@@ -310,7 +392,7 @@ def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: A
         run.level = torch._C._functorch.maybe_get_level(optree.tree_leaves(sample, namespace="torch")[0])
         return _run_loss(run, loss_fn, params, shared, sample)
 
-    with torch.no_grad():
+    with torch.no_grad(), _rng_kept(next(iter(params.values())).device):
         vmap(fwd, randomness=randomness)(one)
     run.plan.other = sorted(run.other)
     return run.plan
@@ -666,13 +748,39 @@ def _per_sample(use: _Use) -> Tensor:
     return out.scatter_add(1, tok.unsqueeze(-1).expand_as(g), g).reshape((b,) + use.shape)
 
 
-def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
-    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping).
+def _sum_dtype(uses: list[_Use], other: bool, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the book-keeping sum of one param is accumulated in (see :func:`_weighted`).
+
+    One matmul (conv backward, index_add) adds the ``T`` terms ``w_i u_it v_it^T`` of *every*
+    sample ``i``; its rounding is ``<= gamma_N sum_i w_i M_i`` (``N = B T`` terms, ``M_i = sum_t
+    |u_it| |v_it|`` the mass). The margin only bounds ``w_i M_i`` by ``C / (2 (T + 2) eps)``: a
+    sample whose terms cancel (huge mass, small norm) is clipped within its own rounding, yet in
+    float32 it quantises the *other* samples' partial sums (measured: the neighbour difference
+    reached 1.016 C). Accumulated in float64 that cross-talk is ``<= gamma64_N * B * C / (2 T
+    eps32) ~ B**2 * 2**-30 * C`` (1.5e-5 C at B = 128). With ``T = 1`` and no other uses a term is
+    the sample's whole grad (``w_i M_i = ||w_i G_i|| <= C``: nothing can cancel), and the float32
+    sum's rounding ``gamma_B * B * C`` is the same as :func:`vmapdp.clip_and_sum`'s: it stays in
+    float32. A param with per-sample-view uses too (whose grads may cancel against the covered
+    ones) is summed in float64 as a whole."""
+    if dtype != torch.float32:
+        return dtype  # float64 stays float64
+    if other or any(u.t > 1 for u in uses):
+        return torch.float64
+    return dtype
+
+
+def _weighted(use: _Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping), accumulated in
+    ``dtype`` (default the use's; see :func:`_sum_dtype`).
 
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
     is NaN.
     """
     u, v = use.u, use.v
+    if dtype is not None and dtype != u.dtype:
+        u = u.to(dtype)
+        if use.kind != "embedding":
+            v = v.to(dtype)
     if keep is not None:
         u = torch.where(rows(keep, u), u, 0.0)
         if use.kind != "embedding":
@@ -850,15 +958,21 @@ def ghost_norms_and_sum(
     # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
     zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
-    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or k in other_grads}
+    # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
+    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
     summed = _weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
     for key, p in params.items():
-        if key in kept:  # every use of it (and its other uses) is in the kept per-sample grads
+        if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
             continue
-        total = summed.get(key, torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device))
+        dtype = acc_dtype(p.dtype)
+        wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
+        total = torch.zeros(p.shape, dtype=wide, device=device)
+        if key in other_grads:
+            other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
+            total = total + _weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
-            total = total + _weighted(use, w, zero)
-        summed[key] = total
+            total = total + _weighted(use, w, zero, wide)
+        summed[key] = total.to(dtype)
     return norms, {k: summed[k] for k in params}, losses
 
 
@@ -917,8 +1031,7 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     if len(runs) == 1:
         return next(iter(runs))
     runs = dict(runs)
-    accelerator = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None):
+    with _rng_kept(device):
         for name in list(runs):
             try:
                 runs[name]()
@@ -959,12 +1072,52 @@ def full_float32(device_type: str):
     if device_type != "cuda":
         yield
         return
+    flags = _fp32_precision_flags()
+    if flags:
+        # torch >= 2.9: fp32_precision, the only API to touch (reading or writing the legacy
+        # allow_tf32 flags after TF32 was set through it raises)
+        saved = [getattr(obj, "fp32_precision") for obj in flags]
+        try:
+            for obj in flags:
+                obj.fp32_precision = "ieee"
+            yield
+        finally:
+            for obj, value in zip(flags, saved):
+                obj.fp32_precision = value
+        return
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def _fp32_precision_flags() -> list[Any]:
+    """The backends whose float32 precision ``full_float32`` sets through torch's fp32_precision API
+    (cuBLAS matmuls, cuDNN convs and RNNs), or [] on a torch without it (before 2.9)."""
+    cudnn = torch.backends.cudnn
+    objs = [torch.backends.cuda.matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    return objs if all(o is not None and hasattr(o, "fp32_precision") for o in objs) else []
+
+
+def _two_pass_refusal(call: str, coupled: list[str], low: list[str]) -> Exception:
+    """Why ``method="two_pass"`` cannot bound a sample's contribution for this loss."""
+    if low:
+        return UnsupportedModuleError(
+            f"{call}: method='two_pass' with a forward computing in {', '.join(low)} (mixed_precision, "
+            "make_train_step(precision=...), or casts in loss_fn): expected float32 or float64 compute. "
+            "two_pass takes the norms from per-sample backwards but the clipped sum from one batched "
+            "backward, whose low-precision rounding is relative to the whole batch's total (measured: one "
+            "benign sample moved the update by 32 C), so the clipping bound does not hold. Use "
+            "method='ghost' or 'vmap' (norm and sum from the same per-sample numbers), or float32."
+        )
+    return UnsupportedModuleError(
+        f"{call}: method='two_pass' with {', '.join(coupled)}: expected ops whose batched backward is the "
+        "sum of the samples' own backwards. This one's backward couples the samples of the batch (token "
+        "frequencies are counted over the whole batch), so the clipped sum is not the sum of the clipped "
+        "per-sample gradients (measured: 1.9 C of sensitivity). Use method='ghost' or 'vmap'."
+    )
 
 
 def clipped_grad_sum(
@@ -1024,6 +1177,9 @@ def clipped_grad_sum(
             "different masks for the norms and for the weighted backward, and the clipping bound would "
             "not hold. Use method='ghost' or 'vmap' (one forward) with randomness='different'."
         )
+    precision = getattr(loss_fn, "_vmapdp_precision", None)
+    if method == "two_pass" and precision in _LOW:
+        raise _two_pass_refusal(call, [], [str(precision)])
     grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
     plans: dict[tuple, _Plan] = {}
     chosen: dict[tuple, str] = {}  # "auto"'s choice per input shape
@@ -1086,7 +1242,7 @@ def clipped_grad_sum(
         return summed, norms, losses
 
     def planned(args: tuple) -> tuple[tuple, _Plan | None]:
-        if method in ("vmap", "two_pass") or batch_size(args[-1], call=call) == 0:
+        if method == "vmap" or batch_size(args[-1], call=call) == 0:
             return (), None
         key = _shape_key(args)
         plan = plans.get(key)
@@ -1095,6 +1251,8 @@ def clipped_grad_sum(
                 plan = _probe(loss_fn, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
             except RuntimeError as err:
                 raise _explain_runtime_error(call, err) from err
+            if method == "two_pass" and (plan.coupled or plan.low_precision):
+                raise _two_pass_refusal(call, plan.coupled, plan.low_precision)  # (the plan is not kept: every call refuses)
             plans[key] = plan
         return key, plan
 
@@ -1124,9 +1282,9 @@ def clipped_grad_sum(
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
         eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
+            key, plan = planned(args)  # (two_pass: the probe refuses ops it cannot bound)
             if method == "two_pass":
                 return by_two_pass(params, shared, batch, mask)
-            key, plan = planned(args)
             if method == "auto" and choose(key, plan, params, shared, batch, mask) == "vmap":
                 return by_vmap(params, shared, batch, mask)
             return by_ghost(params, shared, batch, mask, plan)
