@@ -323,9 +323,20 @@ def test_train_step_methods_agree(method):
     torch.testing.assert_close(states[method][1]["mean_grad_norm"], states["vmap"][1]["mean_grad_norm"], rtol=1e-4, atol=0)
 
 
-def test_two_pass_refuses_random_layers():
-    with pytest.raises(ValueError, match=r"two_pass.*different masks"):
-        vmapdp.clipped_grad_sum(lambda p, s: p["w"].sum(), l2_clip_norm=1.0, method="two_pass", randomness="different")
+def test_two_pass_runs_random_layers_once_per_sample():
+    """two_pass sums the very per-sample grads it clipped, so a random layer (dropout) draws once per
+    sample: with a forked RNG it equals vmap's clipped sum in one chunk."""
+    params, buffers, batch, loss_fn = _case("linear")
+
+    def dropout_loss(p, b, sample):
+        x, y = sample
+        return loss_fn(p, b, (F.dropout(x, 0.5, training=True), y))
+
+    sums = []
+    for method in ("vmap", "two_pass"):
+        torch.manual_seed(0)
+        sums.append(vmapdp.clipped_grad_sum(dropout_loss, l2_clip_norm=C, method=method, randomness="different")(params, buffers, batch, mask=MASK))
+    _assert_close(sums[1][0], sums[1][1], sums[0][0], sums[0][1], rtol=1e-12)
 
 
 def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():

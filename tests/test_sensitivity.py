@@ -15,14 +15,17 @@ method x precision x a small model zoo x crafted adversarial samples:
 * bfloat16 compute (``vmapdp.mixed_precision``, what ``make_train_step(precision=)`` uses).
 
 ``D - {i}`` is the same batch with ``mask[i] = False`` (shapes stay static, as in training).
-Combinations a method cannot bound must be refused with its error (asserted), never run.
+No combination is refused today: two_pass, which took its sum from one batched backward (32 C in
+bfloat16, 1.015 C next to a cancelling sample in float32, coupled samples with scale_grad_by_freq),
+now sums the clipped per-sample grads, as vmap does.
 
-Tolerance: ``TOL = 1e-3`` relative to ``C``. What float32 rounding can legitimately add to the
+Tolerance: ``TOL = 1e-4`` relative to ``C``. What float32 rounding can legitimately add to the
 difference at B = 8: the float32 weighted sum over the batch (``clip_and_sum``'s, and ghost's for
 one-term uses) at most ``2 gamma_B * B * C ~ 8e-6 C``; ghost's float64 book-keeping
 ``~ B**2 * 2**-30 C ~ 6e-8 C``; each clipped contribution ``C (1 + ~1e-6)``; the float32 rounding
-of the released sums ``~ 2 eps * ||sum|| ~ 1e-6 C``. 1e-3 is over 100x that, and far below
-the holes this file was written to catch (0.1 C to 32 C).
+of the released sums ``~ 2 eps * ||sum|| ~ 1e-6 C``. 1e-4 is over 10x that worst case (measured
+here: at most 1 + 4e-7), and below what a float32 book-keeping sum let one crafted sample add in
+this tiny model (up to 1 + 2.2e-3; 1.016 C in the reviewer's larger one).
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ from vmapdp import ghost
 B = 8
 C = 0.05  # below the benign per-sample norms: clipping is active for (nearly) every sample
 SMALL_C = {"embedding_scale_grad_by_freq": 0.002}  # (only the embedding trains there: small norms)
-TOL = 1e-3
-CRAFTED = [0, 2]  # the rows _floats crafts with huge cancelling terms
-CANCELLING = {"sequence_linear", "conv_grouped", "conv_patches", "layernorm", "groupnorm", "lstm", "mlp"}
-TWO_PASS_CANCELLING_TOL = 1e-2
+TOL = 1e-4
+CRAFTED = [4, 6]  # the rows _floats crafts with huge cancelling terms
 METHODS = ["vmap", "ghost", "two_pass", "auto"]
 PRECISIONS = [None, torch.bfloat16]
 
@@ -91,27 +92,31 @@ class LastStep(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
-def _alternating(shape, g, big=1e6):
-    """``big`` with alternating signs over the first dim (rows cancel in pairs) plus O(1) noise."""
-    sign = torch.ones(shape[0])
-    sign[1::2] = -1
+def _alternating(shape, g, big=1e7):
+    """``big`` with the sign pattern + + + - - - over the first dim plus O(1) noise: the huge terms
+    cancel, but only after the partial sums peaked at 3 ``big`` (where they absorb the low bits of
+    what other samples added before)."""
+    t = shape[0]
+    sign = torch.ones(t)
+    sign[t // 2 :] = -1
     return big * sign.view((-1,) + (1,) * (len(shape) - 1)) * torch.randn(shape[1:], generator=g) + torch.randn(shape, generator=g)
 
 
 def _checkerboard(shape, g, big=1e6):
-    """``big`` with checkerboard signs over the two spatial dims: over a 4 x 4 output grid every
-    kernel offset reads as many + as - positions, so the huge terms cancel exactly."""
+    """``big`` with signs + + - - + + over each spatial dim: over a 4 x 4 output grid every kernel
+    offset reads as many + as - positions, so the huge terms cancel exactly (after peaking)."""
     c, h, w = shape
-    sign = (-1.0) ** (torch.arange(h)[:, None] + torch.arange(w)[None, :])
+    pattern = torch.tensor([1.0, 1.0, -1.0, -1.0] * 2)
+    sign = pattern[:h, None] * pattern[None, :w]
     return big * sign * torch.randn(c, 1, 1, generator=g) + torch.randn(shape, generator=g)
 
 
 def _floats(shape, crafted):
     def make(g):
         x = torch.randn((B,) + shape, generator=g)
-        x[0] = crafted(shape, g)  # huge, cancelling terms
+        x[CRAFTED[0]] = crafted(shape, g)  # huge, cancelling terms (mid-batch: others come before it)
         x[1, 0] = float("nan")  # a NaN sample: dropped
-        x[2] = crafted(shape, g, big=1e3)  # a milder one
+        x[CRAFTED[1]] = crafted(shape, g, big=1e3)  # a milder one
         return x
 
     return make
@@ -128,7 +133,9 @@ def _tokens(g):
 # name -> (build, make inputs, uses a path that needs a monkeypatch to be reached)
 ZOO = {
     "mlp": (lambda: nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), _floats((6,), lambda s, g, big=1e6: big * torch.randn(s, generator=g))),
-    "sequence_linear": (lambda: Pool(nn.Linear(5, 6), 6), _floats((6, 5), _alternating)),
+    # T = 2: the crafted sample's two huge terms peak highest (its margin allows w * mass up to
+    # C / (8 eps)); measured with a float32 book-keeping sum: up to 1.0022 C over 8 seeds
+    "sequence_linear": (lambda: Pool(nn.Linear(5, 6), 6), _floats((2, 5), _alternating)),
     "conv_grouped": (ConvPool, _floats((2, 6, 6), _checkerboard)),
     "conv_patches": (ConvPool, _floats((2, 6, 6), _checkerboard)),  # the wide-conv path (monkeypatched)
     "embedding_padding": (EmbedLinear, _tokens),
@@ -137,15 +144,6 @@ ZOO = {
     "groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 16, 3)), _floats((2, 6, 6), _checkerboard)),
     "lstm": (LastStep, _floats((4, 3), _alternating)),
 }
-
-
-def refusal(name, method, precision):
-    """The error a refused combination must raise (None: it must run)."""
-    if method == "two_pass" and precision is not None:
-        return "method='two_pass' with a forward computing in torch.bfloat16"
-    if method == "two_pass" and name == "embedding_scale_grad_by_freq":
-        return r"method='two_pass' with F.embedding\(scale_grad_by_freq=True\)"
-    return None
 
 
 def setup(name, precision, seed=0):
@@ -192,42 +190,28 @@ def zoo_paths(monkeypatch, request):
 def test_neighbour_difference_is_at_most_C(name, method, precision, zoo_paths):
     loss_fn, params, buffers, batch = setup(name, precision)
     c = SMALL_C.get(name, C)
-    why = refusal(name, method, precision)
-    if why is not None:
-        with pytest.raises(vmapdp.UnsupportedModuleError, match=why):
-            fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method=method)
-            fn(params, buffers, batch)
-        return
     fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method=method)
     diffs = neighbour_differences(fn, params, buffers, batch, c)
-    crafted = CRAFTED if method == "two_pass" and name in CANCELLING else []
-    benign = [d for i, d in enumerate(diffs) if i not in crafted]
-    assert max(benign) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
-    # two_pass has no rounding margin (documented in clipped_grad_sum): a sample whose terms
-    # cancel may exceed C by its own rounding; measured 1.001 C here. Known, not yet fixed.
-    assert all(diffs[i] <= 1 + TWO_PASS_CANCELLING_TOL for i in crafted), [f"{d:.6f}" for d in diffs]
+    assert max(diffs) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
     if not name.startswith("embedding"):
         assert diffs[1] == 0.0  # the NaN sample is dropped: it changes nothing, exactly
     assert max(diffs) > 0.5  # (clipping is active: the test would see a leak)
 
 
-@pytest.mark.parametrize("name", ["sequence_linear", "conv_patches", "embedding_padding"])
-def test_two_pass_in_bfloat16_would_leak(name, zoo_paths, monkeypatch):
-    """With the refusal bypassed (nothing counts as reduced precision), two_pass in bfloat16
-    releases more than C: the hole is real, and the fuzzer above would see it."""
-    monkeypatch.setattr(ghost, "_LOW", ())
-    loss_fn, params, buffers, batch = setup(name, torch.bfloat16)
-    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass")
-    assert max(neighbour_differences(fn, params, buffers, batch)) > 1 + TOL
-
-
-def test_two_pass_with_scale_grad_by_freq_would_not_sum_the_clipped_grads(monkeypatch):
-    """With the refusal bypassed, two_pass's sum is not the sum of the clipped per-sample grads
-    (vmap's, which differentiates each sample on its own): token frequencies were counted over the
-    whole batch."""
-    monkeypatch.setattr(ghost, "_COUPLING", {})
-    loss_fn, params, buffers, batch = setup("embedding_scale_grad_by_freq", None)
-    c = SMALL_C["embedding_scale_grad_by_freq"]
-    got = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="two_pass")(params, buffers, batch)[0]
-    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="vmap")(params, buffers, batch)[0]
-    assert float((got["emb.weight"] - want["emb.weight"]).norm()) > 0.3 * float(want["emb.weight"].norm())
+@pytest.mark.parametrize("method", ["ghost", "two_pass", "auto"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_the_sum_is_the_sum_of_the_clipped_per_sample_grads(name, method, zoo_paths):
+    """Every method releases the sum of the clipped per-sample gradients (vmap's, itself checked
+    against the float64 oracle in test_per_sample.py), not something that only has their norms: an
+    op whose batched backward couples samples (scale_grad_by_freq counts tokens over the batch)
+    shifts the sum without any one sample exceeding C. Float32, the crafted rows masked out (ghost's
+    margin clips them a little more, by design); rtol 1e-4 of the sum's norm (measured <= 1e-6)."""
+    loss_fn, params, buffers, batch = setup(name, None)
+    c = SMALL_C.get(name, C)
+    mask = torch.ones(B, dtype=torch.bool)
+    mask[CRAFTED] = False
+    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="vmap")(params, buffers, batch, mask=mask)[0]
+    got = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method=method)(params, buffers, batch, mask=mask)[0]
+    total = sum(float(v.double().square().sum()) for v in want.values()) ** 0.5
+    for k in want:
+        assert float((got[k].double() - want[k].double()).norm()) <= 1e-4 * total, k

@@ -105,24 +105,8 @@ class _Plan:
     sites: list[_Site] = field(default_factory=list)
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
-    # ops whose *batched* backward mixes the samples of a batch (two_pass refuses them; see
-    # _COUPLING) and the reduced-precision dtypes the forward computed in (two_pass refuses them)
-    coupled: list[str] = field(default_factory=list)
-    low_precision: list[str] = field(default_factory=list)
 
 
-# Ops whose backward, run once over a whole batch (method="two_pass": one batched backward of the
-# weighted losses), is not the sum of the samples' own backwards: the op's batching rule merges
-# the batch into the op's own index set and the backward then counts over all of it.
-# scale_grad_by_freq divides each token's gradient by its frequency in the *batch* (measured: 1.9 C
-# of sensitivity). Per-sample methods (vmap, ghost) differentiate each sample on its own.
-_COUPLING = {
-    F.embedding: (5, "scale_grad_by_freq", "F.embedding(scale_grad_by_freq=True) (nn.Embedding(scale_grad_by_freq=True))"),
-    F.embedding_bag: (5, "scale_grad_by_freq", "F.embedding_bag(scale_grad_by_freq=True) (nn.EmbeddingBag(scale_grad_by_freq=True))"),
-    torch.embedding: (3, "scale_grad_by_freq", "torch.embedding(scale_grad_by_freq=True)"),
-    torch.embedding_bag: (3, "scale_grad_by_freq", "torch.embedding_bag(scale_grad_by_freq=True)"),
-}
-_LOW = (torch.bfloat16, torch.float16)
 
 
 # The run in progress (a stack, for nesting); a module-level list keeps the mode itself stateless,
@@ -259,7 +243,7 @@ class _Run:
 
     # -- what the probe refuses or records -------------------------------------------------------
     def _inspect(self, func, args: tuple, kwargs: dict) -> None:
-        """Probe only: refuse what ghost clipping cannot run, record what two_pass cannot."""
+        """Probe only: refuse, with the fix, what ghost clipping cannot run."""
         if isinstance(kwargs.get("out"), Tensor):
             raise UnsupportedModuleError(
                 f"ghost clipping: the model calls {getattr(func, '__name__', func)}(..., out=...), writing into a "
@@ -275,23 +259,11 @@ class _Run:
                 "from the tokens of the whole batch; expected max_norm=None. Renormalise out of place in the "
                 "model (w = w * (max_norm / w.norm(dim=1, keepdim=True)).clamp(max=1)) or drop max_norm."
             )
-        if func in _COUPLING:
-            i, name, what = _COUPLING[func]
-            if _arg(args, kwargs, i, name, False) and what not in self.plan.coupled:
-                self.plan.coupled.append(what)
-
-    def _record_dtypes(self, out: Any) -> None:
-        for leaf in optree.tree_leaves(out, namespace="torch"):
-            if isinstance(leaf, Tensor) and leaf.dtype in _LOW and str(leaf.dtype) not in self.plan.low_precision:
-                self.plan.low_precision.append(str(leaf.dtype))
 
     # -- the interception ----------------------------------------------------------------------
     def call(self, func, args: tuple, kwargs: dict) -> Any:
         if self.probe:
             self._inspect(func, args, kwargs)
-            out = self._call(func, args, kwargs)
-            self._record_dtypes(out)
-            return out
         return self._call(func, args, kwargs)
 
     def _call(self, func, args: tuple, kwargs: dict) -> Any:
@@ -991,7 +963,7 @@ _AUTO_ROUNDS = 2
 def auto_candidates(plan: _Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
     """The exact methods ``"auto"`` times for a batch of ``batch_rows``: ``"ghost"`` when it covers
     any param, ``"vmap"`` when its per-sample grads fit ``_AUTO_VMAP_ELEMENTS`` (or nothing else
-    applies). ``"two_pass"`` is never raced: it has no rounding margin (see clipped_grad_sum)."""
+    applies). ``"two_pass"`` (vmap in chunks, for memory) is never raced."""
     out = ["ghost"] if plan is not None and coverage(plan, params) > 0 else []
     if not out or batch_rows * sum(v.numel() for v in params.values()) <= _AUTO_VMAP_ELEMENTS:
         out.append("vmap")
@@ -1063,8 +1035,8 @@ def _shape_key(args: tuple) -> tuple:
 def full_float32(device_type: str):
     """TF32 off for CUDA convs and matmuls while it is open (a no-op elsewhere).
 
-    Ghost clipping and the two-pass method compute a sample's norm and its share of the clipped
-    sum in two different ways; ghost's margin bounds their difference for float32 rounding
+    Ghost clipping computes a sample's norm and its share of the clipped sum in two different
+    ways; ghost's margin bounds their difference for float32 rounding
     (eps 2**-24), which TF32's 10-bit mantissa (2**-11) would exceed by far (an adversarial sample
     was shown to release 1.9 C under simulated TF32). cuDNN allows TF32 for float32 convs by
     default; ``make_train_step`` holds this open around every chunk.
@@ -1101,25 +1073,6 @@ def _fp32_precision_flags() -> list[Any]:
     return objs if all(o is not None and hasattr(o, "fp32_precision") for o in objs) else []
 
 
-def _two_pass_refusal(call: str, coupled: list[str], low: list[str]) -> Exception:
-    """Why ``method="two_pass"`` cannot bound a sample's contribution for this loss."""
-    if low:
-        return UnsupportedModuleError(
-            f"{call}: method='two_pass' with a forward computing in {', '.join(low)} (mixed_precision, "
-            "make_train_step(precision=...), or casts in loss_fn): expected float32 or float64 compute. "
-            "two_pass takes the norms from per-sample backwards but the clipped sum from one batched "
-            "backward, whose low-precision rounding is relative to the whole batch's total (measured: one "
-            "benign sample moved the update by 32 C), so the clipping bound does not hold. Use "
-            "method='ghost' or 'vmap' (norm and sum from the same per-sample numbers), or float32."
-        )
-    return UnsupportedModuleError(
-        f"{call}: method='two_pass' with {', '.join(coupled)}: expected ops whose batched backward is the "
-        "sum of the samples' own backwards. This one's backward couples the samples of the batch (token "
-        "frequencies are counted over the whole batch), so the clipped sum is not the sum of the clipped "
-        "per-sample gradients (measured: 1.9 C of sensitivity). Use method='ghost' or 'vmap'."
-    )
-
-
 def clipped_grad_sum(
     loss_fn: Callable[..., Tensor],
     *,
@@ -1143,14 +1096,14 @@ def clipped_grad_sum(
       book-keeping (see this module's docstring): one forward and one backward, no per-sample
       gradients for linear, conv and embedding weights. Memory: non-private training's plus every
       covered layer's output gradients (1.4-1.9x on the CIFAR-10 CNN).
-    * ``"two_pass"``: per-sample norms by the vmap engine, ``norm_chunk_size`` samples at a time,
-      then one batched backward of ``sum_i w_i * loss_i`` with ``w_i = min(1, C/norm_i)``. Peak
-      memory ``norm_chunk_size x params`` plus one batched backward, for any model. Its norm and
-      its sum are two float computations of a sample's gradient, and no margin covers their
-      difference (ghost bounds it per layer; vmap uses one computation for both): a sample
-      crafted so that its gradient's terms cancel could have its contribution exceed ``C`` by
-      the batched backward's rounding (``~ T eps sum_t |u_t||v_t|``). Prefer ``"ghost"`` or
-      ``"vmap"`` where adversarial inputs are in the threat model.
+    * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time;
+      each chunk is clipped and added to the sum before the next is computed. Peak memory
+      ``norm_chunk_size x (params + one sample's activations)``, for any model, dropout included.
+      The sum is of the very per-sample grads whose norms were clipped, as with ``"vmap"``. (It
+      used to take the sum from one batched backward of ``sum_i w_i loss_i``: that backward's
+      rounding is relative to the whole batch, so in bfloat16 one benign sample moved the update
+      by 32 C, in float32 a sample with cancelling terms moved the others' by 1.015 C, and ops
+      whose batched backward couples samples, such as ``scale_grad_by_freq``, broke the bound.)
     * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
       timed on the first call for each input shape (each run once to warm up, then twice; see
       :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
@@ -1159,8 +1112,11 @@ def clipped_grad_sum(
       by ``torch.compile`` before any eager call, nothing can be timed: the graph then runs
       ``"ghost"`` where it covers a param (call ``fn`` once eagerly first to race).
 
-    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding; see
-    ``"two_pass"``) and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
+    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding), and
+    the released sums of neighbouring batches (with and without one sample) differ by at most
+    ``C (1 + tol)``, with ``tol`` ``clip_and_sum``'s float32 summation rounding (``~ 2 B**2 eps``
+    worst case; ghost: see :func:`_sum_dtype`; tests/test_sensitivity.py checks it with crafted
+    samples), and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
     """
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
@@ -1171,15 +1127,6 @@ def clipped_grad_sum(
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
     if norm_chunk_size is not None and (isinstance(norm_chunk_size, bool) or not isinstance(norm_chunk_size, int) or norm_chunk_size < 1):
         raise ValueError(f"{call}: norm_chunk_size={norm_chunk_size!r} must be a positive int or None.")
-    if method == "two_pass" and randomness != "error":
-        raise ValueError(
-            f"{call}: method='two_pass' runs the forward twice, so a random layer (dropout) would draw "
-            "different masks for the norms and for the weighted backward, and the clipping bound would "
-            "not hold. Use method='ghost' or 'vmap' (one forward) with randomness='different'."
-        )
-    precision = getattr(loss_fn, "_vmapdp_precision", None)
-    if method == "two_pass" and precision in _LOW:
-        raise _two_pass_refusal(call, [], [str(precision)])
     grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
     plans: dict[tuple, _Plan] = {}
     chosen: dict[tuple, str] = {}  # "auto"'s choice per input shape
@@ -1193,44 +1140,28 @@ def clipped_grad_sum(
         return summed, norms, losses
 
     def by_two_pass(params, shared, batch, mask):
+        # Per-sample grads norm_chunk_size rows at a time, each chunk clipped and added to the sum
+        # at once: the sum is of the very numbers whose norms were clipped (as vmap's), so every
+        # bound of clip_and_sum holds. (It used to be one batched backward of the reweighted
+        # losses, whose rounding is relative to the whole batch: 32 C in bfloat16, 1.015 C in
+        # float32 next to a sample with cancelling terms, and ops such as scale_grad_by_freq
+        # coupled the samples in it.)
         b = batch_size(batch, call=call)
         size = norm_chunk_size or b
-        norms, losses = [], []
+        real = torch.ones(b, dtype=torch.bool) if mask is None else mask
+        norms, losses, summed = [], [], None
         for s in range(0, b, size):
             chunk = optree.tree_map(lambda t: t[s : s + size], batch, namespace="torch")
             g, lo = grads_fn(params, *shared, chunk)
-            norms.append(grad_norms(g))
+            part, n = clip_and_sum(g, l2_clip_norm, mask=real[s : s + size], rule=rule, stability=stability, nonfinite="zero")
+            summed = part if summed is None else {k: summed[k] + part[k] for k in summed}
+            norms.append(n)
             losses.append(lo)
-            del g  # one chunk's per-sample grads at a time
-        norms_t = torch.cat(norms) if norms else torch.zeros(0)
-        real = torch.ones(b, dtype=torch.bool, device=norms_t.device) if mask is None else mask.to(norms_t.device)
-        norms_t = torch.where(real, norms_t, 0.0)
-        keep = _keep(norms_t, real, nonfinite, call)
-        w = torch.where(keep, weights(norms_t), 0.0)
-
-        # Rows that must not contribute may hold NaN, and the batched backward sums over rows
-        # (0 * NaN = NaN): run them as copies of a kept row, with weight 0.
-        src = torch.where(keep, torch.arange(b, device=keep.device), keep.to(torch.uint8).argmax())
-        clean = optree.tree_map(lambda t: t[src.to(t.device)], batch, namespace="torch")
-
-        def weighted_loss(p):
-            per = vmap(lambda sample: loss_fn(p, *shared, sample), randomness=randomness)(clean)
-            return (per * w.to(per.dtype)).sum()
-
-        try:
-            if torch.compiler.is_compiling():
-                summed = torch.func.grad(weighted_loss)({k: v.detach() for k, v in params.items()})
-            else:  # plain autograd keeps less than torch.func.grad (CIFAR-10, B=512: 521 vs 774 MiB)
-                leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-                with torch.enable_grad():
-                    total = weighted_loss(leaves)
-                summed = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()), allow_unused=True)))
-                summed = {k: torch.zeros_like(leaves[k]) if v is None else v for k, v in summed.items()}
-        except RuntimeError as err:
-            raise _explain_runtime_error(call, err) from err
-        anyone = keep.any()  # with no row kept, even the copies may be NaN: the sum is exactly 0
-        summed = {k: torch.where(anyone, v.to(acc_dtype(v.dtype)), 0.0) for k, v in summed.items()}
-        return summed, norms_t, torch.where(real, torch.cat(losses), 0.0)
+            del g, part  # one chunk's per-sample grads at a time
+        norms_t = torch.cat(norms)
+        if nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
+            _keep(norms_t, real.to(norms_t.device), nonfinite, call)
+        return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
 
     def by_ghost(params, shared, batch, mask, plan):
         try:
@@ -1242,7 +1173,7 @@ def clipped_grad_sum(
         return summed, norms, losses
 
     def planned(args: tuple) -> tuple[tuple, _Plan | None]:
-        if method == "vmap" or batch_size(args[-1], call=call) == 0:
+        if method in ("vmap", "two_pass") or batch_size(args[-1], call=call) == 0:
             return (), None
         key = _shape_key(args)
         plan = plans.get(key)
@@ -1251,8 +1182,6 @@ def clipped_grad_sum(
                 plan = _probe(loss_fn, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
             except RuntimeError as err:
                 raise _explain_runtime_error(call, err) from err
-            if method == "two_pass" and (plan.coupled or plan.low_precision):
-                raise _two_pass_refusal(call, plan.coupled, plan.low_precision)  # (the plan is not kept: every call refuses)
             plans[key] = plan
         return key, plan
 
@@ -1282,9 +1211,9 @@ def clipped_grad_sum(
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
         eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
-            key, plan = planned(args)  # (two_pass: the probe refuses ops it cannot bound)
             if method == "two_pass":
                 return by_two_pass(params, shared, batch, mask)
+            key, plan = planned(args)
             if method == "auto" and choose(key, plan, params, shared, batch, mask) == "vmap":
                 return by_vmap(params, shared, batch, mask)
             return by_ghost(params, shared, batch, mask, plan)

@@ -163,6 +163,4 @@ def mixed_precision(
         loss = loss.to(torch.float32)
         return loss if rest is None else (loss,) + rest
 
-    # read by vmapdp.clipped_grad_sum: two_pass refuses reduced precision
-    wrapped._vmapdp_precision = dtype  # type: ignore[attr-defined]
     return wrapped
