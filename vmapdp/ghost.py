@@ -1201,6 +1201,20 @@ def clipped_grad_sum(
         return chosen[key]
 
     def fn(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        try:
+            return dispatch(*args, mask=mask)
+        except RuntimeError as err:
+            if "saved tensor hooks" in str(err):
+                raise UnsupportedModuleError(
+                    f"{call}: the loss uses torch.utils.checkpoint (or other saved tensor hooks), which "
+                    "torch.func's grad/vjp (used by every method: vmap, ghost, two_pass) refuse: 'torch.func."
+                    "{grad, vjp, ...} don't yet support saved tensor hooks'. Expected a loss without "
+                    "checkpoint; to bound memory use physical_batch_size (make_train_step) or "
+                    "method='two_pass' with a small norm_chunk_size instead."
+                ) from err
+            raise
+
+    def dispatch(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:
             raise TypeError(f"{call}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
         params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
