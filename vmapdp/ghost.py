@@ -1163,9 +1163,20 @@ def clipped_grad_sum(
             _keep(norms_t, real.to(norms_t.device), nonfinite, call)
         return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
 
+    # an fp16 loss with a static loss_scale (vmapdp.mixed_precision): ghost runs the form whose
+    # params reach the layers as casts, with gradients grad_scale times the loss's, and divides the
+    # (power-of-two) scale out of its norms and sum exactly
+    grad_scale, ghost_loss = getattr(loss_fn, "_vmapdp_loss_scale", (1.0, loss_fn))
+
     def by_ghost(params, shared, batch, mask, plan):
         try:
-            norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, weights, randomness=randomness, plan=plan, call=call)
+            if grad_scale == 1.0:
+                norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, weights, randomness=randomness, plan=plan, call=call)
+            else:
+                norms, summed, losses = ghost_norms_and_sum(
+                    ghost_loss, params, shared, batch, mask, lambda n: weights(n / grad_scale), randomness=randomness, plan=plan, call=call
+                )
+                norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
         except RuntimeError as err:
             raise _explain_runtime_error(call, err) from err
         if nonfinite == "raise":
@@ -1179,7 +1190,7 @@ def clipped_grad_sum(
         plan = plans.get(key)
         if plan is None:
             try:
-                plan = _probe(loss_fn, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
+                plan = _probe(ghost_loss, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
             except RuntimeError as err:
                 raise _explain_runtime_error(call, err) from err
             plans[key] = plan
