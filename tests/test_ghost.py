@@ -325,9 +325,20 @@ def test_train_step_methods_agree(method, monkeypatch):
     torch.testing.assert_close(states[method][1]["mean_grad_norm"], states["vmap"][1]["mean_grad_norm"], rtol=1e-4, atol=0)
 
 
-def test_two_pass_refuses_random_layers():
-    with pytest.raises(ValueError, match=r"two_pass.*different masks"):
-        vmapdp.clipped_grad_sum(lambda p, s: p["w"].sum(), l2_clip_norm=1.0, method="two_pass", randomness="different")
+def test_two_pass_runs_random_layers_once_per_sample():
+    """two_pass sums the very per-sample grads it clipped, so a random layer (dropout) draws once per
+    sample: with a forked RNG it equals vmap's clipped sum in one chunk."""
+    params, buffers, batch, loss_fn = _case("linear")
+
+    def dropout_loss(p, b, sample):
+        x, y = sample
+        return loss_fn(p, b, (F.dropout(x, 0.5, training=True), y))
+
+    sums = []
+    for method in ("vmap", "two_pass"):
+        torch.manual_seed(0)
+        sums.append(vmapdp.clipped_grad_sum(dropout_loss, l2_clip_norm=C, method=method, randomness="different")(params, buffers, batch, mask=MASK))
+    _assert_close(sums[1][0], sums[1][1], sums[0][0], sums[0][1], rtol=1e-12)
 
 
 def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():
@@ -523,8 +534,10 @@ def test_merged_uses_compile_with_fullgraph(name):
     _assert_close(got[0], got[1], want[0], want[1], rtol=1e-5)
 
 
-def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
-    """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA."""
+def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it(monkeypatch):
+    """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA. The
+    legacy allow_tf32 flags are used only on a torch without the fp32_precision API."""
+    monkeypatch.setattr(ghost, "_fp32_precision_flags", lambda: [])  # a torch < 2.9
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
@@ -536,6 +549,32 @@ def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it():
         assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def test_full_float32_uses_the_fp32_precision_api_when_torch_has_it():
+    """TF32 set through torch's fp32_precision API (torch >= 2.9): writing or reading the legacy
+    allow_tf32 flags then raises in torch, which made every step fail. The guard sets and restores
+    fp32_precision only (the attributes exist on CPU builds too)."""
+    b = torch.backends
+    objs = [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn]
+    assert ghost._fp32_precision_flags() == objs  # torch 2.13 has the API
+    saved = [o.fp32_precision for o in objs]
+    try:
+        for o in objs:
+            o.fp32_precision = "tf32"
+        with pytest.raises(KeyError), ghost.full_float32("cuda"):
+            assert [o.fp32_precision for o in objs] == ["ieee"] * 3
+            raise KeyError
+        assert [o.fp32_precision for o in objs] == ["tf32"] * 3
+        b.cuda.matmul.fp32_precision = "none"  # inherit: restored as it was
+        with ghost.full_float32("cuda"):
+            assert b.cuda.matmul.fp32_precision == "ieee"
+        assert b.cuda.matmul.fp32_precision == "none"
+        with ghost.full_float32("cpu"):
+            assert b.cudnn.conv.fp32_precision == "tf32"
+    finally:
+        for o, v in zip(objs, saved):
+            o.fp32_precision = v
 
 
 def test_auto_vmap_budget_is_inclusive_and_the_race_leaves_the_rng_alone(monkeypatch):
@@ -600,3 +639,81 @@ def test_auto_races_with_tf32_off_and_drops_a_method_that_runs_out_of_memory(mon
         ghost.race({"vmap": oom, "ghost": oom}, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="a bug"):  # other errors are not swallowed
         ghost.race({"vmap": lambda: (_ for _ in ()).throw(RuntimeError("a bug")), "ghost": lambda: None}, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- issue #15 (ghost part)
+
+
+@pytest.mark.parametrize("method", ["ghost", "auto"])
+def test_the_probe_leaves_the_rng_alone_a_first_step_equals_vmap(method, monkeypatch):
+    """The probe (first call per shape) runs the loss once; its dropout draws must not move the
+    global RNG (they did: the first ghost/auto step then differed from a vmap step from one seed)."""
+    _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0})  # auto picks ghost
+    params, buffers, batch, loss_fn = _case("linear")
+
+    def dropout_loss(p, b, sample):
+        x, y = sample
+        return loss_fn(p, b, (F.dropout(x, 0.5, training=True), y))
+
+    sums = {}
+    for m in ("vmap", method):
+        torch.manual_seed(0)
+        sums[m] = vmapdp.clipped_grad_sum(dropout_loss, l2_clip_norm=C, method=m, randomness="different")(params, buffers, batch)
+    _assert_close(sums[method][0], sums[method][1], sums["vmap"][0], sums["vmap"][1], rtol=1e-9)
+    torch.manual_seed(0)
+    ghost._probe(dropout_loss, params, (buffers,), batch, "different")
+    after_probe = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(after_probe, torch.rand(3))
+
+
+@pytest.mark.parametrize("form", ["weight_of_param", "scale_grad_by_freq", "inside_users_vmap"])
+def test_embedding_padding_idx_on_per_sample_views_matches_the_oracle(form):
+    """torch's batching rule zeroes the padding row's gradient for sample 0 only when the weight is
+    batched (ghost's per-sample views): ~50% wrong gradients. Ghost now zeroes it by a where."""
+    g = torch.Generator().manual_seed(0)
+    params = {"E": torch.randn(7, 4, dtype=torch.float64, generator=g), "W": torch.randn(3, 4, dtype=torch.float64, generator=g)}
+    x = torch.randint(0, 7, (6, 9), generator=g)
+    x[:, ::3] = 2  # padding, at index -5 == 2
+    y = torch.randint(0, 3, (6,), generator=g)
+
+    def loss_fn(p, sample):
+        tok, label = sample
+        w = p["E"] * 1.0 if form == "weight_of_param" else p["E"]
+        if form == "inside_users_vmap":
+            e = torch.func.vmap(lambda t: F.embedding(t, w, padding_idx=-5))(tok[None])
+        else:
+            e = F.embedding(tok[None], w, padding_idx=-5, scale_grad_by_freq=form == "scale_grad_by_freq")
+        return F.cross_entropy(F.linear(e.mean(1), p["W"]), label[None])
+
+    ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, (x, y)), C)
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, (x, y))
+    _assert_close(summed, norms, *ref, rtol=1e-9)
+
+
+def test_models_ghost_cannot_run_are_refused_with_the_feature_and_the_fix():
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+
+    def run(model, wrap=None):
+        apply, params, buffers = vmapdp.functionalize(model)
+
+        def loss_fn(p, b, sample):
+            xi, yi = sample
+            out = wrap(lambda z: apply(p, b, z), xi[None]) if wrap else apply(p, b, xi[None])
+            return F.cross_entropy(out, yi[None])
+
+        return vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")(params, buffers, (x, y))
+
+    for norm in (nn.utils.spectral_norm, nn.utils.parametrizations.spectral_norm):
+        with pytest.raises(vmapdp.UnsupportedModuleError, match=r"out=.*spectral_norm.*method='vmap'"):
+            run(nn.Sequential(norm(nn.Linear(5, 4)), nn.Tanh(), nn.Linear(4, 3)))
+    tokens = torch.randint(0, 6, (4, 3))
+    emb = nn.Sequential(nn.Embedding(6, 5, max_norm=1.0), nn.Flatten(), nn.Linear(15, 3))
+    apply, params, buffers = vmapdp.functionalize(emb)
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"max_norm=1.0 .*renormalises .* in place.*expected max_norm=None"):
+        vmapdp.clipped_grad_sum(lambda p, b, s: F.cross_entropy(apply(p, b, s[0][None]), s[1][None]), l2_clip_norm=1.0, method="ghost")(params, buffers, (tokens, y))
+    from torch.utils.checkpoint import checkpoint
+
+    mlp = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"torch.utils.checkpoint.*saved tensor hooks.*without checkpoint"):
+        run(mlp, wrap=lambda f, z: checkpoint(f, z, use_reentrant=False))

@@ -240,3 +240,23 @@ def test_errors():
         vmapdp.make_train_step(
             loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=1.0, sample_rate=0.1, precision=torch.float64
         )
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_ghost_covers_an_fp16_loss_with_a_loss_scale(name):
+    """mixed_precision's float32-side unscaling hid the params from ghost clipping (coverage 0: every
+    param through per-sample views). Ghost now runs the loss-side-scaled form and divides the
+    power-of-two scale out itself: full coverage, and the same norms and clipped sum as unscaled."""
+    _, _, params, buffers, batch, loss_fn = zoo.setup(_case(name), 8)
+    plain = mixed_precision(loss_fn, torch.float16)
+    scaled = mixed_precision(loss_fn, torch.float16, loss_scale=2.0**10)
+    fn = vmapdp.clipped_grad_sum(scaled, l2_clip_norm=0.3, method="ghost")
+    plan = fn.prepare(params, buffers, batch)
+    assert plan.other == [] or name == "groupnorm"  # (GroupNorm's affine params are per-sample views)
+    assert vmapdp.ghost.coverage(plan, params) == vmapdp.ghost.coverage(vmapdp.clipped_grad_sum(plain, l2_clip_norm=0.3).prepare(params, buffers, batch), params) > 0.5
+    mask = torch.tensor([True] * 5 + [False] + [True] * 2)
+    got = fn(params, buffers, batch, mask=mask)
+    want = vmapdp.clipped_grad_sum(plain, l2_clip_norm=0.3, method="ghost")(params, buffers, batch, mask=mask)
+    # no underflow or overflow at this scale: scaling by 2**10 and dividing it out are exact
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])

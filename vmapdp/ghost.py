@@ -34,6 +34,17 @@ bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``; see :fun
 released contribution stays within ``C``, and benign samples see a relative change of ~1e-4 or
 less. The returned ``norms`` are the computed norms, without the margin.
 
+The margin bounds a sample's *own* contribution; the guarantee DP needs is on the neighbour
+difference, ``||sum(D) - sum(D - {i})|| <= C (1 + tol)``. A book-keeping matmul adds the terms of
+all samples in one accumulation, and in float32 a sample with huge cancelling terms (within its
+margin) quantises the partial sums of the others (measured: 1.016 C). So every use with more than
+one term per sample (sequences, conv positions, embeddings, a param with per-sample-view uses too)
+is accumulated in float64, where that cross-talk is ``<= ~B**2 2**-30 C`` (see :func:`_sum_dtype`);
+one-term uses (an MLP's layers) stay float32, with ``clip_and_sum``'s rounding. ``tol`` is then
+that of ``clip_and_sum``'s float32 sum (``~ 2 B**2 eps`` worst case; < 1e-4 at B = 8 in
+tests/test_sensitivity.py). Cost: +27% CPU time for the ghost clipped sum of the CIFAR-10 CNN at
+B = 128 (float64 conv backwards of the wide convs), none on an MLP.
+
 Small convs get their per-sample norms from one grouped conv backward; per-sample grads formed
 on the way to a norm are then kept (up to ``_KEEP_ELEMENTS`` floats in all, or when no larger
 than the layer inputs and output grads they replace) and the clipped sum is a weighted sum of
@@ -64,6 +75,7 @@ from torch.overrides import TorchFunctionMode
 
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp.errors import UnsupportedModuleError
 from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, _weighted_sum, clip_and_sum, clip_factors, grad_norms
 from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
 
@@ -105,6 +117,8 @@ class _Plan:
     sites: list[_Site] = field(default_factory=list)
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
+
+
 
 
 # The run in progress (a stack, for nesting); a module-level list keeps the mode itself stateless,
@@ -239,8 +253,32 @@ class _Run:
             raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
         return out
 
+    # -- what the probe refuses or records -------------------------------------------------------
+    def _inspect(self, func, args: tuple, kwargs: dict) -> None:
+        """Probe only: refuse, with the fix, what ghost clipping cannot run."""
+        if isinstance(kwargs.get("out"), Tensor):
+            raise UnsupportedModuleError(
+                f"ghost clipping: the model calls {getattr(func, '__name__', func)}(..., out=...), writing into a "
+                "tensor in place during the forward (torch.nn.utils.spectral_norm and "
+                "torch.nn.utils.parametrizations.spectral_norm do so in their power iteration); expected "
+                "out-of-place ops, because the forward is mapped over the batch. Remove the spectral norm "
+                "(or apply it outside the loss), or use method='vmap'."
+            )
+        if func in (F.embedding, F.embedding_bag) and _arg(args, kwargs, 3, "max_norm") is not None:
+            raise UnsupportedModuleError(
+                f"ghost clipping: an embedding with max_norm={_arg(args, kwargs, 3, 'max_norm')!r} "
+                "(nn.Embedding(max_norm=...)) renormalises the rows of its weight in place during the forward, "
+                "from the tokens of the whole batch; expected max_norm=None. Renormalise out of place in the "
+                "model (w = w * (max_norm / w.norm(dim=1, keepdim=True)).clamp(max=1)) or drop max_norm."
+            )
+
     # -- the interception ----------------------------------------------------------------------
     def call(self, func, args: tuple, kwargs: dict) -> Any:
+        if self.probe:
+            self._inspect(func, args, kwargs)
+        return self._call(func, args, kwargs)
+
+    def _call(self, func, args: tuple, kwargs: dict) -> Any:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
             out = func(*args, **kwargs)
             if isinstance(out, Tensor) and out is not args[0]:
@@ -250,6 +288,8 @@ class _Run:
         cand = self._candidate(func, args, kwargs)
         if cand is None:
             keys = self._keys_in((args, kwargs))
+            if func is F.embedding and _arg(args, kwargs, 2, "padding_idx") is not None:
+                func, args, kwargs = _embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
         kind, wk, bk, meta = cand
         keys = {wk} | ({bk} if bk else set())
@@ -268,6 +308,8 @@ class _Run:
         if index >= len(self.plan.candidates):
             raise RuntimeError(f"ghost clipping: {_CONTROL_FLOW}")
         if not self.plan.candidates[index]:
+            if func is F.embedding and _arg(args, kwargs, 2, "padding_idx") is not None:
+                func, args, kwargs = _embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys)
         out = func(*args, **kwargs)
         if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != _Site(kind, wk, bk, tuple(out.shape), out.dtype, meta):
@@ -281,6 +323,20 @@ class _Run:
             self.versions.append(_version_of(x))
         self.saved.append(x)
         return out + tap
+
+
+def _embedding_with_padding(embedding: Callable, input: Tensor, weight: Tensor, padding_idx: int | None = None, *rest: Any, **kwargs: Any) -> Tensor:
+    """``F.embedding(input, weight, padding_idx, ...)`` with the padding rows' gradient zeroed by a
+    ``where`` instead of by the op: torch's batching rule for the embedding backward zeroes the
+    padding row of the first sample only when the weight is batched (ghost's per-sample views, an
+    embedding inside a vmap), so half the gradients were wrong. The forward is the same (padding
+    only changes the gradient); the gradient equals the op's for every sample."""
+    kwargs = dict(kwargs)
+    kwargs.pop("padding_idx", None)
+    if padding_idx < 0:
+        padding_idx += weight.shape[0]
+    out = embedding(input, weight, None, *rest, **kwargs)
+    return torch.where((input == padding_idx).unsqueeze(-1), out.detach(), out)
 
 
 def _version_of(x: Tensor) -> tuple[Tensor, int]:
@@ -301,8 +357,17 @@ def _run_loss(run: _Run, loss_fn: Callable, params: dict[str, Tensor], shared: t
         _ACTIVE.pop()
 
 
+def _rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The global RNGs (CPU and ``device``'s) restored on exit: random layers (dropout) then draw
+    in the real run as if what ran inside (the probe, auto's race) had never run."""
+    accelerator = device.type != "cpu"
+    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None)
+
+
 def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> _Plan:
-    """Run the loss on one sample to learn which ops see which params (shapes only matter)."""
+    """Run the loss on one sample to learn which ops see which params (shapes only matter).
+
+    The global RNGs are restored afterwards (the probe's dropout draws are not the step's)."""
     one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
 
     run = _Run(params, None, [], {})
@@ -311,7 +376,7 @@ def _probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: A
         run.level = torch._C._functorch.maybe_get_level(optree.tree_leaves(sample, namespace="torch")[0])
         return _run_loss(run, loss_fn, params, shared, sample)
 
-    with torch.no_grad():
+    with torch.no_grad(), _rng_kept(next(iter(params.values())).device):
         vmap(fwd, randomness=randomness)(one)
     run.plan.other = sorted(run.other)
     return run.plan
@@ -667,13 +732,39 @@ def _per_sample(use: _Use) -> Tensor:
     return out.scatter_add(1, tok.unsqueeze(-1).expand_as(g), g).reshape((b,) + use.shape)
 
 
-def _weighted(use: _Use, w: Tensor, keep: Tensor | None) -> Tensor:
-    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping).
+def _sum_dtype(uses: list[_Use], other: bool, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the book-keeping sum of one param is accumulated in (see :func:`_weighted`).
+
+    One matmul (conv backward, index_add) adds the ``T`` terms ``w_i u_it v_it^T`` of *every*
+    sample ``i``; its rounding is ``<= gamma_N sum_i w_i M_i`` (``N = B T`` terms, ``M_i = sum_t
+    |u_it| |v_it|`` the mass). The margin only bounds ``w_i M_i`` by ``C / (2 (T + 2) eps)``: a
+    sample whose terms cancel (huge mass, small norm) is clipped within its own rounding, yet in
+    float32 it quantises the *other* samples' partial sums (measured: the neighbour difference
+    reached 1.016 C). Accumulated in float64 that cross-talk is ``<= gamma64_N * B * C / (2 T
+    eps32) ~ B**2 * 2**-30 * C`` (1.5e-5 C at B = 128). With ``T = 1`` and no other uses a term is
+    the sample's whole grad (``w_i M_i = ||w_i G_i|| <= C``: nothing can cancel), and the float32
+    sum's rounding ``gamma_B * B * C`` is the same as :func:`vmapdp.clip_and_sum`'s: it stays in
+    float32. A param with per-sample-view uses too (whose grads may cancel against the covered
+    ones) is summed in float64 as a whole."""
+    if dtype != torch.float32:
+        return dtype  # float64 stays float64
+    if other or any(u.t > 1 for u in uses):
+        return torch.float64
+    return dtype
+
+
+def _weighted(use: _Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping), accumulated in
+    ``dtype`` (default the use's; see :func:`_sum_dtype`).
 
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
     is NaN.
     """
     u, v = use.u, use.v
+    if dtype is not None and dtype != u.dtype:
+        u = u.to(dtype)
+        if use.kind != "embedding":
+            v = v.to(dtype)
     if keep is not None:
         u = torch.where(rows(keep, u), u, 0.0)
         if use.kind != "embedding":
@@ -851,15 +942,21 @@ def ghost_norms_and_sum(
     # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
     zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
-    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or k in other_grads}
+    # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
+    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
     summed = _weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
     for key, p in params.items():
-        if key in kept:  # every use of it (and its other uses) is in the kept per-sample grads
+        if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
             continue
-        total = summed.get(key, torch.zeros(p.shape, dtype=acc_dtype(p.dtype), device=device))
+        dtype = acc_dtype(p.dtype)
+        wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
+        total = torch.zeros(p.shape, dtype=wide, device=device)
+        if key in other_grads:
+            other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
+            total = total + _weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
-            total = total + _weighted(use, w, zero)
-        summed[key] = total
+            total = total + _weighted(use, w, zero, wide)
+        summed[key] = total.to(dtype)
     return norms, {k: summed[k] for k in params}, losses
 
 
@@ -878,7 +975,7 @@ _AUTO_ROUNDS = 2
 def auto_candidates(plan: _Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
     """The exact methods ``"auto"`` times for a batch of ``batch_rows``: ``"ghost"`` when it covers
     any param, ``"vmap"`` when its per-sample grads fit ``_AUTO_VMAP_ELEMENTS`` (or nothing else
-    applies). ``"two_pass"`` is never raced: it has no rounding margin (see clipped_grad_sum)."""
+    applies). ``"two_pass"`` (vmap in chunks, for memory) is never raced."""
     out = ["ghost"] if plan is not None and coverage(plan, params) > 0 else []
     if not out or batch_rows * sum(v.numel() for v in params.values()) <= _AUTO_VMAP_ELEMENTS:
         out.append("vmap")
@@ -918,8 +1015,7 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     if len(runs) == 1:
         return next(iter(runs))
     runs = dict(runs)
-    accelerator = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None):
+    with _rng_kept(device):
         for name in list(runs):
             try:
                 runs[name]()
@@ -951,8 +1047,8 @@ def _shape_key(args: tuple) -> tuple:
 def full_float32(device_type: str):
     """TF32 off for CUDA convs and matmuls while it is open (a no-op elsewhere).
 
-    Ghost clipping and the two-pass method compute a sample's norm and its share of the clipped
-    sum in two different ways; ghost's margin bounds their difference for float32 rounding
+    Ghost clipping computes a sample's norm and its share of the clipped sum in two different
+    ways; ghost's margin bounds their difference for float32 rounding
     (eps 2**-24), which TF32's 10-bit mantissa (2**-11) would exceed by far (an adversarial sample
     was shown to release 1.9 C under simulated TF32). cuDNN allows TF32 for float32 convs by
     default; ``make_train_step`` holds this open around every chunk.
@@ -960,12 +1056,33 @@ def full_float32(device_type: str):
     if device_type != "cuda":
         yield
         return
+    flags = _fp32_precision_flags()
+    if flags:
+        # torch >= 2.9: fp32_precision, the only API to touch (reading or writing the legacy
+        # allow_tf32 flags after TF32 was set through it raises)
+        saved = [getattr(obj, "fp32_precision") for obj in flags]
+        try:
+            for obj in flags:
+                obj.fp32_precision = "ieee"
+            yield
+        finally:
+            for obj, value in zip(flags, saved):
+                obj.fp32_precision = value
+        return
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
         yield
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def _fp32_precision_flags() -> list[Any]:
+    """The backends whose float32 precision ``full_float32`` sets through torch's fp32_precision API
+    (cuBLAS matmuls, cuDNN convs and RNNs), or [] on a torch without it (before 2.9)."""
+    cudnn = torch.backends.cudnn
+    objs = [torch.backends.cuda.matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    return objs if all(o is not None and hasattr(o, "fp32_precision") for o in objs) else []
 
 
 def clipped_grad_sum(
@@ -991,14 +1108,14 @@ def clipped_grad_sum(
       book-keeping (see this module's docstring): one forward and one backward, no per-sample
       gradients for linear, conv and embedding weights. Memory: non-private training's plus every
       covered layer's output gradients (1.4-1.9x on the CIFAR-10 CNN).
-    * ``"two_pass"``: per-sample norms by the vmap engine, ``norm_chunk_size`` samples at a time,
-      then one batched backward of ``sum_i w_i * loss_i`` with ``w_i = min(1, C/norm_i)``. Peak
-      memory ``norm_chunk_size x params`` plus one batched backward, for any model. Its norm and
-      its sum are two float computations of a sample's gradient, and no margin covers their
-      difference (ghost bounds it per layer; vmap uses one computation for both): a sample
-      crafted so that its gradient's terms cancel could have its contribution exceed ``C`` by
-      the batched backward's rounding (``~ T eps sum_t |u_t||v_t|``). Prefer ``"ghost"`` or
-      ``"vmap"`` where adversarial inputs are in the threat model.
+    * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time;
+      each chunk is clipped and added to the sum before the next is computed. Peak memory
+      ``norm_chunk_size x (params + one sample's activations)``, for any model, dropout included.
+      The sum is of the very per-sample grads whose norms were clipped, as with ``"vmap"``. (It
+      used to take the sum from one batched backward of ``sum_i w_i loss_i``: that backward's
+      rounding is relative to the whole batch, so in bfloat16 one benign sample moved the update
+      by 32 C, in float32 a sample with cancelling terms moved the others' by 1.015 C, and ops
+      whose batched backward couples samples, such as ``scale_grad_by_freq``, broke the bound.)
     * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
       timed on the first call for each input shape (each run once to warm up, then twice; see
       :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
@@ -1007,8 +1124,11 @@ def clipped_grad_sum(
       by ``torch.compile`` before any eager call, nothing can be timed: the graph then runs
       ``"ghost"`` where it covers a param (call ``fn`` once eagerly first to race).
 
-    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding; see
-    ``"two_pass"``) and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
+    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding), and
+    the released sums of neighbouring batches (with and without one sample) differ by at most
+    ``C (1 + tol)``, with ``tol`` ``clip_and_sum``'s float32 summation rounding (``~ 2 B**2 eps``
+    worst case; ghost: see :func:`_sum_dtype`; tests/test_sensitivity.py checks it with crafted
+    samples), and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
     """
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
@@ -1017,12 +1137,6 @@ def clipped_grad_sum(
     _check_rule(call, rule, stability, nonfinite)
     _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
     _checks.optional_positive_int(call, "norm_chunk_size", norm_chunk_size)
-    if method == "two_pass" and randomness != "error":
-        raise ValueError(
-            f"{call}: method='two_pass' runs the forward twice, so a random layer (dropout) would draw "
-            "different masks for the norms and for the weighted backward, and the clipping bound would "
-            "not hold. Use method='ghost' or 'vmap' (one forward) with randomness='different'."
-        )
     grads_fn = per_sample_grads(loss_fn, return_loss=True, randomness=randomness)
     plans: dict[tuple, _Plan] = {}
     chosen: dict[tuple, str] = {}  # "auto"'s choice per input shape
@@ -1036,48 +1150,43 @@ def clipped_grad_sum(
         return summed, norms, losses
 
     def by_two_pass(params, shared, batch, mask):
+        # Per-sample grads norm_chunk_size rows at a time, each chunk clipped and added to the sum
+        # at once: the sum is of the very numbers whose norms were clipped (as vmap's), so every
+        # bound of clip_and_sum holds. (It used to be one batched backward of the reweighted
+        # losses, whose rounding is relative to the whole batch: 32 C in bfloat16, 1.015 C in
+        # float32 next to a sample with cancelling terms, and ops such as scale_grad_by_freq
+        # coupled the samples in it.)
         b = batch_size(batch, call=call)
         size = norm_chunk_size or b
-        norms, losses = [], []
+        real = torch.ones(b, dtype=torch.bool) if mask is None else mask
+        norms, losses, summed = [], [], None
         for s in range(0, b, size):
             chunk = optree.tree_map(lambda t: t[s : s + size], batch, namespace="torch")
             g, lo = grads_fn(params, *shared, chunk)
-            norms.append(grad_norms(g))
+            part, n = clip_and_sum(g, l2_clip_norm, mask=real[s : s + size], rule=rule, stability=stability, nonfinite="zero")
+            summed = part if summed is None else {k: summed[k] + part[k] for k in summed}
+            norms.append(n)
             losses.append(lo)
-            del g  # one chunk's per-sample grads at a time
-        norms_t = torch.cat(norms) if norms else torch.zeros(0)
-        real = torch.ones(b, dtype=torch.bool, device=norms_t.device) if mask is None else mask.to(norms_t.device)
-        norms_t = torch.where(real, norms_t, 0.0)
-        keep = _keep(norms_t, real, nonfinite, call)
-        w = torch.where(keep, weights(norms_t), 0.0)
+            del g, part  # one chunk's per-sample grads at a time
+        norms_t = torch.cat(norms)
+        if nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
+            _keep(norms_t, real.to(norms_t.device), nonfinite, call)
+        return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
 
-        # Rows that must not contribute may hold NaN, and the batched backward sums over rows
-        # (0 * NaN = NaN): run them as copies of a kept row, with weight 0.
-        src = torch.where(keep, torch.arange(b, device=keep.device), keep.to(torch.uint8).argmax())
-        clean = optree.tree_map(lambda t: t[src.to(t.device)], batch, namespace="torch")
-
-        def weighted_loss(p):
-            per = vmap(lambda sample: loss_fn(p, *shared, sample), randomness=randomness)(clean)
-            return (per * w.to(per.dtype)).sum()
-
-        try:
-            if torch.compiler.is_compiling():
-                summed = torch.func.grad(weighted_loss)({k: v.detach() for k, v in params.items()})
-            else:  # plain autograd keeps less than torch.func.grad (CIFAR-10, B=512: 521 vs 774 MiB)
-                leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
-                with torch.enable_grad():
-                    total = weighted_loss(leaves)
-                summed = dict(zip(leaves, torch.autograd.grad(total, list(leaves.values()), allow_unused=True)))
-                summed = {k: torch.zeros_like(leaves[k]) if v is None else v for k, v in summed.items()}
-        except RuntimeError as err:
-            raise _explain_runtime_error(call, err) from err
-        anyone = keep.any()  # with no row kept, even the copies may be NaN: the sum is exactly 0
-        summed = {k: torch.where(anyone, v.to(acc_dtype(v.dtype)), 0.0) for k, v in summed.items()}
-        return summed, norms_t, torch.where(real, torch.cat(losses), 0.0)
+    # an fp16 loss with a static loss_scale (vmapdp.mixed_precision): ghost runs the form whose
+    # params reach the layers as casts, with gradients grad_scale times the loss's, and divides the
+    # (power-of-two) scale out of its norms and sum exactly
+    grad_scale, ghost_loss = getattr(loss_fn, "_vmapdp_loss_scale", (1.0, loss_fn))
 
     def by_ghost(params, shared, batch, mask, plan):
         try:
-            norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, weights, randomness=randomness, plan=plan, call=call)
+            if grad_scale == 1.0:
+                norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, weights, randomness=randomness, plan=plan, call=call)
+            else:
+                norms, summed, losses = ghost_norms_and_sum(
+                    ghost_loss, params, shared, batch, mask, lambda n: weights(n / grad_scale), randomness=randomness, plan=plan, call=call
+                )
+                norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
         except RuntimeError as err:
             raise _explain_runtime_error(call, err) from err
         if nonfinite == "raise":
@@ -1091,7 +1200,7 @@ def clipped_grad_sum(
         plan = plans.get(key)
         if plan is None:
             try:
-                plan = _probe(loss_fn, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
+                plan = _probe(ghost_loss, {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], randomness)
             except RuntimeError as err:
                 raise _explain_runtime_error(call, err) from err
             plans[key] = plan
@@ -1113,6 +1222,20 @@ def clipped_grad_sum(
         return chosen[key]
 
     def fn(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        try:
+            return dispatch(*args, mask=mask)
+        except RuntimeError as err:
+            if "saved tensor hooks" in str(err):
+                raise UnsupportedModuleError(
+                    f"{call}: the loss uses torch.utils.checkpoint (or other saved tensor hooks), which "
+                    "torch.func's grad/vjp (used by every method: vmap, ghost, two_pass) refuse: 'torch.func."
+                    "{grad, vjp, ...} don't yet support saved tensor hooks'. Expected a loss without "
+                    "checkpoint; to bound memory use physical_batch_size (make_train_step) or "
+                    "method='two_pass' with a small norm_chunk_size instead."
+                ) from err
+            raise
+
+    def dispatch(*args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:
             raise TypeError(f"{call}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
         params, shared, batch = args[0], tuple(args[1:-1]), args[-1]

@@ -147,9 +147,8 @@ def mixed_precision(
             )
         loss_scale = float(loss_scale)
 
-    @functools.wraps(loss_fn)
-    def wrapped(*args: Any) -> Any:
-        if loss_scale is not None:
+    def run(args: tuple, unscale: bool) -> Any:
+        if loss_scale is not None and unscale:
             # float32 side: the gradient reaching the master params (and any other differentiated
             # shared argument) is divided by the scale; the sample is never differentiated
             args = _scale_grads(args[:-1], 1.0 / loss_scale) + args[-1:]
@@ -163,4 +162,18 @@ def mixed_precision(
         loss = loss.to(torch.float32)
         return loss if rest is None else (loss,) + rest
 
+    @functools.wraps(loss_fn)
+    def wrapped(*args: Any) -> Any:
+        return run(args, unscale=True)
+
+    if loss_scale is not None:
+        # For ghost clipping (vmapdp.clipped_grad_sum): the float32-side unscaling hides the params
+        # from the layers it covers (they see d + (p - d) / scale, not a cast of p), which turned its
+        # coverage to 0. It runs this form instead, whose gradients are loss_scale times wrapped's,
+        # and divides the scale out of its norms and sum itself (exactly: a power of two).
+        @functools.wraps(loss_fn)
+        def scaled(*args: Any) -> Any:
+            return run(args, unscale=False)
+
+        wrapped._vmapdp_loss_scale = (loss_scale, scaled)  # type: ignore[attr-defined]
     return wrapped
