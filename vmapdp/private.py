@@ -181,8 +181,8 @@ def make_private(
         collate_fn: collates the sampled rows into a batch (default ``default_collate``). It must
             treat each row on its own (pad, tokenise; never mix rows, as mixup does) and keep one
             row per sample; padding rows are passed too.
-        method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); name one
-            for bit-for-bit reproducible runs.
+        method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); what
+            ``"auto"`` chose is kept in the state, so a resumed run replays it bit for bit.
 
     Raises:
         vmapdp.UnsupportedModuleError: the module mixes samples or updates buffers (with the fix).
