@@ -153,7 +153,7 @@ def epsilon(
     noise_multiplier: float | None = None,
     sample_rate: float | None = None,
     steps: int | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -172,9 +172,9 @@ def epsilon(
       noise_multiplier: noise std / l2_clip_norm, > 0 (0 only with ``allow_non_private``).
       sample_rate: Poisson sampling probability in [0, 1] (0: no data used, epsilon 0).
       steps: number of noisy steps, an integer >= 0.
-      accountant: ``"rdp"`` (Renyi DP, upper bound, fast), ``"pld"`` or its alias ``"prv"``
-        (privacy loss distributions, tight upper bound), ``"gdp"`` (CLT approximation, NOT a
-        bound; warns).
+      accountant: ``"pld"`` (the default) or its alias ``"prv"`` (privacy loss distributions,
+        tight upper bound with a certified discretisation error), ``"rdp"`` (Renyi DP, a looser
+        upper bound, fast), ``"gdp"`` (CLT approximation, NOT a bound; warns).
       orders: Renyi orders for ``"rdp"`` (default :data:`DEFAULT_ORDERS`, up to 8192).
       eps_error: for ``"pld"``: largest certified discretisation error accepted; default 1%
         of the result (at least 1e-4).
@@ -191,6 +191,8 @@ def epsilon(
 
     Example:
       >>> round(epsilon(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14070, delta=1e-5), 3)
+      2.387
+      >>> round(epsilon(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14070, delta=1e-5, accountant="rdp"), 3)
       2.597
 
     References:
@@ -215,7 +217,7 @@ def delta(
     noise_multiplier: float | None = None,
     sample_rate: float | None = None,
     steps: int | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -304,7 +306,7 @@ def epsilon_grid(
     sample_rate,
     steps,
     delta,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     num_samples: int | None = None,
@@ -313,7 +315,8 @@ def epsilon_grid(
 
     Each of ``noise_multiplier``, ``sample_rate``, ``steps`` and ``delta`` is a scalar or a
     sequence (list, tuple, range, 1-D tensor or array); sequences must share one length and
-    scalars are broadcast. With ``"rdp"`` the per-step RDP of every distinct
+    scalars are broadcast. The default ``"pld"`` runs one PLD composition per grid point
+    (tens to hundreds of milliseconds each). With ``"rdp"`` the per-step RDP of every distinct
     (noise_multiplier, sample_rate) pair is computed in one vectorised pass, so a curve of a
     few hundred points takes milliseconds.
 
@@ -374,7 +377,7 @@ def calibrate_noise(
     delta: float,
     sample_rate: float,
     steps: int,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -385,11 +388,17 @@ def calibrate_noise(
 
     Searches ``noise_multiplier`` in [0.1, 1e4] (log-space bracketing, then safeguarded
     log-log interpolation/bisection) against exactly what ``epsilon(noise_multiplier=...,
-    sample_rate=..., steps=..., delta=..., accountant=..., <same options>)`` returns.
+    sample_rate=..., steps=..., delta=..., accountant=..., <same options>)`` returns. The
+    default accountant is ``"pld"``: it needs 5-11% less noise than ``"rdp"`` for the same
+    budget (e.g. 0.815 against 0.866 at target_epsilon=3, delta=1e-5, sample_rate=0.01,
+    steps=1000), because it is a tighter upper bound on the same epsilon.
 
     Guarantees:
-      ``epsilon(noise_multiplier=result, ...) <= target_epsilon`` (never overshoots), and
-      ``>= (1 - rtol) * target_epsilon``.
+      The achieved epsilon lies in the bracket ``[(1 - rtol) * target_epsilon,
+      target_epsilon]``: ``epsilon(noise_multiplier=result, ...) <= target_epsilon`` (never
+      overshoots; the search keeps an upper end that meets the target and returns it), and
+      ``>= (1 - rtol) * target_epsilon`` (unless the search bottoms out on a noise grid
+      narrower than 1e-12 relative).
 
     Args:
       target_epsilon: the budget, > 0.
