@@ -24,17 +24,28 @@ Neighbouring relation: add/remove one example, Poisson subsampling.
 """
 
 from vmapdp.accounting.core import calibrate_noise, delta, epsilon, epsilon_bounds, epsilon_grid
-from vmapdp.accounting.events import Event, Ledger, NonPrivateEvent, PoissonGaussianEvent
+from vmapdp.accounting.events import (
+    EpochGaussianEvent,
+    Event,
+    FixedSizeGaussianEvent,
+    Ledger,
+    NonPrivateEvent,
+    PoissonGaussianEvent,
+    TruncatedPoissonGaussianEvent,
+)
 from vmapdp.accounting.pld import PLDBounds
 from vmapdp.accounting.rdp import DEFAULT_ORDERS, rdp_poisson_gaussian
 
 __all__ = [
     "DEFAULT_ORDERS",
+    "EpochGaussianEvent",
     "Event",
+    "FixedSizeGaussianEvent",
     "Ledger",
     "NonPrivateEvent",
     "PLDBounds",
     "PoissonGaussianEvent",
+    "TruncatedPoissonGaussianEvent",
     "calibrate_noise",
     "delta",
     "epsilon",
