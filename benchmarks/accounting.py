@@ -82,13 +82,13 @@ def main(argv=None) -> list[dict]:
     from opacus.accountants.analysis import rdp as opacus_rdp
     from opacus.accountants.utils import get_noise_multiplier
 
-    acc.epsilon(noise_multiplier=2.0, sample_rate=0.5, steps=10, delta=DELTA)  # warm torch up
+    acc.epsilon(noise_multiplier=2.0, sample_rate=0.5, steps=10, delta=DELTA, accountant="rdp")  # warm torch up
 
     # --- RDP -----------------------------------------------------------------------------
     t_cold, e_rdp = timed(
-        cold(lambda i: acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA)), r
+        cold(lambda i: acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA, accountant="rdp")), r
     )
-    t_warm, _ = timed(lambda i: acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA), r)
+    t_warm, _ = timed(lambda i: acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA, accountant="rdp"), r)
 
     def dp_rdp(i):
         a = dp_accounting.rdp.RdpAccountant()
@@ -103,7 +103,7 @@ def main(argv=None) -> list[dict]:
         return float(opacus_rdp.get_privacy_spent(orders=opacus_orders, rdp=rdp, delta=DELTA)[0])
 
     t_op_rdp, e_op_rdp = timed(op_rdp, r)
-    e_same_grid = acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA, orders=opacus_orders)
+    e_same_grid = acc.epsilon(noise_multiplier=NOISE, sample_rate=RATE, steps=STEPS, delta=DELTA, orders=opacus_orders, accountant="rdp")
     rows.append(
         (f"rdp eps, {STEPS} steps (cold)", t_cold, "< 10", t_dp_rdp, t_op_rdp,
          f"{e_rdp:.4f} (Opacus grid {e_same_grid:.4f}) / {e_dp_rdp:.4f} / {e_op_rdp:.4f}")
@@ -139,9 +139,9 @@ def main(argv=None) -> list[dict]:
     # --- calibration ---------------------------------------------------------------------
     target = 3.0
     t_cal, sigma = timed(
-        cold(lambda i: acc.calibrate_noise(target_epsilon=target, delta=DELTA, sample_rate=RATE, steps=STEPS)), r
+        cold(lambda i: acc.calibrate_noise(target_epsilon=target, delta=DELTA, sample_rate=RATE, steps=STEPS, accountant="rdp")), r
     )
-    achieved = acc.epsilon(noise_multiplier=sigma, sample_rate=RATE, steps=STEPS, delta=DELTA)
+    achieved = acc.epsilon(noise_multiplier=sigma, sample_rate=RATE, steps=STEPS, delta=DELTA, accountant="rdp")
     t_op_cal, sigma_op = timed(
         lambda i: get_noise_multiplier(
             target_epsilon=target + 1e-7 * i, target_delta=DELTA, sample_rate=RATE, steps=STEPS, accountant="rdp"
@@ -165,11 +165,11 @@ def main(argv=None) -> list[dict]:
     # --- grids ---------------------------------------------------------------------------
     steps_grid = list(range(100, 10_001, 100))
     t_g1, g1 = timed(
-        cold(lambda i: acc.epsilon_grid(noise_multiplier=NOISE, sample_rate=RATE, steps=steps_grid, delta=DELTA)), r
+        cold(lambda i: acc.epsilon_grid(noise_multiplier=NOISE, sample_rate=RATE, steps=steps_grid, delta=DELTA, accountant="rdp")), r
     )
     noise_grid = [0.5 + 0.05 * k for k in range(100)]
     t_g2, g2 = timed(
-        cold(lambda i: acc.epsilon_grid(noise_multiplier=noise_grid, sample_rate=RATE, steps=STEPS, delta=DELTA)),
+        cold(lambda i: acc.epsilon_grid(noise_multiplier=noise_grid, sample_rate=RATE, steps=STEPS, delta=DELTA, accountant="rdp")),
         max(1, r // 2),
     )
 

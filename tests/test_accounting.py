@@ -128,10 +128,10 @@ def test_epsilon_accepts_ledger_event_or_state_with_ledger():
     class State:  # what a train state looks like to the accountant
         ledger = Ledger().record(noise_multiplier=1.0, sample_rate=0.01, count=100)
 
-    kw = acc.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5)
-    assert acc.epsilon(State.ledger, delta=1e-5) == kw
-    assert acc.epsilon(State(), delta=1e-5) == kw
-    assert acc.epsilon(PoissonGaussianEvent(1.0, 0.01, 100), delta=1e-5) == kw
+    kw = acc.epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5, accountant="rdp")
+    assert acc.epsilon(State.ledger, delta=1e-5, accountant="rdp") == kw
+    assert acc.epsilon(State(), delta=1e-5, accountant="rdp") == kw
+    assert acc.epsilon(PoissonGaussianEvent(1.0, 0.01, 100), delta=1e-5, accountant="rdp") == kw
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,10 +162,10 @@ def test_rdp_matches_mpmath_quadrature(noise, rate, orders):
 
 def test_published_value_with_opacus_orders():
     # sigma=1.5, q=0.04, 2250 steps, delta=1e-5: epsilon 7.3291 with Opacus's order grid
-    eps = acc.epsilon(noise_multiplier=1.5, sample_rate=0.04, steps=2250, delta=1e-5, orders=OPACUS_ORDERS)
+    eps = acc.epsilon(noise_multiplier=1.5, sample_rate=0.04, steps=2250, delta=1e-5, orders=OPACUS_ORDERS, accountant="rdp")
     assert round(eps, 3) == 7.329
     # the wider default grid can only help (it contains no order that makes things worse)
-    assert acc.epsilon(noise_multiplier=1.5, sample_rate=0.04, steps=2250, delta=1e-5) <= eps + 2e-3
+    assert acc.epsilon(noise_multiplier=1.5, sample_rate=0.04, steps=2250, delta=1e-5, accountant="rdp") <= eps + 2e-3
 
 
 SETTINGS = [(1.1, 256 / 60000, 14070, 1e-5), (1.5, 0.04, 2250, 1e-5), (0.8, 0.1, 300, 1e-6), (3.0, 0.002, 50_000, 1e-7)]
@@ -183,7 +183,7 @@ def test_rdp_matches_opacus(noise, rate, steps, delta):
     # (also <= 1e-7): both are truncations of the same series
     torch.testing.assert_close(ours[~integer], theirs[~integer], rtol=3e-7, atol=0)
     eps_theirs, _ = opacus_rdp.get_privacy_spent(orders=OPACUS_ORDERS, rdp=theirs.numpy(), delta=delta)
-    eps = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, orders=OPACUS_ORDERS)
+    eps = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, orders=OPACUS_ORDERS, accountant="rdp")
     assert eps == pytest.approx(float(eps_theirs), rel=1e-6)
 
 
@@ -192,9 +192,9 @@ def test_rdp_matches_dp_accounting(noise, rate, steps, delta):
     integer_orders = [2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 32, 48, 64, 128, 256]
     accountant = dp_rdp.RdpAccountant(orders=integer_orders)
     accountant.compose(dp_event(noise, rate), steps)
-    eps = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, orders=integer_orders)
+    eps = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, orders=integer_orders, accountant="rdp")
     assert eps == pytest.approx(accountant.get_epsilon(delta), rel=1e-9)
-    d = acc.delta(noise_multiplier=noise, sample_rate=rate, steps=steps, epsilon=eps + 0.5, orders=integer_orders)
+    d = acc.delta(noise_multiplier=noise, sample_rate=rate, steps=steps, epsilon=eps + 0.5, orders=integer_orders, accountant="rdp")
     assert d == pytest.approx(accountant.get_delta(eps + 0.5), rel=1e-8)
     # dp-accounting 0.6 adds the absolute values of the alternating fractional-order series
     # terms, which over-estimates A at fractional orders: ours may only be lower there
@@ -207,8 +207,8 @@ def test_rdp_matches_dp_accounting(noise, rate, steps, delta):
 def test_default_orders_reach_thousands_for_small_epsilon():
     # large noise, one step: the best order is in the hundreds; Opacus's grid stops at 63
     kw = dict(noise_multiplier=30.0, sample_rate=1.0, steps=1, delta=1e-10)
-    ours = acc.epsilon(**kw)
-    capped = acc.epsilon(**kw, orders=OPACUS_ORDERS)
+    ours = acc.epsilon(**kw, accountant="rdp")
+    capped = acc.epsilon(**kw, orders=OPACUS_ORDERS, accountant="rdp")
     assert ours < 0.75 * capped
     # optimum over a continuous order for the Gaussian mechanism: a / (2 s^2) + conversion
     a_star = optimize.minimize_scalar(
@@ -242,7 +242,7 @@ def test_rdp_monotone_in_every_argument(noise, rate, steps, delta):
     def eps(**over):
         kw = dict(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)
         kw.update(over)
-        return acc.epsilon(**kw)
+        return acc.epsilon(**kw, accountant="rdp")
 
     e = eps()
     assert e >= 0.0
@@ -255,13 +255,13 @@ def test_rdp_monotone_in_every_argument(noise, rate, steps, delta):
 @pytest.mark.parametrize("noise, rate, steps, delta", _random_settings(6, seed=1))
 def test_rdp_epsilon_delta_round_trip(noise, rate, steps, delta):
     kw = dict(noise_multiplier=noise, sample_rate=rate, steps=steps)
-    e = acc.epsilon(**kw, delta=delta)
+    e = acc.epsilon(**kw, delta=delta, accountant="rdp")
     if e == 0.0:
-        assert acc.delta(**kw, epsilon=0.0) <= delta
+        assert acc.delta(**kw, epsilon=0.0, accountant="rdp") <= delta
         return
-    d = acc.delta(**kw, epsilon=e)
+    d = acc.delta(**kw, epsilon=e, accountant="rdp")
     assert d == pytest.approx(delta, rel=1e-6)
-    assert acc.epsilon(**kw, delta=d) == pytest.approx(e, rel=1e-9, abs=1e-12)
+    assert acc.epsilon(**kw, delta=d, accountant="rdp") == pytest.approx(e, rel=1e-9, abs=1e-12)
 
 
 def test_limits_zero_rate_zero_steps_tiny_noise_and_non_private():
@@ -276,10 +276,10 @@ def test_limits_zero_rate_zero_steps_tiny_noise_and_non_private():
             )
             == math.inf
         )
-    assert acc.epsilon(noise_multiplier=0.01, sample_rate=0.5, steps=10, delta=1e-5) > 1e3
+    assert acc.epsilon(noise_multiplier=0.01, sample_rate=0.5, steps=10, delta=1e-5, accountant="rdp") > 1e3
     ledger = Ledger().record(noise_multiplier=1.0, sample_rate=0.01, count=10).append(NonPrivateEvent())
-    assert acc.epsilon(ledger, delta=1e-5) == math.inf
-    assert acc.delta(ledger, epsilon=5.0) == 1.0
+    assert acc.epsilon(ledger, delta=1e-5, accountant="rdp") == math.inf
+    assert acc.delta(ledger, epsilon=5.0, accountant="rdp") == 1.0
 
 
 def test_schedule_is_the_per_order_sum():
@@ -291,13 +291,13 @@ def test_schedule_is_the_per_order_sum():
         q=0.05, noise_multiplier=0.8, steps=300, orders=orders
     )
     expected, _ = opacus_rdp.get_privacy_spent(orders=orders, rdp=total, delta=1e-6)
-    assert acc.epsilon(ledger, delta=1e-6, orders=orders) == pytest.approx(float(expected), rel=1e-6)
+    assert acc.epsilon(ledger, delta=1e-6, orders=orders, accountant="rdp") == pytest.approx(float(expected), rel=1e-6)
     # composition is order-independent, and lies between the two constant schedules
     swapped = Ledger(tuple(reversed(ledger.events)))
-    assert acc.epsilon(swapped, delta=1e-6) == pytest.approx(acc.epsilon(ledger, delta=1e-6), rel=1e-12)
-    lo = acc.epsilon(noise_multiplier=1.2, sample_rate=0.02, steps=1000, delta=1e-6)
-    hi = acc.epsilon(noise_multiplier=0.8, sample_rate=0.05, steps=1000, delta=1e-6)
-    assert lo < acc.epsilon(ledger, delta=1e-6) < hi
+    assert acc.epsilon(swapped, delta=1e-6, accountant="rdp") == pytest.approx(acc.epsilon(ledger, delta=1e-6, accountant="rdp"), rel=1e-12)
+    lo = acc.epsilon(noise_multiplier=1.2, sample_rate=0.02, steps=1000, delta=1e-6, accountant="rdp")
+    hi = acc.epsilon(noise_multiplier=0.8, sample_rate=0.05, steps=1000, delta=1e-6, accountant="rdp")
+    assert lo < acc.epsilon(ledger, delta=1e-6, accountant="rdp") < hi
 
 
 def test_accountants_are_pure():
@@ -312,13 +312,13 @@ def test_accountants_are_pure():
 
 def test_epsilon_grid_equals_pointwise_calls():
     steps = [0, 10, 100, 1000, 10_000]
-    grid = acc.epsilon_grid(noise_multiplier=1.1, sample_rate=0.01, steps=steps, delta=1e-5)
-    pointwise = [acc.epsilon(noise_multiplier=1.1, sample_rate=0.01, steps=t, delta=1e-5) for t in steps]
+    grid = acc.epsilon_grid(noise_multiplier=1.1, sample_rate=0.01, steps=steps, delta=1e-5, accountant="rdp")
+    pointwise = [acc.epsilon(noise_multiplier=1.1, sample_rate=0.01, steps=t, delta=1e-5, accountant="rdp") for t in steps]
     assert grid == pytest.approx(pointwise)
     assert grid == sorted(grid) and grid[0] == 0.0
     noises = torch.linspace(0.6, 3.0, 7)
-    over_noise = acc.epsilon_grid(noise_multiplier=noises, sample_rate=[0.01] * 7, steps=500, delta=np.float64(1e-6))
-    expected = [acc.epsilon(noise_multiplier=float(s), sample_rate=0.01, steps=500, delta=1e-6) for s in noises]
+    over_noise = acc.epsilon_grid(noise_multiplier=noises, sample_rate=[0.01] * 7, steps=500, delta=np.float64(1e-6), accountant="rdp")
+    expected = [acc.epsilon(noise_multiplier=float(s), sample_rate=0.01, steps=500, delta=1e-6, accountant="rdp") for s in noises]
     assert over_noise == pytest.approx(expected, rel=1e-12)
     assert over_noise == sorted(over_noise, reverse=True)
 
@@ -350,7 +350,7 @@ def test_gdp_can_under_report():
     kw = dict(noise_multiplier=1.0, sample_rate=0.5, steps=3, delta=1e-6)
     with pytest.warns(UserWarning):
         approx = acc.epsilon(**kw, accountant="gdp")
-    assert approx < acc.epsilon(**kw, accountant="pld") < acc.epsilon(**kw)
+    assert approx < acc.epsilon(**kw, accountant="pld") < acc.epsilon(**kw, accountant="rdp")
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,11 +369,11 @@ def test_gdp_can_under_report():
     ],
 )
 def test_calibrate_never_overshoots_and_is_within_one_percent(target, delta, rate, steps):
-    noise = acc.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=rate, steps=steps)
-    achieved = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)
+    noise = acc.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=rate, steps=steps, accountant="rdp")
+    achieved = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, accountant="rdp")
     assert 0.99 * target <= achieved <= target
     # and it is the smallest such noise (to the bisection resolution)
-    assert acc.epsilon(noise_multiplier=noise * 0.98, sample_rate=rate, steps=steps, delta=delta) > 0.99 * target
+    assert acc.epsilon(noise_multiplier=noise * 0.98, sample_rate=rate, steps=steps, delta=delta, accountant="rdp") > 0.99 * target
 
 
 def test_calibrate_with_pld_and_gdp():
@@ -381,29 +381,29 @@ def test_calibrate_with_pld_and_gdp():
     noise = acc.calibrate_noise(target_epsilon=2.0, accountant="pld", **kw)
     achieved = acc.epsilon(noise_multiplier=noise, sample_rate=0.02, steps=1000, delta=1e-5, accountant="pld")
     assert 0.99 * 2.0 <= achieved <= 2.0
-    assert noise < acc.calibrate_noise(target_epsilon=2.0, **kw)  # tighter accountant, less noise
+    assert noise < acc.calibrate_noise(target_epsilon=2.0, **kw, accountant="rdp")  # tighter accountant, less noise
     with pytest.warns(UserWarning, match="not an upper bound"):
         acc.calibrate_noise(target_epsilon=2.0, accountant="gdp", **kw)
 
 
 def test_calibrate_rejects_impossible_budgets():
     with pytest.raises(ValueError, match=r"calibrate_noise: target_epsilon=1e-05 needs noise_multiplier > 10000"):
-        acc.calibrate_noise(target_epsilon=1e-5, delta=1e-5, sample_rate=0.5, steps=100_000)
+        acc.calibrate_noise(target_epsilon=1e-5, delta=1e-5, sample_rate=0.5, steps=100_000, accountant="rdp")
     with pytest.raises(ValueError, match=r"calibrate_noise: target_epsilon=0.0 must be finite and > 0"):
-        acc.calibrate_noise(target_epsilon=0.0, delta=1e-5, sample_rate=0.5, steps=100)
+        acc.calibrate_noise(target_epsilon=0.0, delta=1e-5, sample_rate=0.5, steps=100, accountant="rdp")
     with pytest.raises(ValueError, match="delta is so large next to the chance of ever sampling"):
-        acc.calibrate_noise(target_epsilon=10.0, delta=0.5, sample_rate=1e-4, steps=10)
+        acc.calibrate_noise(target_epsilon=10.0, delta=0.5, sample_rate=1e-4, steps=10, accountant="rdp")
     with pytest.raises(ValueError, match=r"calibrate_noise: steps=0 must be an int >= 1"):
-        acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.5, steps=0)
+        acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.5, steps=0, accountant="rdp")
     with pytest.raises(ValueError, match=r"sample_rate=0.0 must be in \(0, 1\]"):
-        acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.0, steps=10)
+        acc.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.0, steps=10, accountant="rdp")
 
 
 # ---------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------
 
-GOOD = dict(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5)
+GOOD = dict(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5, accountant="rdp")  # these tests are about argument checks; RDP is fast
 
 
 @pytest.mark.parametrize(
@@ -451,7 +451,7 @@ def test_epsilon_rejects_wrong_types(override, match):
 
 def test_accountant_names_are_spelled_exactly():
     with pytest.raises(ValueError, match=r"accountant='PLD' must be one of .*Did you mean accountant='pld'\?"):
-        acc.epsilon(**GOOD, accountant="PLD")
+        acc.epsilon(**{**GOOD, "accountant": "PLD"})
 
 
 def test_call_form_errors():

@@ -58,7 +58,7 @@ def test_pld_within_one_percent_of_dp_accounting_and_above_the_truth(noise, rate
     assert eps >= fine * (1 - 2e-4)  # never below the truth (dp-accounting's own error allowed)
     assert bounds.lower <= fine * (1 + 1e-9)  # our certified lower bound is below any upper bound
     assert bounds.upper - bounds.lower <= max(0.01 * bounds.upper, 1e-4)  # the stated error
-    assert eps <= acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)  # <= RDP
+    assert eps <= acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, accountant="rdp")  # <= RDP
 
 
 @pytest.mark.parametrize("noise, steps, delta", [(2.0, 10, 1e-5), (0.9, 1, 1e-6), (20.0, 400, 1e-8)])
@@ -125,7 +125,7 @@ def test_schedule_matches_dp_accounting_and_is_order_independent():
     same_grid = acc.epsilon(ledger, delta=1e-6, accountant="pld", value_discretization_interval=h)
     swapped = acc.epsilon(reversed_ledger, delta=1e-6, accountant="pld", value_discretization_interval=h)
     assert swapped == pytest.approx(same_grid, rel=1e-9)
-    assert eps <= acc.epsilon(ledger, delta=1e-6)
+    assert eps <= acc.epsilon(ledger, delta=1e-6, accountant="rdp")
 
 
 def _random_settings(n, seed):
@@ -146,7 +146,7 @@ def test_pld_properties(noise, rate, steps, delta):
     kw = dict(noise_multiplier=noise, sample_rate=rate, steps=steps)
     h = 2e-3  # a fixed grid: the properties hold exactly for one discretisation
     e = acc.epsilon(**kw, delta=delta, accountant="pld", value_discretization_interval=h)
-    assert 0.0 <= e <= acc.epsilon(**kw, delta=delta) + 1e-12
+    assert 0.0 <= e <= acc.epsilon(**kw, delta=delta, accountant="rdp") + 1e-12
 
     def eps(**over):
         args = {**kw, "delta": delta, **over}
@@ -169,3 +169,28 @@ def test_prv_is_an_alias_and_eps_error_is_honoured():
     assert loose.upper - loose.lower <= 0.2 and tight.upper - tight.lower <= 0.005
     assert tight.value_discretization_interval < loose.value_discretization_interval
     assert loose.lower <= tight.lower <= tight.upper <= loose.upper + 1e-9
+
+
+# ---------------------------------------------------------------------------------------
+# PLD is the default accountant
+# ---------------------------------------------------------------------------------------
+
+
+def test_pld_is_the_default_everywhere():
+    kw = dict(noise_multiplier=1.0, sample_rate=0.02, steps=300)
+    pld = acc.epsilon(**kw, delta=1e-5, accountant="pld")
+    assert acc.epsilon(**kw, delta=1e-5) == pld
+    assert acc.epsilon_grid(**kw, delta=1e-5) == [pld]
+    assert acc.delta(**kw, epsilon=1.0) == acc.delta(**kw, epsilon=1.0, accountant="pld")
+    assert pld < acc.epsilon(**kw, delta=1e-5, accountant="rdp")  # and RDP stays available by name
+
+
+@pytest.mark.parametrize("target, delta, rate, steps", [(3.0, 1e-5, 0.01, 1000), (1.0, 1e-6, 0.05, 200), (8.0, 1e-5, 0.2, 50)])
+def test_default_calibration_never_overshoots_and_needs_less_noise_than_rdp(target, delta, rate, steps):
+    noise = acc.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=rate, steps=steps)  # PLD
+    achieved = acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta)
+    assert 0.99 * target <= achieved <= target  # the stated bracket [(1 - rtol) target, target]
+    rdp_noise = acc.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=rate, steps=steps, accountant="rdp")
+    assert noise < rdp_noise
+    if (target, rate, steps) == (3.0, 0.01, 1000):  # the numbers quoted in the docs (issue #19)
+        assert round(noise, 3) == 0.815 and round(rdp_noise, 3) == 0.866

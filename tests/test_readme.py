@@ -15,7 +15,7 @@ def test_readme_examples_run():
     for block in blocks:
         exec(compile(block, str(README), "exec"), namespace)
     state = namespace["state"]
-    assert state.step == 200 and state.epsilon(1e-5) <= 3.0
+    assert state.step == 200 and state.epsilon(1e-5, accountant="pld") <= 3.0  # calibrated by PLD (the default)
 
 
 def test_readme_commands_match_ci():

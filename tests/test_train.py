@@ -153,12 +153,12 @@ def test_ledger_and_epsilon_follow_the_steps():
     for _ in range(5):
         state, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
     assert state.ledger == accounting.Ledger().record(noise_multiplier=1.3, sample_rate=0.2, count=5)
-    assert state.epsilon(1e-5) == pytest.approx(accounting.epsilon(noise_multiplier=1.3, sample_rate=0.2, steps=5, delta=1e-5))
+    assert state.epsilon(1e-5) == pytest.approx(accounting.epsilon(noise_multiplier=1.3, sample_rate=0.2, steps=5, delta=1e-5, accountant="rdp"))  # TrainState.epsilon defaults to RDP (train.py)
 
 
 def test_budget_stops_before_the_step_that_would_exceed_it():
     _, params, buffers, (x, y), loss_fn = problem()
-    eps_after = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5) for t in (1, 2, 3, 4)]
+    eps_after = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5, accountant="rdp") for t in (1, 2, 3, 4)]
     budget = (eps_after[2] + eps_after[3]) / 2  # three steps fit, the fourth would not
     step = make(loss_fn, noise=1.0, q=0.2, budget=(budget, 1e-5))
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)

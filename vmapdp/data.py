@@ -24,7 +24,29 @@ from torch import Tensor
 from vmapdp import _checks
 from vmapdp.noise import key_bytes
 
-__all__ = ["PoissonSampler", "default_capacity", "gather", "gather_dataset"]
+__all__ = [
+    "PoissonSampler",
+    "FixedSizeSampler",
+    "ShuffledSampler",
+    "BallsInBinsSampler",
+    "TruncatedPoissonSampler",
+    "default_capacity",
+    "gather",
+    "gather_dataset",
+]
+
+_U53 = (1 << 53) - 1
+
+
+def _shake_u53(label: bytes, n: int) -> Tensor:
+    """n independent uniform 53-bit integers (int64) from SHAKE-256 of ``label``."""
+    raw = torch.frombuffer(bytearray(hashlib.shake_256(label).digest(8 * n)), dtype=torch.int64)
+    return raw & _U53
+
+
+def _os_u53(n: int) -> Tensor:
+    """n uniform 53-bit integers from the operating system's CSPRNG."""
+    return torch.frombuffer(bytearray(secrets.token_bytes(8 * n)), dtype=torch.int64) & _U53
 
 
 
@@ -144,15 +166,11 @@ class PoissonSampler:
         n, q = self.num_samples, self.sample_rate
         if self.secure:
             # 53-bit uniform integers from the OS CSPRNG; example i is in iff u_i < q * 2**53
-            raw = torch.frombuffer(bytearray(secrets.token_bytes(8 * n)), dtype=torch.int64)
-            u = raw & ((1 << 53) - 1)
-            return (u < int(q * (1 << 53))).nonzero().flatten()
+            return (_os_u53(n) < int(q * (1 << 53))).nonzero().flatten()
         if self.key is not None:
             label = b"vmapdp-poisson:" + self.key + b":" + str(self._draws).encode()
             self._draws += 1
-            raw = torch.frombuffer(bytearray(hashlib.shake_256(label).digest(8 * n)), dtype=torch.int64)
-            u = raw & ((1 << 53) - 1)
-            return (u < int(q * (1 << 53))).nonzero().flatten()
+            return (_shake_u53(label, n) < int(q * (1 << 53))).nonzero().flatten()
         return (torch.rand(n, generator=self.generator, dtype=torch.float64) < q).nonzero().flatten()
 
     def sample(self) -> tuple[Tensor, Tensor]:
@@ -169,6 +187,13 @@ class PoissonSampler:
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for _ in range(self.steps):
             yield self.sample()
+
+    def event(self, noise_multiplier: float):
+        """The accounting event of one step at ``noise_multiplier``: a
+        :class:`~vmapdp.accounting.PoissonGaussianEvent` (add/remove neighbours)."""
+        from vmapdp.accounting import PoissonGaussianEvent
+
+        return PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's RNG state, for checkpoints (``secure`` samplers have none to save)."""
@@ -219,6 +244,341 @@ class PoissonSampler:
             f"PoissonSampler(num_samples={self.num_samples}, sample_rate={self.sample_rate}, steps={self.steps}, "
             f"capacity={self.capacity}, secure={self.secure})"
         )
+
+
+def _pad(idx: Tensor, capacity: int, *, chunks: bool) -> tuple[Tensor, Tensor]:
+    """``(indices, mask)`` of length ``capacity`` (a multiple of it with ``chunks``); padding rows
+    hold index 0 and mask False."""
+    k = idx.numel()
+    m = max(1, math.ceil(k / capacity)) if chunks else 1
+    indices = torch.zeros(m * capacity, dtype=torch.int64)
+    mask = torch.zeros(m * capacity, dtype=torch.bool)
+    indices[:k] = idx
+    mask[:k] = True
+    return indices, mask
+
+
+class _KeyedSampler:
+    """What every sampler shares: the source of randomness (a secret key's SHAKE-256 stream, a
+    torch generator for tests, or the OS CSPRNG), its checkpoint state, and the padding.
+
+    Subclasses set ``_LABEL`` (the stream's domain separation) and implement ``sample()`` and
+    ``event(noise_multiplier)``. Every draw takes uniform 53-bit integers from :meth:`_u53`; a
+    keyed draw is a pure function of ``(key, draw number)``, so a restored counter resumes the
+    stream bitwise.
+    """
+
+    _LABEL = b"vmapdp-sampler:"
+
+    def _init_source(self, call, generator, key, secure) -> None:
+        if secure and generator is not None:
+            raise ValueError(
+                f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
+                "generator; pass generator=None (a seeded generator makes the batches predictable)."
+            )
+        if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
+            raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        if not isinstance(secure, bool):
+            raise TypeError(f"{call}: secure must be a bool, got {type(secure).__name__} ({secure!r}).")
+        self.secure = secure
+        self.generator = generator
+        if generator is None and not secure:
+            key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
+        self.key: bytes | None = key if generator is None and not secure else None
+        self._draws = 0
+        self._step = 0  # steps yielded so far
+
+    def _u53(self, n: int) -> Tensor:
+        if self.secure:
+            return _os_u53(n)
+        if self.key is not None:
+            label = self._LABEL + self.key + b":" + str(self._draws).encode()
+            self._draws += 1
+            return _shake_u53(label, n)
+        return torch.randint(0, 1 << 53, (n,), generator=self.generator, dtype=torch.int64)
+
+    def _permutation(self, n: int) -> Tensor:
+        """A uniformly random permutation of range(n): sort by 53-bit keys (ties, probability
+        below n^2 / 2^54, keep index order)."""
+        return torch.sort(self._u53(n), stable=True).indices
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for _ in range(self.steps):
+            yield self.sample()
+
+    def _params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bitwise (keyed or generator-driven; a secure sampler
+        resumes its current epoch from the saved assignment, then draws fresh)."""
+        return {
+            "kind": type(self).__name__,
+            **self._params(),
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "key": self.key,
+            "draws": self._draws,
+            "step": self._step,
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from :meth:`state_dict` of a sampler made with the same
+        arguments and the same kind of randomness); anything else is refused, because it would
+        continue another sampling process than the one the run's ledger describes."""
+        call = f"{type(self).__name__}.load_state_dict(state)"
+        if not isinstance(state, dict):
+            raise TypeError(f"{call}: state must be a dict from state_dict(), got {type(state).__name__}.")
+        mine = {"kind": type(self).__name__, **self._params()}
+        for name, value in mine.items():
+            if state.get(name) != value:
+                raise ValueError(
+                    f"{call}: the state has {name}={state.get(name)!r}, this sampler has {name}={value!r}; resuming it "
+                    "would continue another sampling process than the one the run (and its privacy ledger) used. "
+                    "Make the sampler with the same arguments as the saved run."
+                )
+        source = "key" if state.get("key") is not None else "generator" if state.get("generator") is not None else "secure"
+        here = "key" if self.key is not None else "generator" if self.generator is not None else "secure"
+        if source != here:
+            raise ValueError(f"{call}: the state comes from a {source}-driven sampler, this one is {here}-driven; make it the same way (key=, generator= or secure=True).")
+        if source == "key":
+            self.key = state["key"]
+        elif source == "generator":
+            self.generator.set_state(state["generator"])
+        self._draws, self._step = int(state["draws"]), int(state["step"])
+        self._load_extra(state)
+
+
+class FixedSizeSampler(_KeyedSampler):
+    """Batches of exactly ``batch_size`` distinct examples, drawn uniformly WITHOUT replacement
+    from ``range(num_samples)``, independently at every step.
+
+    Yields ``(indices, mask)``: int64 ``[batch_size]`` (sorted) and an all-True mask.
+
+    Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.FixedSizeGaussianEvent`, analysed
+    under the REPLACE-ONE neighbouring relation (the batch size reveals the dataset size, so
+    add/remove does not apply) by ``accountant="rdp"``.
+
+    Args:
+      num_samples: dataset size n. batch_size: b in [1, n]. steps: steps to yield (default one
+        epoch's worth, ``round(n / b)``). generator / key / secure: as in :class:`PoissonSampler`.
+    """
+
+    _LABEL = b"vmapdp-fixed-size:"
+
+    def __init__(self, num_samples: int, batch_size: int, steps: int | None = None, generator: torch.Generator | None = None, *, key=None, secure: bool = False):
+        call = "FixedSizeSampler"
+        self.num_samples = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+        self.batch_size = _checks.positive_int(call, "batch_size", batch_size, meaning="batch_size is the number of examples in every batch")
+        if self.batch_size > self.num_samples:
+            raise ValueError(f"{call}: batch_size={batch_size} must be in [1, num_samples={num_samples}]; a batch without replacement cannot be larger than the dataset.")
+        self.steps = _checks.positive_int(call, "steps", steps if steps is not None else max(1, round(num_samples / batch_size)), minimum=0, meaning="steps is how many batches to yield")
+        self.capacity = self.batch_size
+        self._init_source(call, generator, key, secure)
+
+    expected_batch_size = property(lambda self: float(self.batch_size), doc="the batch size (every batch has it)")
+
+    def _params(self):
+        return {"num_samples": self.num_samples, "batch_size": self.batch_size}
+
+    def sample(self) -> tuple[Tensor, Tensor]:
+        idx = torch.sort(self._permutation(self.num_samples)[: self.batch_size]).values
+        self._step += 1
+        return _pad(idx, self.capacity, chunks=False)
+
+    def event(self, noise_multiplier: float):
+        """The accounting event of one step at ``noise_multiplier``."""
+        from vmapdp.accounting import FixedSizeGaussianEvent
+
+        return FixedSizeGaussianEvent(noise_multiplier=noise_multiplier, batch_size=self.batch_size, num_samples=self.num_samples)
+
+
+class _EpochSampler(_KeyedSampler):
+    """Shared by the samplers that use every example at most once per epoch: the epoch's
+    assignment (a permutation, or a step per example) is drawn when the epoch opens and kept in
+    the checkpoint state."""
+
+    steps_per_epoch: int
+
+    def _draw_epoch(self) -> Tensor:
+        raise NotImplementedError
+
+    def _batch(self, assignment: Tensor, j: int) -> Tensor:
+        raise NotImplementedError
+
+    def sample(self) -> tuple[Tensor, Tensor]:
+        j = self._step % self.steps_per_epoch
+        if j == 0 or self._assignment is None:
+            self._assignment = self._draw_epoch()
+        self._opened_epoch = j == 0
+        idx = self._batch(self._assignment, j)
+        self._step += 1
+        return _pad(idx, self.capacity, chunks=self._chunks)
+
+    def event(self, noise_multiplier: float):
+        """The accounting event of the step last returned by :meth:`sample` (record it before
+        releasing that step): an :class:`~vmapdp.accounting.EpochGaussianEvent` that says whether
+        the step opened an epoch."""
+        from vmapdp.accounting import EpochGaussianEvent
+
+        if self._step == 0:
+            raise ValueError(f"{type(self).__name__}.event: no step drawn yet; call sample() (or iterate) first, then record the event of that step.")
+        return EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, scheme=self._SCHEME, epochs=int(self._opened_epoch))
+
+    def _extra_state(self):
+        return {"assignment": self._assignment, "opened_epoch": self._opened_epoch}
+
+    def _load_extra(self, state):
+        self._assignment = state.get("assignment")
+        self._opened_epoch = bool(state.get("opened_epoch", False))
+
+
+class ShuffledSampler(_EpochSampler):
+    """Shuffled epochs: each epoch a fresh uniformly random permutation cut into
+    ``steps_per_epoch = ceil(num_samples / batch_size)`` disjoint batches that cover the data
+    (the last one short when batch_size does not divide num_samples; padded, mask False).
+
+    Accounting: :meth:`event` gives an :class:`~vmapdp.accounting.EpochGaussianEvent` (each epoch
+    charged as one Gaussian mechanism, replace-one; no amplification by shuffling is claimed, and
+    a Poisson epsilon is never reported for it).
+
+    Args:
+      num_samples, batch_size: as in :class:`FixedSizeSampler`. epochs: epochs to yield
+        (default 1). generator / key / secure: as in :class:`PoissonSampler`.
+    """
+
+    _LABEL = b"vmapdp-shuffle:"
+    _SCHEME = "shuffle"
+    _chunks = False
+
+    def __init__(self, num_samples: int, batch_size: int, epochs: int = 1, generator: torch.Generator | None = None, *, key=None, secure: bool = False):
+        call = "ShuffledSampler"
+        self.num_samples = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+        self.batch_size = _checks.positive_int(call, "batch_size", batch_size, meaning="batch_size is the number of examples in a batch")
+        if self.batch_size > self.num_samples:
+            raise ValueError(f"{call}: batch_size={batch_size} must be in [1, num_samples={num_samples}]; one batch cannot be larger than the dataset.")
+        self.epochs = _checks.positive_int(call, "epochs", epochs, minimum=0, meaning="epochs is how many passes over the data to yield")
+        self.steps_per_epoch = math.ceil(self.num_samples / self.batch_size)
+        self.steps = self.epochs * self.steps_per_epoch
+        self.capacity = self.batch_size
+        self._assignment: Tensor | None = None
+        self._opened_epoch = False
+        self._init_source(call, generator, key, secure)
+
+    expected_batch_size = property(lambda self: float(self.batch_size), doc="the (full) batch size")
+
+    def _params(self):
+        return {"num_samples": self.num_samples, "batch_size": self.batch_size}
+
+    def _draw_epoch(self) -> Tensor:
+        return self._permutation(self.num_samples)
+
+    def _batch(self, perm: Tensor, j: int) -> Tensor:
+        return torch.sort(perm[j * self.batch_size : (j + 1) * self.batch_size]).values
+
+
+class BallsInBinsSampler(_EpochSampler):
+    """Balls-in-bins epochs: each epoch every example goes to one uniformly random step of the
+    ``steps_per_epoch`` steps, independently (batch sizes Binomial(n, 1/steps_per_epoch)).
+
+    Yields ``(indices, mask)`` padded to ``capacity`` like :class:`PoissonSampler` (a step with
+    more than ``capacity`` examples spans extra chunks; nothing is dropped).
+
+    Accounting: :meth:`event` gives an :class:`~vmapdp.accounting.EpochGaussianEvent` (one
+    Gaussian mechanism per epoch, replace-one). Chua et al. (2025) show balls-in-bins is nearly as
+    private as Poisson, but only by Monte-Carlo estimates; those are not reported here.
+
+    Args:
+      num_samples: dataset size. steps_per_epoch: steps (bins) per epoch. epochs: epochs to
+        yield (default 1). capacity / overflow_probability: as in :class:`PoissonSampler` (at
+        rate 1 / steps_per_epoch). generator / key / secure: as in :class:`PoissonSampler`.
+    """
+
+    _LABEL = b"vmapdp-balls-in-bins:"
+    _SCHEME = "balls_in_bins"
+    _chunks = True
+
+    def __init__(self, num_samples: int, steps_per_epoch: int, epochs: int = 1, generator: torch.Generator | None = None, *, key=None, capacity: int | None = None, overflow_probability: float = 1e-6, secure: bool = False):
+        call = "BallsInBinsSampler"
+        self.num_samples = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+        self.steps_per_epoch = _checks.positive_int(call, "steps_per_epoch", steps_per_epoch, meaning="steps_per_epoch is the number of bins (steps) per epoch")
+        self.epochs = _checks.positive_int(call, "epochs", epochs, minimum=0, meaning="epochs is how many epochs to yield")
+        _checks.probability(call, "overflow_probability", overflow_probability, allow_one=False, meaning="it sets the default capacity")
+        if capacity is None:
+            capacity = default_capacity(self.num_samples, 1.0 / self.steps_per_epoch, overflow_probability)
+        self.capacity = _checks.positive_int(call, "capacity", capacity, meaning="capacity is the physical batch size")
+        self.steps = self.epochs * self.steps_per_epoch
+        self._assignment = None
+        self._opened_epoch = False
+        self._init_source(call, generator, key, secure)
+
+    expected_batch_size = property(lambda self: self.num_samples / self.steps_per_epoch, doc="num_samples / steps_per_epoch")
+
+    def _params(self):
+        return {"num_samples": self.num_samples, "steps_per_epoch": self.steps_per_epoch}
+
+    def _draw_epoch(self) -> Tensor:
+        # step of each example: floor(u * S / 2^53), bias below S / 2^53
+        return (self._u53(self.num_samples) * self.steps_per_epoch) >> 53 if self.steps_per_epoch < (1 << 10) else torch.floor(
+            self._u53(self.num_samples).to(torch.float64) * (self.steps_per_epoch / float(1 << 53))
+        ).to(torch.int64)
+
+    def _batch(self, bins: Tensor, j: int) -> Tensor:
+        return (bins == j).nonzero().flatten()
+
+
+class TruncatedPoissonSampler(PoissonSampler):
+    """Poisson sampling capped at ``max_batch_size``: a step that samples more examples keeps a
+    uniformly random subset of ``max_batch_size`` of them. Every step yields exactly
+    ``max_batch_size`` rows (one shape, no extra chunks).
+
+    Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.TruncatedPoissonGaussianEvent`:
+    the Poisson analysis plus the probability that any step truncates, added to delta; the
+    accountants refuse when that probability is too large for the delta (raise max_batch_size).
+
+    Args:
+      num_samples, sample_rate, steps, generator, key, secure: as in :class:`PoissonSampler`.
+      max_batch_size: the cap (default: the capacity that one step exceeds with probability
+        <= 1e-12, so that truncation costs nothing visible).
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None, generator: torch.Generator | None = None, *, key=None, max_batch_size: int | None = None, secure: bool = False):
+        call = "TruncatedPoissonSampler"
+        if max_batch_size is None:
+            n = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+            max_batch_size = default_capacity(n + 1, _checks.sample_rate(call, sample_rate), 1e-12)
+        max_batch_size = _checks.positive_int(call, "max_batch_size", max_batch_size, meaning="max_batch_size caps the batch")
+        super().__init__(num_samples, sample_rate, steps, generator, key=key, capacity=max_batch_size, secure=secure)
+        self.max_batch_size = max_batch_size
+
+    def sample(self) -> tuple[Tensor, Tensor]:
+        idx = self._draw()
+        if idx.numel() > self.max_batch_size:  # keep a uniformly random subset
+            if self.secure:
+                keys = _os_u53(idx.numel())
+            elif self.key is not None:
+                keys = _shake_u53(b"vmapdp-truncate:" + self.key + b":" + str(self._draws - 1).encode(), idx.numel())
+            else:
+                keys = torch.randint(0, 1 << 53, (idx.numel(),), generator=self.generator, dtype=torch.int64)
+            idx = torch.sort(idx[torch.sort(keys, stable=True).indices[: self.max_batch_size]]).values
+        return _pad(idx, self.capacity, chunks=False)
+
+    def event(self, noise_multiplier: float):
+        """The accounting event of one step at ``noise_multiplier``."""
+        from vmapdp.accounting import TruncatedPoissonGaussianEvent
+
+        return TruncatedPoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate, max_batch_size=self.max_batch_size, num_samples=self.num_samples)
 
 
 def gather(data: Any, indices: Tensor) -> Any:

@@ -117,8 +117,9 @@ class PrivateTrainer:
             losses.append(sum(ms) / max(1, len(ms)))
         return losses
 
-    def epsilon(self, delta: float | None = None, *, accountant: str = "rdp") -> float:
-        """Epsilon spent so far (at ``delta``, default the one given to make_private)."""
+    def epsilon(self, delta: float | None = None, *, accountant: str = "pld") -> float:
+        """Epsilon spent so far (at ``delta``, default the one given to make_private), by the PLD
+        accountant (the one ``target_epsilon=`` is calibrated with) unless ``accountant=`` says."""
         return self.state.epsilon(self.delta if delta is None else delta, accountant=accountant)
 
     def save(self, path: str, *, key: bytes | str | None = None) -> None:
@@ -258,6 +259,7 @@ def make_private(
         physical_batch_size=sampler.capacity,
         compile=compile,
         budget=(target_epsilon, delta) if target_epsilon is not None else None,
+        accountant="pld",  # the accountant calibrate_noise used: the budget is enforced against the same one
         secure=secure,
         method=method,
     )

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from vmapdp.accounting import _checks, gdp as _gdp, pld as _pld, rdp as _rdp
-from vmapdp.accounting.events import Ledger, NonPrivateEvent, PoissonGaussianEvent
+from vmapdp.accounting import events as _events
+from vmapdp.accounting.events import (
+    EpochGaussianEvent,
+    FixedSizeGaussianEvent,
+    Ledger,
+    NonPrivateEvent,
+    PoissonGaussianEvent,
+    TruncatedPoissonGaussianEvent,
+)
 
 __all__ = ["epsilon", "delta", "epsilon_bounds", "epsilon_grid", "calibrate_noise"]
 
@@ -35,7 +43,7 @@ def _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_n
             )
         if isinstance(ledger, Ledger):
             return ledger
-        if isinstance(ledger, (PoissonGaussianEvent, NonPrivateEvent)):
+        if isinstance(ledger, _events._EVENT_TYPES):
             return Ledger((ledger,))
         inner = getattr(ledger, "ledger", None)
         if isinstance(inner, Ledger):  # e.g. a TrainState carrying its ledger
@@ -61,15 +69,45 @@ def _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_n
     return Ledger((PoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, count=steps),))
 
 
-def _triples(ledger: Ledger):
-    """(noise_multiplier, sample_rate, count) of the private events; None if any is non-private."""
-    out = []
+class _Plan(NamedTuple):
+    """What the accountants need from a ledger, grouped by analysis."""
+
+    non_private: bool = False
+    poisson: tuple = ()  # (noise_multiplier, sample_rate, count): add/remove Poisson steps (truncated ones too)
+    fixed: tuple = ()  # (noise_multiplier, sample_rate, count): replace-one, without replacement
+    epochs: tuple = ()  # (noise_multiplier, charged epochs): replace-one Gaussian mechanisms, sensitivity 2
+    fail: float = 0.0  # probability that the truncated run differs from the Poisson run
+    adjacency: str = _events.ADD_REMOVE
+
+    @property
+    def empty(self) -> bool:
+        return not (self.poisson or self.fixed or self.epochs)
+
+    @property
+    def mu_epochs(self) -> float:
+        """mu of the composed epoch Gaussians (replace-one sensitivity 2)."""
+        return math.sqrt(sum(e * (2.0 / s) ** 2 for s, e in self.epochs))
+
+
+def _plan(ledger: Ledger) -> _Plan:
+    poisson, fixed, epochs, fail = [], [], [], 0.0
     for e in ledger.events:
         if isinstance(e, NonPrivateEvent):
-            return None
-        if e.sample_rate > 0.0:
-            out.append((e.noise_multiplier, e.sample_rate, e.count))
-    return out
+            return _Plan(non_private=True, adjacency=ledger.adjacency)
+        if isinstance(e, PoissonGaussianEvent):
+            poisson.append((e.noise_multiplier, e.sample_rate, e.count))
+        elif isinstance(e, TruncatedPoissonGaussianEvent):
+            poisson.append((e.noise_multiplier, e.sample_rate, e.count))
+            fail += e.truncation_probability
+        elif isinstance(e, FixedSizeGaussianEvent):
+            fixed.append((e.noise_multiplier, e.sample_rate, e.count))
+        elif isinstance(e, EpochGaussianEvent):
+            epochs.append((e.noise_multiplier, e.charged_epochs))
+    return _Plan(False, tuple(poisson), tuple(fixed), tuple(epochs), min(fail, 1.0), ledger.adjacency)
+
+
+def _poisson_plan(triples) -> _Plan:
+    return _Plan(poisson=tuple(t for t in triples if t[1] > 0 and t[2] > 0))
 
 
 def _options(where, accountant, orders, eps_error, value_discretization_interval):
@@ -107,37 +145,103 @@ def _total_rdp(triples, orders) -> torch.Tensor:
     return total
 
 
-# ---------------------------------------------------------------------------------------
-# Internal, unchecked: triples -> number
-# ---------------------------------------------------------------------------------------
+def _plan_rdp(plan: _Plan, orders) -> torch.Tensor:
+    """Total RDP of the plan at ``orders``, for the plan's neighbouring relation."""
+    orders = tuple(orders)
+    if plan.adjacency == _events.ADD_REMOVE:
+        return _total_rdp(plan.poisson, orders)
+    total = torch.zeros(len(orders), dtype=_F64)
+    if plan.poisson:  # converted: a replacement is a removal and an addition
+        total += _rdp.rdp_replace_one_from_add_remove(lambda o: _total_rdp(plan.poisson, o), orders)
+    for s, q, c in plan.fixed:
+        total += c * torch.tensor(_rdp.rdp_fixed_size_gaussian(s, q, orders), dtype=_F64)
+    mu = plan.mu_epochs
+    if mu > 0:  # the Gaussian mechanism: rdp(a) = a mu^2 / 2
+        total += torch.tensor(orders, dtype=_F64) * (0.5 * mu * mu)
+    return total
 
 
-def _epsilon(triples, delta, accountant, orders, eps_error, h) -> float:
-    if triples is None:
-        return math.inf
-    if not triples:
-        return 0.0
+def _refuse(where, plan: _Plan, accountant: str) -> None:
+    """The accountant cannot bound this plan: say why and which one can."""
+    if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and (plan.poisson or plan.fixed):
+        what = "fixed-size batches without replacement (FixedSizeGaussianEvent)" if plan.fixed else (
+            "Poisson events in a ledger that is replace-one because of other events"
+        )
+        raise ValueError(
+            f"{where}: accountant='pld' has no privacy loss distribution for {what} under the replace-one "
+            "neighbouring relation, so it cannot bound this ledger. Pass accountant='rdp' (Wang-Balle-"
+            "Kasiviswanathan for sampling without replacement; Poisson events converted by the weak triangle "
+            "inequality)."
+        )
+    if accountant == "gdp" and (plan.fixed or plan.epochs or plan.fail > 0):
+        raise ValueError(
+            f"{where}: accountant='gdp' is the central limit approximation of plain Poisson subsampling; it "
+            "does not apply to fixed-size, shuffled, balls-in-bins or truncated sampling. Pass accountant='pld' "
+            "or 'rdp' (upper bounds)."
+        )
+
+
+def _core_epsilon(plan: _Plan, delta, accountant, orders, eps_error, h) -> float:
     if accountant == "rdp":
-        return float(_rdp.rdp_to_epsilon(_total_rdp(triples, orders), orders, delta))
+        return float(_rdp.rdp_to_epsilon(_plan_rdp(plan, orders), orders, delta))
     if accountant == "pld":
+        if plan.adjacency == _events.REPLACE_ONE:  # only Gaussian epochs: exact (Balle and Wang 2018)
+            return _gdp.gdp_epsilon(plan.mu_epochs, delta)
         return _pld.pld_epsilon_bounds(
-            triples, delta=delta, eps_error=eps_error, value_discretization_interval=h
+            plan.poisson, delta=delta, eps_error=eps_error, value_discretization_interval=h
         ).upper
-    return _gdp.gdp_epsilon(_gdp.gdp_mu(triples), delta)
+    return _gdp.gdp_epsilon(_gdp.gdp_mu(plan.poisson), delta)
 
 
-def _delta(triples, epsilon, accountant, orders, eps_error, h) -> float:
-    if triples is None:
-        return 1.0
-    if not triples:
-        return 0.0
+def _core_delta(plan: _Plan, epsilon, accountant, orders, eps_error, h) -> float:
     if accountant == "rdp":
-        return float(_rdp.rdp_to_delta(_total_rdp(triples, orders), orders, epsilon))
+        return float(_rdp.rdp_to_delta(_plan_rdp(plan, orders), orders, epsilon))
     if accountant == "pld":
+        if plan.adjacency == _events.REPLACE_ONE:
+            return _gdp.gdp_delta(plan.mu_epochs, epsilon)
         return _pld.pld_delta_bounds(
-            triples, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h
+            plan.poisson, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h
         ).upper
-    return _gdp.gdp_delta(_gdp.gdp_mu(triples), epsilon)
+    return _gdp.gdp_delta(_gdp.gdp_mu(plan.poisson), epsilon)
+
+
+def _epsilon(plan, delta, accountant, orders, eps_error, h, where="epsilon") -> float:
+    if not isinstance(plan, _Plan):
+        plan = _poisson_plan(plan)
+    if plan.non_private:
+        return math.inf
+    if plan.empty:
+        return 0.0
+    _refuse(where, plan, accountant)
+    if plan.fail == 0.0:
+        return _core_epsilon(plan, delta, accountant, orders, eps_error, h)
+    # truncation: delta_total(eps) = delta_core(eps) + (1 + e^eps) fail. With E the epsilon at
+    # delta / 2 and (1 + e^E) fail <= delta / 2, eps1 = epsilon at delta - (1 + e^E) fail is <= E,
+    # so delta_total(eps1) <= delta - (1 + e^E) fail + (1 + e^eps1) fail <= delta.
+    big = _core_epsilon(plan, delta / 2, accountant, orders, eps_error, h)
+    cost = math.inf if big > 700 else (1.0 + math.exp(big)) * plan.fail
+    if not cost <= delta / 2:
+        raise ValueError(
+            f"{where}: the truncated Poisson steps truncate with probability up to {plan.fail:.3g}, which "
+            f"costs (1 + e^eps) * {plan.fail:.3g} = {cost:.3g} of delta={delta!r}, more than half of it; the "
+            "truncation cannot be accounted for at this delta. Raise max_batch_size (e.g. "
+            "vmapdp.data.default_capacity(num_samples, sample_rate, overflow_probability=1e-12)) or delta."
+        )
+    return _core_epsilon(plan, delta - cost, accountant, orders, eps_error, h)
+
+
+def _delta(plan, epsilon, accountant, orders, eps_error, h, where="delta") -> float:
+    if not isinstance(plan, _Plan):
+        plan = _poisson_plan(plan)
+    if plan.non_private:
+        return 1.0
+    if plan.empty:
+        return 0.0
+    _refuse(where, plan, accountant)
+    d = _core_delta(plan, epsilon, accountant, orders, eps_error, h)
+    if plan.fail > 0.0:
+        d += plan.fail * (1.0 + math.exp(min(epsilon, 700.0)))
+    return min(d, 1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,7 +257,7 @@ def epsilon(
     noise_multiplier: float | None = None,
     sample_rate: float | None = None,
     steps: int | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -172,9 +276,9 @@ def epsilon(
       noise_multiplier: noise std / l2_clip_norm, > 0 (0 only with ``allow_non_private``).
       sample_rate: Poisson sampling probability in [0, 1] (0: no data used, epsilon 0).
       steps: number of noisy steps, an integer >= 0.
-      accountant: ``"rdp"`` (Renyi DP, upper bound, fast), ``"pld"`` or its alias ``"prv"``
-        (privacy loss distributions, tight upper bound), ``"gdp"`` (CLT approximation, NOT a
-        bound; warns).
+      accountant: ``"pld"`` (the default) or its alias ``"prv"`` (privacy loss distributions,
+        tight upper bound with a certified discretisation error), ``"rdp"`` (Renyi DP, a looser
+        upper bound, fast), ``"gdp"`` (CLT approximation, NOT a bound; warns).
       orders: Renyi orders for ``"rdp"`` (default :data:`DEFAULT_ORDERS`, up to 8192).
       eps_error: for ``"pld"``: largest certified discretisation error accepted; default 1%
         of the result (at least 1e-4).
@@ -191,6 +295,8 @@ def epsilon(
 
     Example:
       >>> round(epsilon(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14070, delta=1e-5), 3)
+      2.387
+      >>> round(epsilon(noise_multiplier=1.1, sample_rate=256 / 60000, steps=14070, delta=1e-5, accountant="rdp"), 3)
       2.597
 
     References:
@@ -202,9 +308,11 @@ def epsilon(
     delta = _checks.check_delta(where, delta)
     accountant, orders, eps_error, h = _options(where, accountant, orders, eps_error, value_discretization_interval)
     _checks.check_num_samples(where, num_samples, delta)
+    plan = _plan(ledger)
+    _refuse(where, plan, accountant)
     if accountant == "gdp":
         _gdp.warn_gdp(where)
-    return _epsilon(_triples(ledger), delta, accountant, orders, eps_error, h)
+    return _epsilon(plan, delta, accountant, orders, eps_error, h)
 
 
 def delta(
@@ -215,7 +323,7 @@ def delta(
     noise_multiplier: float | None = None,
     sample_rate: float | None = None,
     steps: int | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -245,9 +353,11 @@ def delta(
     ledger = _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private)
     epsilon = _checks.check_epsilon(where, epsilon)
     accountant, orders, eps_error, h = _options(where, accountant, orders, eps_error, value_discretization_interval)
+    plan = _plan(ledger)
+    _refuse(where, plan, accountant)
     if accountant == "gdp":
         _gdp.warn_gdp(where)
-    return _delta(_triples(ledger), epsilon, accountant, orders, eps_error, h)
+    return _delta(plan, epsilon, accountant, orders, eps_error, h)
 
 
 def epsilon_bounds(
@@ -280,10 +390,15 @@ def epsilon_bounds(
     ledger = _resolve_ledger(where, ledger, noise_multiplier, sample_rate, steps, allow_non_private)
     delta = _checks.check_delta(where, delta)
     _, _, eps_error, h = _options(where, "pld", None, eps_error, value_discretization_interval)
-    triples = _triples(ledger)
-    if triples is None:
+    plan = _plan(ledger)
+    if plan.non_private:
         return _pld.PLDBounds(math.inf, math.inf, h or 0.0)
-    return _pld.pld_epsilon_bounds(triples, delta=delta, eps_error=eps_error, value_discretization_interval=h)
+    if plan.fixed or plan.epochs or plan.fail > 0:
+        raise ValueError(
+            f"{where}: the certified bracket covers Poisson-subsampled events only; this ledger holds "
+            "fixed-size, epoch or truncated events. Use epsilon(ledger, delta=...) for their upper bound."
+        )
+    return _pld.pld_epsilon_bounds(plan.poisson, delta=delta, eps_error=eps_error, value_discretization_interval=h)
 
 
 def _as_list(where, name, value):
@@ -304,7 +419,7 @@ def epsilon_grid(
     sample_rate,
     steps,
     delta,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     num_samples: int | None = None,
@@ -313,7 +428,8 @@ def epsilon_grid(
 
     Each of ``noise_multiplier``, ``sample_rate``, ``steps`` and ``delta`` is a scalar or a
     sequence (list, tuple, range, 1-D tensor or array); sequences must share one length and
-    scalars are broadcast. With ``"rdp"`` the per-step RDP of every distinct
+    scalars are broadcast. The default ``"pld"`` runs one PLD composition per grid point
+    (tens to hundreds of milliseconds each). With ``"rdp"`` the per-step RDP of every distinct
     (noise_multiplier, sample_rate) pair is computed in one vectorised pass, so a curve of a
     few hundred points takes milliseconds.
 
@@ -374,7 +490,7 @@ def calibrate_noise(
     delta: float,
     sample_rate: float,
     steps: int,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     orders: Sequence[float] | None = None,
     eps_error: float | None = None,
     value_discretization_interval: float | None = None,
@@ -385,11 +501,17 @@ def calibrate_noise(
 
     Searches ``noise_multiplier`` in [0.1, 1e4] (log-space bracketing, then safeguarded
     log-log interpolation/bisection) against exactly what ``epsilon(noise_multiplier=...,
-    sample_rate=..., steps=..., delta=..., accountant=..., <same options>)`` returns.
+    sample_rate=..., steps=..., delta=..., accountant=..., <same options>)`` returns. The
+    default accountant is ``"pld"``: it needs 5-11% less noise than ``"rdp"`` for the same
+    budget (e.g. 0.815 against 0.866 at target_epsilon=3, delta=1e-5, sample_rate=0.01,
+    steps=1000), because it is a tighter upper bound on the same epsilon.
 
     Guarantees:
-      ``epsilon(noise_multiplier=result, ...) <= target_epsilon`` (never overshoots), and
-      ``>= (1 - rtol) * target_epsilon``.
+      The achieved epsilon lies in the bracket ``[(1 - rtol) * target_epsilon,
+      target_epsilon]``: ``epsilon(noise_multiplier=result, ...) <= target_epsilon`` (never
+      overshoots; the search keeps an upper end that meets the target and returns it), and
+      ``>= (1 - rtol) * target_epsilon`` (unless the search bottoms out on a noise grid
+      narrower than 1e-12 relative).
 
     Args:
       target_epsilon: the budget, > 0.

@@ -6,19 +6,47 @@ an event into the last one when they are identical apart from ``count``, so a le
 100k steps at one noise level holds a single event. Accountants (``vmapdp.accounting.epsilon``
 and friends) are pure functions of a ledger.
 
-Neighbouring relation: add/remove one example (Poisson subsampling). Every accountant here
-reports the worse of the two directions.
+Neighbouring relation (``event.adjacency``, explicit per event type):
+
+* ``"add_remove"``: the neighbouring dataset has one example more or one fewer. Poisson
+  subsampling (:class:`PoissonGaussianEvent`, :class:`TruncatedPoissonGaussianEvent`) is
+  analysed under it; every accountant reports the worse of the two directions.
+* ``"replace_one"``: the neighbouring dataset has the same size and one example replaced.
+  Schemes whose batch size or epoch structure depends on the dataset size (fixed-size
+  batches without replacement, shuffled epochs, balls-in-bins) are analysed under it. One
+  replacement moves a clipped sum by up to 2 * l2_clip_norm (twice the add/remove
+  sensitivity), and the accountants use that sensitivity.
+
+A ledger that holds a ``"replace_one"`` event reports for ``"replace_one"`` as a whole
+(:attr:`Ledger.adjacency`); its Poisson events are then converted (a replacement is a removal
+followed by an addition; see :mod:`vmapdp.accounting.core`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Iterable, Union
+import math
+from typing import ClassVar, Iterable, Union
 
+from vmapdp import _checks as _shared_checks
 from vmapdp.accounting import _checks
 
-__all__ = ["PoissonGaussianEvent", "NonPrivateEvent", "Event", "Ledger"]
+__all__ = [
+    "ADD_REMOVE",
+    "REPLACE_ONE",
+    "PoissonGaussianEvent",
+    "FixedSizeGaussianEvent",
+    "EpochGaussianEvent",
+    "TruncatedPoissonGaussianEvent",
+    "NonPrivateEvent",
+    "Event",
+    "Ledger",
+]
+
+ADD_REMOVE = "add_remove"
+REPLACE_ONE = "replace_one"
+EPOCH_SCHEMES = ("shuffle", "balls_in_bins")
 
 _FORMAT = "vmapdp.accounting.Ledger"
 _VERSION = 1
@@ -50,6 +78,7 @@ class PoissonGaussianEvent:
     noise_multiplier: float
     sample_rate: float
     count: int = 1
+    adjacency: ClassVar[str] = ADD_REMOVE
 
     def __post_init__(self):
         where = "PoissonGaussianEvent"
@@ -87,6 +116,7 @@ class NonPrivateEvent:
     """
 
     count: int = 1
+    adjacency: ClassVar[str] = ADD_REMOVE  # infinite epsilon under either relation
 
     def __post_init__(self):
         object.__setattr__(
@@ -103,8 +133,291 @@ class NonPrivateEvent:
         return {"type": "non_private", "count": self.count}
 
 
-Event = Union[PoissonGaussianEvent, NonPrivateEvent]
-_EVENT_TYPES = (PoissonGaussianEvent, NonPrivateEvent)
+def _check_sizes(where: str, batch_size, num_samples) -> tuple[int, int]:
+    n = _shared_checks.positive_int(where, "num_samples", num_samples, meaning="num_samples is the dataset size")
+    b = _shared_checks.positive_int(where, "batch_size", batch_size, meaning="batch_size is the number of examples in every batch")
+    if b > n:
+        raise ValueError(
+            f"{where}: batch_size={b} must be in [1, num_samples={n}]; a batch drawn without replacement "
+            "cannot hold more examples than the dataset. Pass batch_size <= num_samples."
+        )
+    return b, n
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeGaussianEvent:
+    """``count`` steps of the Gaussian mechanism on batches of exactly ``batch_size`` examples
+    drawn uniformly WITHOUT replacement from ``num_samples`` (fresh and independent each step).
+
+    Neighbouring relation: ``"replace_one"`` (said out loud: the batch size and the dataset size
+    are public, so add/remove neighbours do not apply). One replacement moves the clipped sum by
+    up to ``2 * l2_clip_norm``.
+
+    Args:
+      noise_multiplier: noise std / l2_clip_norm; finite and > 0.
+      batch_size: examples per batch, an int in [1, num_samples].
+      num_samples: the dataset size, an int >= 1.
+      count: how many such steps, an int >= 1.
+
+    Raises:
+      TypeError: a wrong type. ValueError: a value out of range.
+
+    Guarantees:
+      Accounted by ``accountant="rdp"`` (Wang, Balle, Kasiviswanathan 2019, Theorem 9, with
+      sensitivity 2 in units of the clip norm); ``"pld"`` refuses it (no tight PLD for this
+      scheme here) and says so.
+
+    References:
+      Wang, Balle, Kasiviswanathan. "Subsampled Renyi Differential Privacy and Analytical
+      Moments Accountant." AISTATS 2019.
+
+    Example:
+      >>> FixedSizeGaussianEvent(noise_multiplier=1.0, batch_size=64, num_samples=6400).sample_rate
+      0.01
+    """
+
+    noise_multiplier: float
+    batch_size: int
+    num_samples: int
+    count: int = 1
+    adjacency: ClassVar[str] = REPLACE_ONE
+
+    def __post_init__(self):
+        where = "FixedSizeGaussianEvent"
+        object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
+        b, n = _check_sizes(where, self.batch_size, self.num_samples)
+        object.__setattr__(self, "batch_size", b)
+        object.__setattr__(self, "num_samples", n)
+        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
+
+    @property
+    def sample_rate(self) -> float:
+        """``batch_size / num_samples``: the probability that a given example is in a batch."""
+        return self.batch_size / self.num_samples
+
+    def _key(self):
+        return ("fixed_size_gaussian", self.noise_multiplier, self.batch_size, self.num_samples)
+
+    def _with_count(self, count: int) -> "FixedSizeGaussianEvent":
+        return dataclasses.replace(self, count=count)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "fixed_size_gaussian",
+            "adjacency": self.adjacency,
+            "noise_multiplier": self.noise_multiplier,
+            "batch_size": self.batch_size,
+            "num_samples": self.num_samples,
+            "count": self.count,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochGaussianEvent:
+    """``count`` steps of a sampler that uses every example in AT MOST ONE step per epoch
+    (``scheme="shuffle"``: disjoint batches of a fresh random permutation;
+    ``scheme="balls_in_bins"``: each example in one uniformly random step of the epoch),
+    each step adding Gaussian noise with ``noise_multiplier``.
+
+    ``epochs`` counts the steps among the ``count`` that opened a new epoch (what a sampler
+    reports per step through its ``event()``); merging two events adds both counters. The
+    accountants charge ``max(epochs, ceil(count / steps_per_epoch))`` epochs, which is at least
+    the number of epochs these steps touch when they come from one sampler in order.
+
+    Neighbouring relation: ``"replace_one"``. One replacement moves one step's clipped sum per
+    epoch by up to ``2 * l2_clip_norm``.
+
+    Guarantees:
+      The accountants charge each epoch as ONE Gaussian mechanism with sensitivity 2 (mu = 2 /
+      noise_multiplier): given the sampler's randomness, the differing example enters one step
+      of the epoch and the other steps are post-processing, and a mixture over randomness that
+      does not depend on the data is at most as distinguishable as its worst component
+      (joint convexity). This is an upper bound WITHOUT amplification by shuffling; it is the
+      exact privacy of deterministic batches, which shuffling is at most as bad as (Chua et al.
+      2024). Tighter bounds for shuffling and balls-in-bins exist only as Monte-Carlo
+      estimates (Chua et al. 2025) and are not reported here; a Poisson epsilon is never
+      reported for these schemes.
+
+    Args:
+      noise_multiplier: noise std / l2_clip_norm; finite and > 0.
+      steps_per_epoch: steps in one epoch, an int >= 1.
+      scheme: ``"shuffle"`` or ``"balls_in_bins"`` (recorded for the reader; both are charged
+        the same).
+      count: steps, an int >= 1.
+      epochs: how many of the steps opened an epoch, an int in [0, count].
+
+    References:
+      Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang. "How Private are DP-SGD
+      Implementations?" ICML 2024.
+      Chua et al. "Balls-and-Bins Sampling for DP-SGD." AISTATS 2025.
+      Dong, Roth, Su. "Gaussian Differential Privacy." JRSS-B 2022 (the Gaussian trade-off).
+
+    Example:
+      >>> e = EpochGaussianEvent(noise_multiplier=2.0, steps_per_epoch=10, scheme="shuffle", count=25)
+      >>> e.charged_epochs
+      3
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    scheme: str
+    count: int = 1
+    epochs: int = 0
+    adjacency: ClassVar[str] = REPLACE_ONE
+
+    def __post_init__(self):
+        where = "EpochGaussianEvent"
+        object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
+        object.__setattr__(
+            self,
+            "steps_per_epoch",
+            _shared_checks.positive_int(where, "steps_per_epoch", self.steps_per_epoch, meaning="steps_per_epoch is the number of steps in one epoch"),
+        )
+        _shared_checks.choice(where, "scheme", self.scheme, EPOCH_SCHEMES, why="it names how the epoch's batches are drawn")
+        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
+        epochs = _shared_checks.positive_int(where, "epochs", self.epochs, minimum=0, meaning="epochs counts the steps that opened an epoch")
+        if epochs > self.count:
+            raise ValueError(
+                f"{where}: epochs={epochs} must be in [0, count={self.count}]; every epoch opens with one of "
+                "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
+            )
+        object.__setattr__(self, "epochs", epochs)
+
+    @property
+    def charged_epochs(self) -> int:
+        """How many Gaussian mechanisms (one per epoch) the accountants charge."""
+        return max(self.epochs, math.ceil(self.count / self.steps_per_epoch))
+
+    def _key(self):
+        return ("epoch_gaussian", self.noise_multiplier, self.steps_per_epoch, self.scheme)
+
+    def _combine(self, other: "EpochGaussianEvent") -> "EpochGaussianEvent":
+        return dataclasses.replace(self, count=self.count + other.count, epochs=self.epochs + other.epochs)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "epoch_gaussian",
+            "adjacency": self.adjacency,
+            "noise_multiplier": self.noise_multiplier,
+            "steps_per_epoch": self.steps_per_epoch,
+            "scheme": self.scheme,
+            "count": self.count,
+            "epochs": self.epochs,
+        }
+
+
+def _kl_bernoulli(a: float, q: float) -> float:
+    out = 0.0
+    if a > 0:
+        out += a * math.log(a / q)
+    if a < 1:
+        out += (1 - a) * math.log((1 - a) / (1 - q))
+    return out
+
+
+def binomial_tail_bound(n: int, q: float, k: int) -> float:
+    """An upper bound on ``P(Binomial(n, q) >= k)``: the Chernoff bound ``exp(-n KL(k/n || q))``
+    for ``k > n q`` (1 otherwise, 0 for ``k > n``)."""
+    if k > n:
+        return 0.0
+    if q >= 1.0 or k <= n * q:
+        return 1.0
+    return math.exp(-n * _kl_bernoulli(k / n, q))
+
+
+@dataclasses.dataclass(frozen=True)
+class TruncatedPoissonGaussianEvent:
+    """``count`` Poisson-subsampled Gaussian steps whose batch is cut to ``max_batch_size``
+    examples when the Poisson sample is larger (truncated Poisson sampling).
+
+    Neighbouring relation: ``"add_remove"`` (as for Poisson sampling).
+
+    Guarantees:
+      Couple the truncated run with the untruncated Poisson run on the same randomness: they
+      release the same thing unless some step samples more than ``max_batch_size`` examples,
+      which happens with probability at most ``p = count * P(Binomial(num_samples + 1,
+      sample_rate) > max_batch_size)`` on either neighbour (:attr:`truncation_probability`,
+      by the Chernoff bound). So for every set S, ``P[M'(X) in S] <= P[M(X) in S] + p <=
+      e^eps P[M'(X') in S] + delta_Poisson(eps) + (1 + e^eps) p``: the accountants account the
+      Poisson steps and add ``(1 + e^eps) * p`` to delta (and refuse when that would take more
+      than half of the delta budget).
+
+    Args:
+      noise_multiplier: noise std / l2_clip_norm; finite and > 0.
+      sample_rate: the Poisson rate, in (0, 1].
+      max_batch_size: the cap, an int >= 1.
+      num_samples: the dataset size, an int >= 1.
+      count: steps, an int >= 1.
+
+    Example:
+      >>> e = TruncatedPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.01, max_batch_size=200, num_samples=10_000)
+      >>> e.truncation_probability < 1e-17  # P(Binomial(10001, 0.01) > 200), Chernoff
+      True
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    max_batch_size: int
+    num_samples: int
+    count: int = 1
+    adjacency: ClassVar[str] = ADD_REMOVE
+
+    def __post_init__(self):
+        where = "TruncatedPoissonGaussianEvent"
+        object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", _checks.check_sample_rate(where, self.sample_rate))
+        object.__setattr__(
+            self,
+            "max_batch_size",
+            _shared_checks.positive_int(where, "max_batch_size", self.max_batch_size, meaning="max_batch_size caps the batch"),
+        )
+        object.__setattr__(
+            self, "num_samples", _shared_checks.positive_int(where, "num_samples", self.num_samples, meaning="num_samples is the dataset size")
+        )
+        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
+
+    @property
+    def truncation_probability(self) -> float:
+        """Upper bound on the probability that any of the ``count`` steps truncates, on the
+        dataset or any add/remove neighbour of it (size ``num_samples + 1`` is the worst)."""
+        per_step = binomial_tail_bound(self.num_samples + 1, self.sample_rate, self.max_batch_size + 1)
+        return min(1.0, self.count * per_step)
+
+    def _key(self):
+        return ("truncated_poisson_gaussian", self.noise_multiplier, self.sample_rate, self.max_batch_size, self.num_samples)
+
+    def _with_count(self, count: int) -> "TruncatedPoissonGaussianEvent":
+        return dataclasses.replace(self, count=count)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "truncated_poisson_gaussian",
+            "adjacency": self.adjacency,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "max_batch_size": self.max_batch_size,
+            "num_samples": self.num_samples,
+            "count": self.count,
+        }
+
+
+Event = Union[PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, NonPrivateEvent]
+_EVENT_TYPES = (PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, NonPrivateEvent)
+_BY_TYPE = {
+    "poisson_gaussian": PoissonGaussianEvent,
+    "fixed_size_gaussian": FixedSizeGaussianEvent,
+    "epoch_gaussian": EpochGaussianEvent,
+    "truncated_poisson_gaussian": TruncatedPoissonGaussianEvent,
+    "non_private": NonPrivateEvent,
+}
+_NAMES = ", ".join(t.__name__ for t in _EVENT_TYPES)
+
+
+def _combine(a: Event, b: Event) -> Event:
+    """Two events with the same key as one (counts, and any other counters, added)."""
+    if hasattr(a, "_combine"):
+        return a._combine(b)
+    return a._with_count(a.count + b.count)
 
 
 def _event_from_dict(d: dict) -> Event:
@@ -112,15 +425,23 @@ def _event_from_dict(d: dict) -> Event:
         raise ValueError(
             f"Ledger.from_json: expected an event object with a 'type' field; got {d!r}."
         )
-    fields = {k: v for k, v in d.items() if k != "type"}
-    if d["type"] == "poisson_gaussian":
-        return PoissonGaussianEvent(**fields)
-    if d["type"] == "non_private":
-        return NonPrivateEvent(**fields)
-    raise ValueError(
-        f"Ledger.from_json: unknown event type {d['type']!r}; expected 'poisson_gaussian' "
-        "or 'non_private'. Was the ledger written by a newer vmapdp?"
-    )
+    fields = {k: v for k, v in d.items() if k not in ("type", "adjacency")}
+    cls = _BY_TYPE.get(d["type"])
+    if cls is None:
+        raise ValueError(
+            f"Ledger.from_json: unknown event type {d['type']!r}; expected one of "
+            f"{', '.join(map(repr, _BY_TYPE))}. Was the ledger written by a newer vmapdp?"
+        )
+    if "adjacency" in d and d["adjacency"] != cls.adjacency:
+        raise ValueError(
+            f"Ledger.from_json: a {d['type']!r} event says adjacency={d['adjacency']!r}, but that event is "
+            f"analysed under {cls.adjacency!r}; the ledger was edited or written by another program. "
+            "Re-record the event."
+        )
+    try:
+        return cls(**fields)
+    except TypeError as err:
+        raise ValueError(f"Ledger.from_json: bad fields for a {d['type']!r} event ({err}); got {d!r}.") from None
 
 
 def _merged(events: Iterable[Event]) -> tuple[Event, ...]:
@@ -128,12 +449,12 @@ def _merged(events: Iterable[Event]) -> tuple[Event, ...]:
     for e in events:
         if not isinstance(e, _EVENT_TYPES):
             raise ValueError(
-                f"Ledger: expected PoissonGaussianEvent or NonPrivateEvent; got "
+                f"Ledger: expected one of {_NAMES}; got "
                 f"{type(e).__name__} ({e!r}). Build events with "
-                "PoissonGaussianEvent(noise_multiplier=..., sample_rate=...)."
+                "PoissonGaussianEvent(noise_multiplier=..., sample_rate=...) or a sampler's event()."
             )
         if out and out[-1]._key() == e._key():
-            out[-1] = out[-1]._with_count(out[-1].count + e.count)
+            out[-1] = _combine(out[-1], e)
         else:
             out.append(e)
     return tuple(out)
@@ -170,12 +491,12 @@ class Ledger:
         """A new ledger with ``event`` added at the end (merged into the last if identical)."""
         if not isinstance(event, _EVENT_TYPES):
             raise TypeError(
-                f"Ledger.append(event): expected PoissonGaussianEvent or NonPrivateEvent; got "
-                f"{type(event).__name__} ({event!r})."
+                f"Ledger.append(event): expected PoissonGaussianEvent or NonPrivateEvent (or another of "
+                f"{_NAMES}); got {type(event).__name__} ({event!r})."
             )
         events = self.events
         if events and events[-1]._key() == event._key():
-            return Ledger(events[:-1] + (events[-1]._with_count(events[-1].count + event.count),))
+            return Ledger(events[:-1] + (_combine(events[-1], event),))
         return Ledger(events + (event,))
 
     def record(self, *, noise_multiplier: float, sample_rate: float, count: int = 1) -> "Ledger":
@@ -194,6 +515,12 @@ class Ledger:
         if not isinstance(other, Ledger):
             return NotImplemented
         return self.extend(other)
+
+    @property
+    def adjacency(self) -> str:
+        """The neighbouring relation the accountants report this ledger for: ``"replace_one"`` if
+        any event is analysed under it (Poisson events are then converted), else ``"add_remove"``."""
+        return REPLACE_ONE if any(e.adjacency == REPLACE_ONE for e in self.events) else ADD_REMOVE
 
     @property
     def steps(self) -> int:

@@ -276,3 +276,78 @@ def rdp_to_delta(rdp: torch.Tensor, orders: Sequence[float], epsilon) -> torch.T
     log_delta = torch.minimum(log_delta, log_tv)
     log_delta = torch.where(torch.isnan(log_delta), 0.0, log_delta)
     return torch.clamp(torch.exp(log_delta.min(dim=-1).values), max=1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Replace-one RDP: fixed-size sampling without replacement, Gaussian epochs, converted Poisson
+# ---------------------------------------------------------------------------------------
+
+
+def _wor_log_terms_int(sigma_eff: float, q: float, int_orders: tuple[int, ...]) -> torch.Tensor:
+    """log(1 + sum_j ...) of Wang-Balle-Kasiviswanathan Theorem 9 at integer orders >= 2 for a
+    base mechanism with RDP eps(a) = a / (2 sigma_eff^2) (eps(inf) = inf):
+
+        1 + q^2 C(a, 2) min(4 (e^eps(2) - 1), 2 e^eps(2)) + sum_{j=3}^{a} 2 q^j C(a, j) e^{(j-1) eps(j)}
+    """
+    k, alpha, seg, log_binom = _int_order_tables(int_orders)
+    inv = 0.5 / (sigma_eff * sigma_eff)
+    eps2 = 2.0 * inv
+    log_j2 = min(math.log(4.0) + eps2 + math.log(-math.expm1(-eps2)), eps2 + math.log(2.0))
+    terms = log_binom + k * math.log(q) + torch.where(k == 2, torch.full_like(k, log_j2), math.log(2.0) + (k - 1) * k * inv)
+    terms = torch.where(k >= 2, terms, torch.full_like(k, -math.inf))
+    terms = torch.where(k == 0, torch.zeros_like(k), terms)  # the leading 1
+    O = len(int_orders)
+    peak = torch.full((O,), -math.inf, dtype=_F64).scatter_reduce(0, seg, terms, "amax")
+    total = torch.zeros(O, dtype=_F64).scatter_add(0, seg, torch.exp(terms - peak[seg]))
+    return peak + torch.log(total)
+
+
+@functools.lru_cache(maxsize=64)
+def rdp_fixed_size_gaussian(noise_multiplier: float, sample_rate: float, orders: tuple[float, ...]) -> tuple[float, ...]:
+    """Replace-one RDP of ONE step of the Gaussian mechanism on a batch drawn without
+    replacement (batch_size = sample_rate * num_samples), at each order.
+
+    Wang, Balle, Kasiviswanathan (2019), Theorem 9, for the Gaussian mechanism with the
+    replace-one sensitivity 2 (in units of the clip norm: base RDP eps(a) = 2 a /
+    noise_multiplier^2, eps(inf) = inf). Fractional orders: the cumulant (a - 1) eps'(a) is
+    convex in a, so interpolating it linearly between the neighbouring integers is an upper
+    bound (their Corollary 10). Order values below 2 use the order-2 bound (RDP grows with the
+    order). Unchecked arguments (the events check them).
+    """
+    sigma_eff = noise_multiplier / 2.0
+    if sample_rate >= 1.0:
+        return tuple(float(a) / (2.0 * sigma_eff**2) for a in orders)
+    need = sorted({max(2, math.floor(a)) for a in orders} | {max(2, math.ceil(a)) for a in orders})
+    log_a = _wor_log_terms_int(sigma_eff, sample_rate, tuple(need))
+    cgf = {a: float(v) for a, v in zip(need, log_a)}  # (a - 1) * eps'(a)
+    out = []
+    for a in orders:
+        if a < 2.0:
+            out.append(cgf[2])  # eps'(a) <= eps'(2) = cgf(2) / 1
+            continue
+        lo, hi = math.floor(a), math.ceil(a)
+        c = cgf[lo] if lo == hi else (hi - a) * cgf[lo] + (a - lo) * cgf[hi]
+        out.append(max(c / (a - 1.0), 0.0))
+    return tuple(out)
+
+
+def rdp_replace_one_from_add_remove(rdp_at, orders: Sequence[float]) -> torch.Tensor:
+    """Replace-one RDP from add/remove RDP: a replacement is a removal then an addition, and
+    Renyi divergences obey the weak triangle inequality (Mironov 2017, Proposition 11)::
+
+        D_a(P || R) <= (a - 1/2) / (a - 1) * D_2a(P || Q) + D_{2a - 1}(Q || R)
+
+    ``rdp_at(orders2)`` returns the add/remove RDP (both directions bounded) at the orders
+    ``orders2``; orders whose doubled order exceeds 8192 get +inf (unused).
+    """
+    a = torch.tensor(tuple(orders), dtype=_F64)
+    ok = 2.0 * a <= 8192.0
+    a_ok = a[ok].tolist()
+    twice = tuple(2.0 * x for x in a_ok)
+    twice_m1 = tuple(2.0 * x - 1.0 for x in a_ok)
+    r2 = torch.as_tensor(rdp_at(twice), dtype=_F64)
+    r1 = torch.as_tensor(rdp_at(twice_m1), dtype=_F64)
+    ak = torch.tensor(a_ok, dtype=_F64)
+    out = torch.full_like(a, math.inf)
+    out[ok] = (ak - 0.5) / (ak - 1.0) * r2 + r1
+    return out
