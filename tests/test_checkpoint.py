@@ -105,7 +105,7 @@ def test_round_trip_keeps_every_field_and_steps_like_the_original(saved, tmp_pat
     assert s.state_dict() == sampler_state
     assert loaded.step == 2 and loaded.noise_seed == 7 and loaded.ledger == state.ledger
     assert loaded.run_id == state.run_id and len(loaded.run_id) == 64
-    assert loaded.budgets == state.budgets == ((50.0, 1e-5, "rdp"),)
+    assert loaded.budgets == state.budgets == ((50.0, 1e-5, "pld"),)
     assert loaded.methods == state.methods and {m for _, m in loaded.methods} == {"ghost"}
     assert torch.equal(loaded.opt_state.exp_avg["0.weight"], state.opt_state.exp_avg["0.weight"])
     batch, mask = gather(data, torch.arange(8)), torch.ones(8, dtype=torch.bool)

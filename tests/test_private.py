@@ -283,7 +283,7 @@ def test_no_trainer_spends_past_a_budget_it_loads(tmp_path):
     kw = dict(batch_size=24, l2_clip_norm=1.0, delta=1e-3, compile=False, method="vmap")
     m = model()
     budgeted = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, target_epsilon=1.0, epochs=1, seed=0, **kw)
-    assert budgeted.state.budgets == ((1.0, 1e-3, "rdp"),)  # recorded at init
+    assert budgeted.state.budgets == ((1.0, 1e-3, "pld"),)  # recorded at init
     budgeted.save(str(tmp_path / "fresh.pt"))  # before any step
     budgeted.fit(epochs=1)
     with pytest.raises(PrivacyBudgetExceeded):
@@ -294,6 +294,6 @@ def test_no_trainer_spends_past_a_budget_it_loads(tmp_path):
             m2 = model()
             trainer = vmapdp.make_private(m2, torch.optim.SGD(m2.parameters(), lr=0.1), ds, seed=0, **kw, **extra)
             trainer.load(str(tmp_path / name))
-            with pytest.raises(PrivacyBudgetExceeded, match=r"budget 1 \(delta=0.001, rdp; the budget recorded in the state\)"):
+            with pytest.raises(PrivacyBudgetExceeded, match=r"budget 1 \(delta=0.001, pld; the budget recorded in the state\)"):
                 trainer.fit(epochs=2)  # ... and stops at the recorded budget
             assert trainer.epsilon() <= 1.0

@@ -153,12 +153,12 @@ def test_ledger_and_epsilon_follow_the_steps():
     for _ in range(5):
         state, _ = step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
     assert state.ledger == accounting.Ledger().record(noise_multiplier=1.3, sample_rate=0.2, count=5)
-    assert state.epsilon(1e-5) == pytest.approx(accounting.epsilon(noise_multiplier=1.3, sample_rate=0.2, steps=5, delta=1e-5, accountant="rdp"))  # TrainState.epsilon defaults to RDP (train.py)
+    assert state.epsilon(1e-5) == pytest.approx(accounting.epsilon(noise_multiplier=1.3, sample_rate=0.2, steps=5, delta=1e-5))  # TrainState.epsilon defaults to PLD, as the accountants do
 
 
 def test_budget_stops_before_the_step_that_would_exceed_it():
     _, params, buffers, (x, y), loss_fn = problem()
-    eps_after = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5, accountant="rdp") for t in (1, 2, 3, 4)]
+    eps_after = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5) for t in (1, 2, 3, 4)]
     budget = (eps_after[2] + eps_after[3]) / 2  # three steps fit, the fourth would not
     step = make(loss_fn, noise=1.0, q=0.2, budget=(budget, 1e-5))
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
@@ -387,9 +387,9 @@ def test_every_budget_a_state_was_given_is_enforced_by_any_later_step():
     budgeted, unbudgeted, loose = make(loss_fn, budget=(tight, 1e-5)), make(loss_fn), make(loss_fn, budget=(100.0, 1e-5))
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
     state, _ = budgeted(state, batch, mask, buffers)
-    assert state.budgets == ((tight, 1e-5, "rdp"),)
+    assert state.budgets == ((tight, 1e-5, "pld"),)
     state, _ = loose(state, batch, mask, buffers)  # the looser budget is recorded beside, the tight one kept
-    assert state.budgets == ((tight, 1e-5, "rdp"),)
+    assert state.budgets == ((tight, 1e-5, "pld"),)
     for step in (unbudgeted, loose, budgeted):  # no step spends past the tight budget
         with pytest.raises(PrivacyBudgetExceeded, match=r"step 3 would spend epsilon=.* > budget .*the budget recorded in the state|given to this step"):
             step(state, batch, mask, buffers)

@@ -72,7 +72,7 @@ class TrainState(NamedTuple):
             f"step={self.step}, ledger={self.ledger!r}, budgets={self.budgets!r}, methods={dict(self.methods)!r})"
         )
 
-    def epsilon(self, delta: float, *, accountant: str = "rdp") -> float:
+    def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """Epsilon spent so far at ``delta`` (from the ledger; host-side float math)."""
         return accountant_epsilon(self.ledger, delta, accountant)
 
@@ -122,7 +122,7 @@ def init_train_state(
     seed: int | None = None,
     secure: bool = False,
     budget: tuple[float, float] | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
 ) -> TrainState:
     """The state before the first step.
 
@@ -244,7 +244,7 @@ def make_train_step(
     randomness: str = "error",
     compile: bool = True,
     budget: tuple[float, float] | None = None,
-    accountant: str = "rdp",
+    accountant: str = "pld",
     secure: bool = False,
     distributed: bool = False,
     precision: torch.dtype | None = None,
@@ -423,8 +423,8 @@ def make_train_step(
         new_ledger = state.ledger.append(event)
         budgets = _merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
         for b_eps, b_delta, b_accountant in budgets:
-            eps = accountant_epsilon(new_ledger, b_delta, b_accountant)
-            if eps > b_eps:
+            if not accounting.within_budget(new_ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
+                eps = accountant_epsilon(new_ledger, b_delta, b_accountant)
                 whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
                 raise PrivacyBudgetExceeded(
                     f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "

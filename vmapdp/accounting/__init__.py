@@ -23,7 +23,7 @@ Accountants (``accountant=``):
 Neighbouring relation: add/remove one example, Poisson subsampling.
 """
 
-from vmapdp.accounting.core import calibrate_noise, delta, epsilon, epsilon_bounds, epsilon_grid
+from vmapdp.accounting.core import calibrate_noise, delta, epsilon, epsilon_bounds, epsilon_grid, within_budget
 from vmapdp.accounting.events import (
     EpochGaussianEvent,
     Event,
@@ -52,4 +52,5 @@ __all__ = [
     "epsilon_bounds",
     "epsilon_grid",
     "rdp_poisson_gaussian",
+    "within_budget",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from vmapdp.accounting.events import (
     TruncatedPoissonGaussianEvent,
 )
 
-__all__ = ["epsilon", "delta", "epsilon_bounds", "epsilon_grid", "calibrate_noise"]
+__all__ = ["epsilon", "delta", "epsilon_bounds", "epsilon_grid", "calibrate_noise", "within_budget"]
 
 _F64 = torch.float64
 _MIN_NOISE = 0.1
@@ -604,3 +604,77 @@ def calibrate_noise(
         else:
             lo = sigma
     return hi
+
+
+# ---------------------------------------------------------------------------------------
+# Budgets
+# ---------------------------------------------------------------------------------------
+
+
+def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant: str = "pld") -> bool:
+    """Whether the ledger's epsilon at ``delta`` is at most ``epsilon``: the check a training
+    step makes before every release, cheap enough for that.
+
+    Sound shortcuts, never a looser answer than ``epsilon(ledger, ...) <= epsilon``:
+
+    * RDP first (microseconds): it is an upper bound on the true epsilon, so RDP within the
+      budget means the ledger is within it, whatever ``accountant`` is asked.
+    * Else, for ``"pld"``: the largest count ``K`` of the ledger's last event that stays within
+      the budget is found once (galloping from the current count, then bisection; cached), and
+      later calls compare counts. The true epsilon grows with the count, so a certified upper
+      bound within the budget at ``K`` covers every count up to ``K``.
+
+    Raises:
+      ValueError / TypeError: a bad argument (the checks of :func:`epsilon`).
+    """
+    where = "within_budget"
+    if not isinstance(ledger, Ledger):
+        raise TypeError(f"{where}(ledger): expected a Ledger, got {type(ledger).__name__}.")
+    epsilon = _checks.check_epsilon(where, epsilon)
+    delta = _checks.check_delta(where, delta)
+    accountant = _options(where, accountant, None, None, None)[0]
+    if not ledger.events:
+        return True
+    try:
+        if _ledger_epsilon(ledger.events, delta, "rdp") <= epsilon:
+            return True
+    except ValueError:  # a ledger RDP does not cover: decide with the accountant asked
+        pass
+    if accountant == "rdp":
+        return False
+    *prefix, last = ledger.events
+    return last.count <= _max_count(tuple(prefix), last._with_count(1), last.count, epsilon, delta, accountant)
+
+
+def _ledger_epsilon(events: tuple, delta: float, accountant: str) -> float:
+    return float(epsilon(Ledger(events), delta=delta, accountant=accountant, allow_non_private=True))
+
+
+_MAX_COUNTS: dict[tuple, int] = {}  # a memo of _max_count's pure results (bounded)
+
+
+def _max_count(prefix: tuple, event: Any, start: int, budget: float, delta: float, accountant: str) -> int:
+    """The largest ``k`` with ``epsilon(prefix + event x k) <= budget``, or a number below
+    ``start`` when ``start`` itself is over (then nothing is memoised: the step stops there)."""
+    key = (prefix, event, budget, delta, accountant)
+    if key in _MAX_COUNTS:
+        return _MAX_COUNTS[key]
+
+    def ok(k: int) -> bool:
+        return _ledger_epsilon(prefix + (event._with_count(k),), delta, accountant) <= budget
+
+    if not ok(start):
+        return start - 1
+    lo, step = start, max(1, start // 16)
+    while ok(lo + step):  # gallop: every certified count is a lower bound on the largest one
+        lo, step = lo + step, step * 2
+        if lo > 1 << 40:
+            break
+    hi = lo + step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    if len(_MAX_COUNTS) >= 64:
+        _MAX_COUNTS.clear()
+    _MAX_COUNTS[key] = lo
+    return lo
