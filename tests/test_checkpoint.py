@@ -247,5 +247,28 @@ def test_a_trainer_refusing_a_damaged_checkpoint_keeps_its_module_state_and_samp
         assert trainer.state is state and trainer.sampler.state_dict() == sampler_state
         assert all(torch.equal(m.state_dict()[k], v) for k, v in weights.items())
     path.write_bytes(raw)
-    trainer.load(str(path))
-    assert trainer.state.step == 1 and all(torch.equal(p.detach(), trainer.state.params[k]) for k, p in m.named_parameters())
+    with pytest.raises(ValueError, match=r"at step 1, behind this run's step 2: rolling back"):
+        trainer.load(str(path))  # the intact file, but a rollback of a run that moved on
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+    fresh = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, target_epsilon=5.0, epochs=2, delta=1e-3, seed=0, compile=False)
+    fresh.load(str(path))
+    assert fresh.state.step == 1 and all(torch.equal(p.detach(), fresh.state.params[k]) for k, p in m.named_parameters())
+
+
+def test_like_refuses_another_runs_checkpoint_and_rollbacks_once_the_run_has_stepped(saved, tmp_path):
+    """A run that has already released steps cannot load another run's checkpoint (its releases
+    would drop out of the ledger) nor an older one of its own (repeated releases the ledger no
+    longer counts); a fresh run may load either. Budgets of `like` are kept, never loosened."""
+    path, state, _, step, (buffers, data) = saved
+    batch, mask = gather(data, torch.arange(8)), torch.ones(8, dtype=torch.bool)
+    other, _ = step(vmapdp.init_train_state({k: v + 1 for k, v in state.params.items()}, optim.adam(1e-2), seed=7), batch, mask, buffers)
+    with pytest.raises(ValueError, match=r"is of another run .* has already taken 1 steps.*Load it into a fresh run"):
+        vmapdp.load_state(path, sampler=sampler(), like=other)
+    ahead, _ = step(state, batch, mask, buffers)  # this run, one step past the checkpoint
+    with pytest.raises(ValueError, match=r"at step 2, behind this run's step 3: rolling back would repeat releases"):
+        vmapdp.load_state(path, sampler=sampler(), like=ahead)
+    assert vmapdp.load_state(path, sampler=sampler(), like=state).step == 2  # the same step: fine
+    tight = ahead._replace(step=2, ledger=state.ledger, budgets=((3.0, 1e-5, "pld"),))
+    loaded = vmapdp.load_state(path, sampler=sampler(), like=tight)
+    assert loaded.budgets == ((3.0, 1e-5, "pld"),)  # the tighter budget of `like` replaces the file's looser one

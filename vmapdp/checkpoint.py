@@ -26,6 +26,7 @@ Keep checkpoints as private as the training data.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import io
@@ -40,7 +41,7 @@ import torch
 
 from vmapdp.accounting import Ledger
 from vmapdp.optim import SAFE_GLOBALS
-from vmapdp.train import TrainState
+from vmapdp.train import TrainState, merge_budgets
 
 __all__ = ["save_state", "load_state"]
 
@@ -195,6 +196,20 @@ def _check_like(call: str, state: TrainState, like: Any) -> None:
     if (state.noise_seed is None) != (like.noise_seed is None):
         mode = "secure (no seed)" if state.noise_seed is None else "seeded"
         raise ValueError(f"{call}: the checkpoint is {mode} but this run is not; use the same secure= setting. Nothing was loaded.")
+    if like.step == 0:
+        return  # a fresh run (a new process resuming): any checkpoint of this shape may continue it
+    if state.run_id != like.run_id:
+        raise ValueError(
+            f"{call}: the checkpoint is of another run (run id {state.run_id[:12]}..., this run's {like.run_id[:12]}...) "
+            f"and this run has already taken {like.step} steps: loading it would drop those releases from the ledger. "
+            "Load it into a fresh run (a new trainer or init_train_state) instead. Nothing was loaded."
+        )
+    if state.step < like.step:
+        raise ValueError(
+            f"{call}: the checkpoint is at step {state.step}, behind this run's step {like.step}: rolling back would repeat "
+            "releases that its ledger no longer counts. Load a checkpoint at or after this run's step, or into a fresh run "
+            "(a seeded run then replays the same steps bit for bit). Nothing was loaded."
+        )
 
 
 def _restore_sampler(call: str, sampler: Any, saved: Any) -> None:
@@ -226,7 +241,9 @@ def load_state(
         map_location: as for ``torch.load`` (e.g. ``"cpu"``).
         key: the secret given to ``save_state(key=)``, for an HMAC-SHA256 check.
         like: a state the checkpoint must fit (param keys, shapes, dtypes, optimizer state,
-            secure mode); checked before the sampler is touched.
+            secure mode); checked before the sampler is touched. If ``like`` has taken steps, the
+            checkpoint must also be of the same run (``run_id``) and not behind it (no rollback
+            that would repeat releases its ledger no longer counts); ``like``'s budgets are kept.
         ignore_sampler: read a checkpoint that holds sampler state without a sampler, for
             evaluation or inspection only; do not resume training from the result.
 
@@ -272,6 +289,7 @@ def load_state(
     state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods)
     if like is not None:
         _check_like(call, state, like)
+        state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen
     saved = payload["sampler"]
     holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None)
     if sampler is not None:

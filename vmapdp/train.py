@@ -97,7 +97,7 @@ def _check_budget(call: str, budget: Any, accountant: str) -> tuple[float, float
     return (eps, float(budget[1]), accountant)
 
 
-def _merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple[tuple[float, float, str], ...]:
+def merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple[tuple[float, float, str], ...]:
     """``budgets`` plus ``new``, keeping the smallest epsilon per (delta, accountant): the tightest of each."""
     best: dict[tuple[float, str], float] = {}
     for eps, delta, acc in budgets + ((new,) if new is not None else ()):
@@ -166,7 +166,7 @@ def init_train_state(
         step=0,
         ledger=Ledger(),
         run_id=params_digest(params),
-        budgets=_merge_budgets((), recorded),
+        budgets=merge_budgets((), recorded),
     )
 
 
@@ -421,7 +421,7 @@ def make_train_step(
         device = next(iter(state.params.values())).device
         mask = mask.to(device)  # samplers make masks on the CPU
         new_ledger = state.ledger.append(event)
-        budgets = _merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
+        budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
         for b_eps, b_delta, b_accountant in budgets:
             if not accounting.within_budget(new_ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
                 eps = accountant_epsilon(new_ledger, b_delta, b_accountant)
