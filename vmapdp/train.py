@@ -41,9 +41,9 @@ from vmapdp import _checks, accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.ghost import METHODS, _shape_key, auto_candidates, clipped_grad_sum, full_float32, race
+from vmapdp.clipped import METHODS, auto_candidates, clipped_grad_sum, race, shape_key
 from vmapdp.noise import add_noise
-from vmapdp.precision import mixed_precision
+from vmapdp.precision import full_float32, mixed_precision
 
 __all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
@@ -214,7 +214,7 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
 
 
 def _shape_digest(key: tuple) -> str:
-    """A stable, serialisable name for a ghost ``_shape_key`` (kept in ``TrainState.methods``)."""
+    """A stable, serialisable name for a ``shape_key`` (kept in ``TrainState.methods``)."""
     return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
 
 
@@ -385,7 +385,7 @@ def make_train_step(
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
         """The chunk's method and its shape digest; its plan made eagerly, once per shape, to keep
         the compiled graph free of it. ``recorded``: the state's methods (replayed by "auto")."""
-        key = _shape_key((params, *shared, chunk))
+        key = shape_key((params, *shared, chunk))
         if key not in digests:
             digests[key] = _shape_digest(key)
         digest = digests[key]
