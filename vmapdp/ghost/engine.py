@@ -136,6 +136,9 @@ def ghost_norms_and_sum(
     ``weights_fn(norms)`` returns the per-sample clip factors (rows that must not contribute get
     weight 0 here); with ``weights_fn=None`` only the norms are computed. Returns
     ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0.
+
+    Stages: the tapped forward and one backward (``_tapped_uses``), the norms and their safe
+    bounds (``_norms``), the book-keeping sum (``_clipped_sum``).
     """
     if not isinstance(params, dict):
         raise TypeError(f"{call}: params must be a dict of tensors keyed like named_parameters(), got {type(params).__name__}.")
@@ -146,8 +149,28 @@ def ghost_norms_and_sum(
     if plan is None:
         plan = probe(loss_fn, params, shared, batch, randomness)
     device = next(iter(params.values())).device
+    real = torch.ones(b, dtype=torch.bool, device=device) if mask is None else mask.to(device)
+    losses, uses, other_grads = _tapped_uses(loss_fn, params, shared, batch, real, plan, randomness, call)
+    norms, safe, kept = _norms(params, uses, other_grads, real, keep_budget=weights_fn is not None)
+    losses = torch.where(real, losses, 0.0)
+    if weights_fn is None:
+        return norms, None, losses
+    keep = real & torch.isfinite(norms)
+    w = torch.where(keep, weights_fn(safe), 0.0)
+    # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
+    zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
+    return norms, _clipped_sum(params, uses, other_grads, kept, w, zero), losses
+
+
+def _tapped_uses(
+    loss_fn: Callable[..., Tensor], params: dict[str, Tensor], shared: tuple, batch: Any, real: Tensor, plan: Plan, randomness: str, call: str
+) -> tuple[Tensor, dict[str, list[Use]], dict[str, Tensor]]:
+    """The losses ``[B]``, the covered uses of each param (from the sites' inputs and output grads)
+    and the per-sample grads of the uses no rule covers: one tapped forward, one backward of the
+    real rows' summed loss. The forward's saved tensors are freed on return."""
+    b = real.shape[0]
     # zero taps as broadcast views of one zero: no memory, no fill; their grads come back dense
-    zero = torch.zeros((), dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
+    zero = torch.zeros((), dtype=acc_dtype(next(iter(params.values())).dtype), device=real.device)
     taps = [zero.to(s.out_dtype).expand((b,) + s.out_shape) for s in plan.sites]
     expanded = {k: params[k].expand((b,) + tuple(params[k].shape)) for k in plan.other}
 
@@ -170,7 +193,6 @@ def ghost_norms_and_sum(
     losses, backward, saved = vjp(mapped, taps, expanded, has_aux=True)
     if losses.shape != (b,):
         raise ValueError(f"{call}: loss_fn must return a scalar for one sample; it returned shape {tuple(losses.shape[1:])} per sample.")
-    real = torch.ones(b, dtype=torch.bool, device=device) if mask is None else mask.to(device)
     tap_grads, other_grads = backward(real.to(losses.dtype))
     del backward  # frees the forward's saved tensors before the norms are computed
 
@@ -179,11 +201,21 @@ def ghost_norms_and_sum(
         for key, use in RULES[site.op].uses(site, x, g, params):
             uses.setdefault(key, []).append(use)
     del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
+    return losses, _merge_all(uses), other_grads  # (the per-use tensors that were joined are freed here, unless shared)
+
+
+def _norms(
+    params: dict[str, Tensor], uses: dict[str, list[Use]], other_grads: dict[str, Tensor], real: Tensor, *, keep_budget: bool
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-sample norms (inf where the safe bound is not finite, 0 on masked rows), their safe
+    upper bounds (the norm plus the rounding margin of each use) and the per-sample grads that were
+    formed and kept (``keep_budget``: within ``Limits``); the uses of a kept param are dropped
+    from ``uses`` (the clipped sum takes them from its per-sample grads)."""
+    b, device = real.shape[0], real.device
     sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
     kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
     safe_sq = torch.zeros(b, dtype=torch.float64, device=device)
-    budget = limits.LIMITS.keep_elements if weights_fn is not None else 0
-    uses = _merge_all(uses)  # the per-use tensors that were joined are freed here (unless shared)
+    budget = limits.LIMITS.keep_elements if keep_budget else 0
     for key in params:
         if key in uses or key in other_grads:
             size = b * params[key].numel()
@@ -191,7 +223,7 @@ def ghost_norms_and_sum(
             # no larger than the output grads and inputs of their uses: those are then released,
             # which frees their memory unless other params' uses share them (a bias shares the
             # output grads, sibling layers an input); so keeping adds at most that much
-            keep = weights_fn is not None and (size <= budget or size <= limits.LIMITS.keep_ratio * _held(uses.get(key, [])))
+            keep = keep_budget and (size <= budget or size <= limits.LIMITS.keep_ratio * _held(uses.get(key, [])))
             sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep)
             if per is not None:
                 kept[key] = per
@@ -208,15 +240,15 @@ def ghost_norms_and_sum(
     # a bound that is not finite (extreme values) must not turn into a factor of 1 or NaN: such a
     # sample is dropped like a non-finite one, and its norm reported as inf so that it is counted
     norms = torch.where(torch.isfinite(safe), norms, torch.inf)
-    safe = safe.to(norms.dtype)
-    losses = torch.where(real, losses, 0.0)
-    if weights_fn is None:
-        return norms, None, losses
+    return norms, safe.to(norms.dtype), kept
 
-    keep = real & torch.isfinite(norms)
-    w = torch.where(keep, weights_fn(safe), 0.0)
-    # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
-    zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
+
+def _clipped_sum(
+    params: dict[str, Tensor], uses: dict[str, list[Use]], other_grads: dict[str, Tensor], kept: dict[str, Tensor], w: Tensor, zero: Tensor | None
+) -> dict[str, Tensor]:
+    """``sum_i w_i g_i`` per param: the per-sample grads at hand by ``clip_and_sum``'s weighted sum,
+    the covered uses by book-keeping (``_weighted``, in ``_sum_dtype``). Rows where ``zero`` is
+    False (not None) are zeroed first."""
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
     # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
     per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
@@ -226,12 +258,11 @@ def ghost_norms_and_sum(
             continue
         dtype = acc_dtype(p.dtype)
         wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
-        total = torch.zeros(p.shape, dtype=wide, device=device)
+        total = torch.zeros(p.shape, dtype=wide, device=w.device)
         if key in other_grads:
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
             total = total + _weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
             total = total + _weighted(use, w, zero, wide)
         summed[key] = total.to(dtype)
-    return norms, {k: summed[k] for k in params}, losses
-
+    return {k: summed[k] for k in params}
