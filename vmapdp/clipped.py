@@ -47,7 +47,6 @@ def auto_candidates(plan: Plan | None, params: dict[str, Tensor], batch_rows: in
     return out
 
 
-
 def _synchronize(device: torch.device) -> None:
     """Wait for the work queued on an accelerator (a no-op on the CPU)."""
     sync = getattr(getattr(torch, device.type, None), "synchronize", None) if device.type != "cpu" else None
@@ -96,7 +95,6 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     return min(best, key=best.__getitem__)
 
 
-
 def shape_key(args: tuple) -> tuple:
     """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes.
 
@@ -108,7 +106,6 @@ def shape_key(args: tuple) -> tuple:
         for p, t in zip(paths, leaves)
     ]
     return tuple(sorted(items))
-
 
 
 class AutoChooser:

@@ -33,6 +33,9 @@ _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, 
 
 @dataclass
 class Plan:
+    """What the probe learned of a loss for one input shape: its sites in call order, which
+    covered-op calls are sites, and which params have uses no rule covers."""
+
     sites: list[Site] = field(default_factory=list)
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
