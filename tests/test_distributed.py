@@ -19,7 +19,7 @@ from torch import nn
 
 import vmapdp
 from vmapdp import distributed as vdist
-from vmapdp import ghost
+from vmapdp import clipped
 from vmapdp import optim
 from vmapdp.data import PoissonSampler, gather
 
@@ -110,10 +110,10 @@ def _worker(rank, world, init_file, out_dir):
         res["resumed_params"] = resumed.params
         # "auto": each rank times its own rows (here a fake clock: vmap wins on rank 0, ghost on
         # rank 1), and every rank runs rank 0's choice
-        real_elapsed = ghost._elapsed
-        ghost._elapsed = lambda name, run, device: (run(), 1.0 if (name == "vmap") == (vdist.rank() == 0) else 2.0)[1]
+        real_elapsed = clipped._elapsed
+        clipped._elapsed = lambda name, run, device: (run(), 1.0 if (name == "vmap") == (vdist.rank() == 0) else 2.0)[1]
         res["auto_chosen"] = train(True, steps=2, method="auto")[1]["chosen"]
-        ghost._elapsed = real_elapsed
+        clipped._elapsed = real_elapsed
         # ranks that step different states (seed=None on each) fail together, none waits forever
         res["seed_error"] = _expect_error(lambda: train(True, steps=1, seed=100 + vdist.rank()))
         # ranks whose samplers differ (no shared key) fail together before sampling

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import vmapdp
-from vmapdp import ghost
+from dataclasses import replace
+
+from vmapdp import clipped, ghost, precision
+from vmapdp.ghost import conv, limits, linear, uses
 from optree import tree_leaves as _leaves
 from zoo import CASES, setup
 
@@ -82,10 +85,9 @@ def test_conv_paths(name, path, monkeypatch):
     force the other two: unfolded patches (wide convs), and a clipped sum by conv backward (over
     the keep budget)."""
     if path == "patches":
-        monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
     else:
-        monkeypatch.setattr(ghost, "_KEEP_ELEMENTS", 0)
-        monkeypatch.setattr(ghost, "_KEEP_RATIO", 0.0)
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
     params, buffers, batch, loss_fn = _case(name)
     ref = _reference(loss_fn, params, buffers, batch, MASK)
     out = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
@@ -111,14 +113,14 @@ def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c
     x = torch.randn((b, n, c_in) + size, generator=g, dtype=torch.float64)
     out = tuple((s - dl * (k - 1) - 1) // st + 1 for s, k, st, dl in zip(size, kernel, stride, dilation))
     gout = torch.randn((b, n, c_out) + out, generator=g, dtype=torch.float64)
-    use = ghost._Use("conv", gout, x, (c_out, c_in) + kernel, (dims, stride, dilation, 1))
-    gu, gv = ghost._conv_grams(use)
-    u, v = ghost._conv_pair(use, torch.float64)
+    use = uses.Use(conv.CONV, gout, x, (c_out, c_in) + kernel, (dims, stride, dilation, 1))
+    gu, gv = conv.conv_grams(use)
+    u, v = conv.conv_pair(use, torch.float64)
     torch.testing.assert_close(gu, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gv, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
     # and the norms they give are the per-sample grads' (the conv backward of each sample alone)
-    sq, _ = ghost._from_grams(gu, gv, torch.float64)
-    per = ghost._conv_per_sample(use)
+    sq, _ = uses.from_grams(gu, gv, torch.float64)
+    per = conv.conv_per_sample(use)
     torch.testing.assert_close(sq, per.flatten(1).square().sum(1), rtol=1e-10, atol=0)
 
 
@@ -128,10 +130,10 @@ def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype
     """Wide channels on small feature maps: ghost norms from float64 Grams, the patches' Gram
     either from the input's Gram or from unfolded patches (both forced), and a conv backward for
     the clipped sum; equal to the per-sample-gradient engine."""
-    monkeypatch.setattr(ghost, "_input_gram_cheaper", lambda *a: input_gram)
+    monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
     calls = []
-    spied = "_conv_grams" if input_gram else "_conv_pair"
-    monkeypatch.setattr(ghost, spied, lambda *a, f=getattr(ghost, spied): calls.append(a) or f(*a))
+    spied = "conv_grams" if input_gram else "conv_pair"
+    monkeypatch.setattr(conv, spied, lambda *a, f=getattr(conv, spied): calls.append(a) or f(*a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.ReLU(), nn.Conv2d(40, 128, 3, stride=2, padding=1), nn.ReLU(),
                           nn.Conv2d(128, 64, (2, 3), dilation=(2, 1)), nn.Flatten(), nn.LazyLinear(4))
@@ -158,7 +160,7 @@ def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out
     g = torch.Generator().manual_seed(t)
     u, v = torch.randn(4, t, d_out, generator=g, dtype=torch.float64), torch.randn(4, t, d_in, generator=g, dtype=torch.float64)
     want = torch.einsum("bto,bti->boi", u, v).square().sum((1, 2))
-    sq, margin, _ = ghost._pair_sq_norms(u, v)
+    sq, margin, _ = linear.pair_sq_norms(u, v)
     torch.testing.assert_close(sq, want, rtol=1e-12, atol=0)
     assert (margin > 0).all() and (margin < 1e-10 * want.sqrt()).all()  # float64: a negligible margin
     assert (t * (d_in + d_out) < d_in * d_out) == (t == 2)  # the cases cover both branches
@@ -236,7 +238,7 @@ def _fake_clock(monkeypatch, seconds):
         timed.append(name)
         return seconds[name]
 
-    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    monkeypatch.setattr(clipped, "_elapsed", elapsed)
     return timed
 
 
@@ -247,19 +249,19 @@ def test_auto_times_ghost_and_vmap_once_per_shape_and_runs_the_faster(monkeypatc
     fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)
     want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=faster)(params, buffers, batch, mask=MASK)
     got = fn(params, buffers, batch, mask=MASK)
-    assert sorted(timed) == ["ghost"] * ghost._AUTO_ROUNDS + ["vmap"] * ghost._AUTO_ROUNDS
+    assert sorted(timed) == ["ghost"] * limits.LIMITS.auto_rounds + ["vmap"] * limits.LIMITS.auto_rounds
     assert list(fn.chosen_methods.values()) == [faster]
     for a, b in zip(_tree(got), _tree(want)):  # the faster method's very numbers
         assert torch.equal(a, b)
     fn(params, buffers, batch, mask=MASK)  # same shapes: no second race
     fn(params, buffers, tuple(t[:3] for t in batch))  # a new shape: a new race
-    assert len(timed) == 4 * ghost._AUTO_ROUNDS and len(fn.chosen_methods) == 2
+    assert len(timed) == 4 * limits.LIMITS.auto_rounds and len(fn.chosen_methods) == 2
 
 
 def test_auto_races_only_the_methods_that_apply(monkeypatch):
     timed = _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0})
     params, buffers, batch, loss_fn = _case("linear")
-    monkeypatch.setattr(ghost, "_AUTO_VMAP_ELEMENTS", 6 * sum(v.numel() for v in params.values()) - 1)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, auto_vmap_elements=6 * sum(v.numel() for v in params.values()) - 1))
     fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)
     fn(params, buffers, batch)  # vmap's per-sample grads would not fit: ghost, untimed
     assert timed == [] and list(fn.chosen_methods.values()) == ["ghost"]
@@ -275,7 +277,7 @@ def test_auto_races_only_the_methods_that_apply(monkeypatch):
     assert timed == [] and list(fn.chosen_methods.values()) == ["vmap"]
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(matmul_loss)({"w": w}, x), C)
     _assert_close(summed, norms, *ref, 1e-12)
-    assert ghost.auto_candidates(None, {"w": w}, 10**9) == ["vmap"]  # (the only method left)
+    assert clipped.auto_candidates(None, {"w": w}, 10**9) == ["vmap"]  # (the only method left)
 
 
 def test_data_dependent_control_flow_is_refused():
@@ -472,7 +474,7 @@ def test_shape_and_dtype_queries_and_casts_keep_the_layers_covered():
     """Mixed precision casts every param (reading its dtype first): still all ghost, no per-sample copies."""
     params, buffers, batch, loss_fn = _case("linear", dtype=torch.float32)
     wrapped = vmapdp.mixed_precision(loss_fn, torch.bfloat16)
-    plan = ghost._probe(wrapped, params, (buffers,), batch, "error")
+    plan = ghost.probe(wrapped, params, (buffers,), batch, "error")
     assert plan.other == [] and ghost.coverage(plan, params) == 1.0
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(wrapped)(params, buffers, batch), C)
     summed, norms, _ = vmapdp.clipped_grad_sum(wrapped, l2_clip_norm=C, method="ghost")(params, buffers, batch)
@@ -502,8 +504,7 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
     """Huge output grads times tiny inputs: a finite gradient whose margin's squares overflow
     (inf * 0 = NaN) once gave clip factor 1, an unclipped release (found in review). Now such a
     sample is dropped and counted as non-finite, like a sample whose gradient overflows."""
-    monkeypatch.setattr(ghost, "_KEEP_ELEMENTS", 0)  # the margin path, not kept per-sample grads
-    monkeypatch.setattr(ghost, "_KEEP_RATIO", 0.0)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))  # the margin path, not kept per-sample grads
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(2, 2, dtype=dtype, generator=g)}
     x, y = torch.randn(3, 8, 2, dtype=dtype, generator=g), torch.randn(3, 8, 2, dtype=dtype, generator=g)
@@ -537,13 +538,13 @@ def test_merged_uses_compile_with_fullgraph(name):
 def test_full_float32_turns_tf32_off_on_cuda_only_and_restores_it(monkeypatch):
     """cuDNN's default TF32 would break ghost clipping's float32 rounding margins on CUDA. The
     legacy allow_tf32 flags are used only on a torch without the fp32_precision API."""
-    monkeypatch.setattr(ghost, "_fp32_precision_flags", lambda: [])  # a torch < 2.9
+    monkeypatch.setattr(precision, "_fp32_precision_flags", lambda: [])  # a torch < 2.9
     conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
-        with ghost.full_float32("cpu"):
+        with precision.full_float32("cpu"):
             assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
-        with pytest.raises(KeyError), ghost.full_float32("cuda"):
+        with pytest.raises(KeyError), precision.full_float32("cuda"):
             assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
             raise KeyError  # restored on the way out, also after an error
         assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
@@ -557,20 +558,20 @@ def test_full_float32_uses_the_fp32_precision_api_when_torch_has_it():
     fp32_precision only (the attributes exist on CPU builds too)."""
     b = torch.backends
     objs = [b.cuda.matmul, b.cudnn.conv, b.cudnn.rnn]
-    assert ghost._fp32_precision_flags() == objs  # torch 2.13 has the API
+    assert precision._fp32_precision_flags() == objs  # torch 2.13 has the API
     saved = [o.fp32_precision for o in objs]
     try:
         for o in objs:
             o.fp32_precision = "tf32"
-        with pytest.raises(KeyError), ghost.full_float32("cuda"):
+        with pytest.raises(KeyError), precision.full_float32("cuda"):
             assert [o.fp32_precision for o in objs] == ["ieee"] * 3
             raise KeyError
         assert [o.fp32_precision for o in objs] == ["tf32"] * 3
         b.cuda.matmul.fp32_precision = "none"  # inherit: restored as it was
-        with ghost.full_float32("cuda"):
+        with precision.full_float32("cuda"):
             assert b.cuda.matmul.fp32_precision == "ieee"
         assert b.cuda.matmul.fp32_precision == "none"
-        with ghost.full_float32("cpu"):
+        with precision.full_float32("cpu"):
             assert b.cudnn.conv.fp32_precision == "tf32"
     finally:
         for o, v in zip(objs, saved):
@@ -581,9 +582,9 @@ def test_auto_vmap_budget_is_inclusive_and_the_race_leaves_the_rng_alone(monkeyp
     params, buffers, batch, loss_fn = _case("linear")
     n = 6 * sum(v.numel() for v in params.values())
     plan = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C).prepare(params, buffers, batch)
-    monkeypatch.setattr(ghost, "_AUTO_VMAP_ELEMENTS", n)
-    assert ghost.auto_candidates(plan, params, 6) == ["ghost", "vmap"]
-    assert ghost.auto_candidates(plan, params, 7) == ["ghost"]
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, auto_vmap_elements=n))
+    assert clipped.auto_candidates(plan, params, 6) == ["ghost", "vmap"]
+    assert clipped.auto_candidates(plan, params, 7) == ["ghost"]
 
     # dropout draws from the global RNG: the race's runs must not move it
     _fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0})
@@ -615,7 +616,7 @@ def test_auto_races_with_tf32_off_and_drops_a_method_that_runs_out_of_memory(mon
         finally:
             held.pop()
 
-    monkeypatch.setattr(ghost, "full_float32", guard)
+    monkeypatch.setattr(clipped, "full_float32", guard)
     monkeypatch.setattr(train, "full_float32", guard)
     seen = []
 
@@ -624,21 +625,21 @@ def test_auto_races_with_tf32_off_and_drops_a_method_that_runs_out_of_memory(mon
         seen.append(bool(held))
         return 1.0
 
-    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    monkeypatch.setattr(clipped, "_elapsed", elapsed)
     params, buffers, batch, loss_fn = _case("linear")
     vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)(params, buffers, batch)
     step = vmapdp.make_train_step(loss_fn, vmapdp.optim.sgd(0.1), l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=6.0, sample_rate=0.1, compile=False)
     step(vmapdp.init_train_state(params, vmapdp.optim.sgd(0.1), seed=0), batch, torch.ones(6, dtype=torch.bool), buffers)
-    assert len(seen) == 4 * ghost._AUTO_ROUNDS and all(seen)
+    assert len(seen) == 4 * limits.LIMITS.auto_rounds and all(seen)
 
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    assert ghost.race({"vmap": oom, "ghost": lambda: None}, torch.device("cpu")) == "ghost"
+    assert clipped.race({"vmap": oom, "ghost": lambda: None}, torch.device("cpu")) == "ghost"
     with pytest.raises(torch.OutOfMemoryError):
-        ghost.race({"vmap": oom, "ghost": oom}, torch.device("cpu"))
+        clipped.race({"vmap": oom, "ghost": oom}, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="a bug"):  # other errors are not swallowed
-        ghost.race({"vmap": lambda: (_ for _ in ()).throw(RuntimeError("a bug")), "ghost": lambda: None}, torch.device("cpu"))
+        clipped.race({"vmap": lambda: (_ for _ in ()).throw(RuntimeError("a bug")), "ghost": lambda: None}, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- issue #15 (ghost part)
@@ -661,7 +662,7 @@ def test_the_probe_leaves_the_rng_alone_a_first_step_equals_vmap(method, monkeyp
         sums[m] = vmapdp.clipped_grad_sum(dropout_loss, l2_clip_norm=C, method=m, randomness="different")(params, buffers, batch)
     _assert_close(sums[method][0], sums[method][1], sums["vmap"][0], sums["vmap"][1], rtol=1e-9)
     torch.manual_seed(0)
-    ghost._probe(dropout_loss, params, (buffers,), batch, "different")
+    ghost.probe(dropout_loss, params, (buffers,), batch, "different")
     after_probe = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(after_probe, torch.rand(3))

@@ -36,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import vmapdp
-from vmapdp import ghost
+from dataclasses import replace
+
+from vmapdp.ghost import limits
 
 B = 8
 C = 0.05  # below the benign per-sample norms: clipping is active for (nearly) every sample
@@ -181,7 +183,7 @@ def zoo_paths(monkeypatch, request):
     """The conv_patches case sends its conv through the unfolded-patches path (book-keeping
     sum by one conv backward over the batch) instead of the grouped per-sample one."""
     if "conv_patches" in request.node.name:
-        monkeypatch.setattr(ghost, "_GROUPED_CONV_MAX", 0)
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])

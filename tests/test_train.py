@@ -191,7 +191,8 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
 
 @pytest.mark.parametrize("faster", ["ghost", "vmap"])
 def test_auto_step_runs_the_method_that_timed_faster(monkeypatch, faster):
-    from vmapdp import ghost, train
+    from vmapdp import clipped, train
+    from vmapdp.ghost import limits
 
     config = train.step_config  # the noise key binds the method asked for: unbind it, to compare the computations
     monkeypatch.setattr(train, "step_config", lambda **kw: config(**dict(kw, method="any")))
@@ -203,7 +204,7 @@ def test_auto_step_runs_the_method_that_timed_faster(monkeypatch, faster):
         timed.append(name)
         return {faster: 1.0}.get(name, 2.0)
 
-    monkeypatch.setattr(ghost, "_elapsed", elapsed)
+    monkeypatch.setattr(clipped, "_elapsed", elapsed)
     _, params, buffers, data, loss_fn = problem(n=12)
     mask = torch.ones(12, dtype=torch.bool)
     auto, named = make(loss_fn, physical_batch_size=6), make(loss_fn, physical_batch_size=6, method=faster)
@@ -214,7 +215,7 @@ def test_auto_step_runs_the_method_that_timed_faster(monkeypatch, faster):
     for k in params:  # bitwise: the auto step ran the named method's computation
         assert torch.equal(s_a.params[k], s_n.params[k]), k
     assert list(auto.chosen_methods.values()) == [faster]
-    assert sorted(timed) == sorted(["ghost", "vmap"] * ghost._AUTO_ROUNDS)  # one race: one chunk shape
+    assert sorted(timed) == sorted(["ghost", "vmap"] * limits.LIMITS.auto_rounds)  # one race: one chunk shape
 
 
 RESUME_SCRIPT = textwrap.dedent(
@@ -425,14 +426,14 @@ AUTO_RESUME_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     import vmapdp
-    from vmapdp import ghost
+    from vmapdp import clipped
     from vmapdp.data import PoissonSampler, gather
     from test_train import problem, make
     timed = []
     def elapsed(name, run, device):  # this process's clock: {faster} is faster
         run(); timed.append(name)
         return 1.0 if name == {faster!r} else 2.0
-    ghost._elapsed = elapsed
+    clipped._elapsed = elapsed
     _, params, buffers, data, loss_fn = problem(n=50)
     sampler = PoissonSampler(50, 0.2, 4, key=b"resume")
     state = vmapdp.load_state({path!r}, sampler=sampler)
@@ -447,9 +448,9 @@ AUTO_RESUME_SCRIPT = textwrap.dedent(
 
 def test_auto_resume_in_a_new_process_replays_the_saved_choice_bitwise(tmp_path, monkeypatch):
     """8 steps straight vs 4 + save + a new process whose clock favours the other method + 4."""
-    from vmapdp import ghost
+    from vmapdp import clipped
 
-    monkeypatch.setattr(ghost, "_elapsed", lambda name, run, device: (run(), 1.0 if name == "vmap" else 2.0)[1])
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run, device: (run(), 1.0 if name == "vmap" else 2.0)[1])
     _, params, buffers, data, loss_fn = problem(n=50)
     sampler = PoissonSampler(50, 0.2, 8, key=b"resume")
     step = make(loss_fn, noise=1.0, ebs=10.0, q=0.2, physical_batch_size=sampler.capacity)  # method="auto"
@@ -470,10 +471,10 @@ def test_auto_resume_in_a_new_process_replays_the_saved_choice_bitwise(tmp_path,
 
 
 def test_a_named_method_is_recorded_and_an_auto_step_on_its_state_replays_it(monkeypatch):
-    from vmapdp import ghost
+    from vmapdp import clipped
 
     timed = []
-    monkeypatch.setattr(ghost, "_elapsed", lambda name, run, device: (run(), timed.append(name), 1.0 if name == "ghost" else 2.0)[2])
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run, device: (run(), timed.append(name), 1.0 if name == "ghost" else 2.0)[2])
     _, params, buffers, data, loss_fn = problem(n=12)
     mask = torch.ones(12, dtype=torch.bool)
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)

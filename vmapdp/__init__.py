@@ -28,7 +28,7 @@ from vmapdp.curvature import (
 )
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
-from vmapdp.ghost import clipped_grad_sum
+from vmapdp.clipped import clipped_grad_sum
 from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
 from vmapdp.precision import mixed_precision

@@ -26,10 +26,14 @@ graph and divides it out again in float32, exactly. A sample whose scaled gradie
 a non-finite gradient, which ``clip_and_sum`` (``nonfinite="zero"``) drops and the train step
 counts in its ``nonfinite`` metric; lower the scale if that happens often. bfloat16 has float32's
 exponent range and needs no scaling.
+
+:func:`full_float32` is the other float32 guard: TF32 off for CUDA convs and matmuls while open,
+which the clipped sum's float32 rounding margins assume (``clipped_grad_sum``, ``make_train_step``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable
@@ -38,7 +42,7 @@ import optree
 import torch
 from torch import Tensor
 
-__all__ = ["mixed_precision"]
+__all__ = ["mixed_precision", "full_float32"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _MAX_FP16_SCALE = 2.0**15  # the largest power of two below float16's max (65504)
@@ -177,3 +181,46 @@ def mixed_precision(
 
         wrapped._vmapdp_loss_scale = (loss_scale, scaled)  # type: ignore[attr-defined]
     return wrapped
+
+
+@contextlib.contextmanager
+def full_float32(device_type: str):
+    """TF32 off for CUDA convs and matmuls while it is open (a no-op elsewhere).
+
+    Ghost clipping computes a sample's norm and its share of the clipped sum in two different
+    ways; ghost's margin bounds their difference for float32 rounding
+    (eps 2**-24), which TF32's 10-bit mantissa (2**-11) would exceed by far (an adversarial sample
+    was shown to release 1.9 C under simulated TF32). cuDNN allows TF32 for float32 convs by
+    default; ``make_train_step`` holds this open around every chunk.
+    """
+    if device_type != "cuda":
+        yield
+        return
+    flags = _fp32_precision_flags()
+    if flags:
+        # torch >= 2.9: fp32_precision, the only API to touch (reading or writing the legacy
+        # allow_tf32 flags after TF32 was set through it raises)
+        saved = [getattr(obj, "fp32_precision") for obj in flags]
+        try:
+            for obj in flags:
+                obj.fp32_precision = "ieee"
+            yield
+        finally:
+            for obj, value in zip(flags, saved):
+                obj.fp32_precision = value
+        return
+    conv, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv, matmul
+
+
+def _fp32_precision_flags() -> list[Any]:
+    """The backends whose float32 precision ``full_float32`` sets through torch's fp32_precision API
+    (cuBLAS matmuls, cuDNN convs and RNNs), or [] on a torch without it (before 2.9)."""
+    cudnn = torch.backends.cudnn
+    objs = [torch.backends.cuda.matmul, getattr(cudnn, "conv", None), getattr(cudnn, "rnn", None)]
+    return objs if all(o is not None and hasattr(o, "fp32_precision") for o in objs) else []
+

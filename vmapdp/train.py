@@ -41,9 +41,9 @@ from vmapdp import _checks, accounting
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.ghost import METHODS, _shape_key, auto_candidates, clipped_grad_sum, full_float32, race
+from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
 from vmapdp.noise import add_noise
-from vmapdp.precision import mixed_precision
+from vmapdp.precision import full_float32, mixed_precision
 
 __all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
@@ -214,7 +214,7 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
 
 
 def _shape_digest(key: tuple) -> str:
-    """A stable, serialisable name for a ghost ``_shape_key`` (kept in ``TrainState.methods``)."""
+    """A stable, serialisable name for a ``shape_key`` (kept in ``TrainState.methods``)."""
     return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
 
 
@@ -333,7 +333,6 @@ def make_train_step(
         event: Any = NonPrivateEvent()
     else:
         event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
-    noise_std = noise_multiplier * l2_clip_norm if noise_multiplier > 0 else 0.0
     config = step_config(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
@@ -350,6 +349,7 @@ def make_train_step(
         m: clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
         for m in methods
     }
+    noise_std = noise_multiplier * sum_fns[methods[0]].l2_sensitivity if noise_multiplier > 0 else 0.0
 
     def chunk_fn(sum_fn: Callable) -> Callable:
         def chunk_sums(params, mask, shared, chunk):
@@ -370,7 +370,8 @@ def make_train_step(
         return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
 
     run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
-    chosen: dict[tuple, str] = {}  # "auto"'s method per chunk shape
+    # "auto"'s method per chunk shape; distributed, every rank runs rank 0's choice (each timed its own rows)
+    chooser = AutoChooser(agree=(lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
 
     def runner(name: str) -> Callable:
@@ -385,26 +386,23 @@ def make_train_step(
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
         """The chunk's method and its shape digest; its plan made eagerly, once per shape, to keep
         the compiled graph free of it. ``recorded``: the state's methods (replayed by "auto")."""
-        key = _shape_key((params, *shared, chunk))
+        key = shape_key((params, *shared, chunk))
         if key not in digests:
             digests[key] = _shape_digest(key)
         digest = digests[key]
         if method != "auto":
             sum_fns[method].prepare(params, *shared, chunk)
             return method, digest
-        if key not in chosen:  # (a later chunk of this shape finds the plan made here)
-            if recorded.get(digest) in METHODS and recorded[digest] != "auto":  # replay the state's choice: no race
-                name = recorded[digest]
-                runner(name)
-                sum_fns[name].prepare(params, *shared, chunk)
-            else:
-                plan = sum_fns["ghost"].prepare(params, *shared, chunk)
-                names = auto_candidates(plan, params, batch_size(chunk, call=call))
-                name = race({m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
-                if distributed:  # every rank runs rank 0's choice (each timed its own rows)
-                    name = names[_dist.broadcast_int(names.index(name))]
-            chosen[key] = name
-        return chosen[key], digest
+        name = chooser.get(key)  # (a later chunk of this shape finds the plan made here)
+        if name is None and recorded.get(digest) in METHODS and recorded[digest] != "auto":  # replay the state's choice: no race
+            name = chooser.replay(key, recorded[digest])
+            runner(name)
+            sum_fns[name].prepare(params, *shared, chunk)
+        elif name is None:
+            plan = sum_fns["ghost"].prepare(params, *shared, chunk)
+            names = auto_candidates(plan, params, batch_size(chunk, call=call))
+            name = chooser.choose(key, names, {m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
+        return name, digest
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
@@ -469,5 +467,5 @@ def make_train_step(
         new_methods = tuple(sorted(recorded.items()))
         return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger, state.run_id, budgets, new_methods), metrics
 
-    step.chosen_methods = chosen  # type: ignore[attr-defined]
+    step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
     return step

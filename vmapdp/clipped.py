@@ -1,0 +1,352 @@
+"""The clipped sum of per-sample gradients straight from a one-sample loss, by one of three exact
+methods (``vmap``, ``ghost``, ``two_pass``) or ``auto``, which races them once per input shape.
+
+``clipped_grad_sum(loss_fn, l2_clip_norm=C, method=...)`` is a :class:`ClippedGradSum`: a frozen
+dispatcher that carries what the noise needs (``l2_sensitivity``). :class:`AutoChooser` is
+``"auto"``'s one policy (candidates, race, cache per shape), used here and by ``make_train_step``,
+which adds replay from the state and rank 0's choice when distributed. The maths of the methods
+live elsewhere: ``clip_and_sum`` (clipping.py), ``per_sample_grads`` (per_sample.py), ghost
+clipping (the ``vmapdp.ghost`` package).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import optree
+import torch
+from torch import Tensor
+
+from vmapdp import _checks
+from vmapdp._tree import batch_size, check_mask
+from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, clip_and_sum, clip_factors
+from vmapdp.errors import UnsupportedModuleError
+from vmapdp.ghost import limits
+from vmapdp.ghost.engine import ghost_norms_and_sum
+from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
+from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
+from vmapdp.precision import full_float32
+
+__all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key"]
+
+METHODS = ("auto", "vmap", "ghost", "two_pass")
+
+
+def auto_candidates(plan: Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
+    """The exact methods ``"auto"`` times for a batch of ``batch_rows``: ``"ghost"`` when it covers
+    any param, ``"vmap"`` when its per-sample grads fit ``Limits.auto_vmap_elements`` (or nothing else
+    applies). ``"two_pass"`` (vmap in chunks, for memory) is never raced."""
+    out = ["ghost"] if plan is not None and coverage(plan, params) > 0 else []
+    if not out or batch_rows * sum(v.numel() for v in params.values()) <= limits.LIMITS.auto_vmap_elements:
+        out.append("vmap")
+    return out
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the work queued on an accelerator (a no-op on the CPU)."""
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None) if device.type != "cpu" else None
+    if sync is not None:
+        sync()
+
+
+def _elapsed(name: str, run: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``run`` takes (the device synchronised before and after)."""
+    del name  # (tests replace this function and time by name)
+    _synchronize(device)
+    start = time.perf_counter()
+    run()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+
+
+def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
+    """The name of the fastest of ``runs`` (zero-argument calls of exact methods on the same chunk).
+
+    Each is called once to warm up (and compile, when compiled), then ``Limits.auto_rounds`` times in
+    turn; the best time of each decides. The results are dropped: nothing is released. The global
+    RNGs (CPU and ``device``'s) are restored afterwards, so random layers (dropout) draw in the
+    step as if no race had run. A candidate that runs out of memory drops out (unless it is the
+    last one).
+    """
+    if len(runs) == 1:
+        return next(iter(runs))
+    runs = dict(runs)
+    with rng_kept(device):
+        for name in list(runs):
+            try:
+                runs[name]()
+            except RuntimeError as err:
+                if not _out_of_memory(err) or len(runs) == 1:
+                    raise
+                del runs[name]
+        best = {name: math.inf for name in runs}
+        for _ in range(limits.LIMITS.auto_rounds):
+            for name, run in runs.items():
+                best[name] = min(best[name], _elapsed(name, run, device))
+    return min(best, key=best.__getitem__)
+
+
+def shape_key(args: tuple) -> tuple:
+    """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes.
+
+    Sorted by path, so that the key does not depend on the order optree lists dict entries in.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(args, namespace="torch")
+    items = [
+        (repr(p), (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, repr(t)))
+        for p, t in zip(paths, leaves)
+    ]
+    return tuple(sorted(items))
+
+
+class AutoChooser:
+    """``"auto"``'s choice per input shape: the fastest of the candidates, raced once, then cached.
+
+    ``agree(candidates, name) -> name`` (optional) turns a local choice into a shared one (a
+    distributed step broadcasts rank 0's). ``chosen`` is a read-only view of the choices so far.
+    """
+
+    def __init__(self, agree: Callable[[list[str], str], str] | None = None):
+        self._chosen: dict[tuple, str] = {}
+        self._agree = agree
+        self.chosen: Mapping[tuple, str] = types.MappingProxyType(self._chosen)
+
+    def choose(self, key: tuple, candidates: list[str], runs: Mapping[str, Callable[[], Any]], device: torch.device) -> str:
+        """The method for ``key``: the cached one, or the winner of a race of ``runs[c]`` for each
+        candidate ``c`` (see :func:`race`)."""
+        if key not in self._chosen:
+            name = race({m: runs[m] for m in candidates}, device)
+            self._chosen[key] = name if self._agree is None else self._agree(candidates, name)
+        return self._chosen[key]
+
+    def get(self, key: tuple) -> str | None:
+        """The method chosen for ``key``, or None."""
+        return self._chosen.get(key)
+
+    def replay(self, key: tuple, name: str) -> str:
+        """Record ``name`` for ``key`` without a race (a choice replayed from a saved state)."""
+        self._chosen.setdefault(key, name)
+        return self._chosen[key]
+
+
+def clipped_grad_sum(
+    loss_fn: Callable[..., Tensor],
+    *,
+    l2_clip_norm: float,
+    method: str = "auto",
+    rule: str = "clip",
+    stability: float = 0.01,
+    nonfinite: str = "zero",
+    randomness: str = "error",
+    norm_chunk_size: int | None = None,
+) -> "ClippedGradSum":
+    """The clipped sum of per-sample gradients straight from a one-sample loss.
+
+    ``fn = clipped_grad_sum(loss_fn, l2_clip_norm=C)`` and ``fn(params, *shared, batch, mask=None)``
+    return ``(summed, norms, losses)``: exactly what ``clip_and_sum(per_sample_grads(loss_fn)(...),
+    C, mask=mask)`` gives (float rounding aside), plus the per-sample losses, computed by one of:
+
+    * ``"vmap"``: per-sample gradients (``vmap(grad)``), then :func:`vmapdp.clip_and_sum`.
+      Memory ``B x params``; works for every model.
+    * ``"ghost"``: per-sample norms from layer inputs and output gradients and the clipped sum by
+      book-keeping (see this module's docstring): one forward and one backward, no per-sample
+      gradients for linear, conv and embedding weights. Memory: non-private training's plus every
+      covered layer's output gradients (1.4-1.9x on the CIFAR-10 CNN).
+    * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time;
+      each chunk is clipped and added to the sum before the next is computed. Peak memory
+      ``norm_chunk_size x (params + one sample's activations)``, for any model, dropout included.
+      The sum is of the very per-sample grads whose norms were clipped, as with ``"vmap"``. (It
+      used to take the sum from one batched backward of ``sum_i w_i loss_i``: that backward's
+      rounding is relative to the whole batch, so in bfloat16 one benign sample moved the update
+      by 32 C, in float32 a sample with cancelling terms moved the others' by 1.015 C, and ops
+      whose batched backward couples samples, such as ``scale_grad_by_freq``, broke the bound.)
+    * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
+      timed on the first call for each input shape (each run once to warm up, then twice; see
+      :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
+      only when it covers any param. ``fn.chosen_methods`` holds the choices (a read-only view). The methods agree
+      up to float rounding; for bitwise-reproducible runs (and resumes) name the method. Traced
+      by ``torch.compile`` before any eager call, nothing can be timed: the graph then runs
+      ``"ghost"`` where it covers a param (call ``fn`` once eagerly first to race).
+
+    Every method gives each sample's contribution a norm ``<= C`` (up to float rounding), and
+    the released sums of neighbouring batches (with and without one sample) differ by at most
+    ``C (1 + tol)``, with ``tol`` ``clip_and_sum``'s float32 summation rounding (``~ 2 B**2 eps``
+    worst case; ghost: see ``vmapdp.ghost.engine._sum_dtype``; tests/test_sensitivity.py checks it with crafted
+    samples), and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
+
+    Returns a :class:`ClippedGradSum`: call it, ``fn.prepare(*args)`` to plan a shape outside
+    ``torch.compile``, ``fn.l2_sensitivity`` for the noise scale.
+    """
+    call = "clipped_grad_sum(loss_fn)"
+    if not callable(loss_fn):
+        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _checks.choice(call, "method", method, METHODS)
+    _check_rule(call, rule, stability, nonfinite)
+    _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
+    _checks.optional_positive_int(call, "norm_chunk_size", norm_chunk_size)
+    return ClippedGradSum(loss_fn, l2_clip_norm, method, rule, stability, nonfinite, randomness, norm_chunk_size)
+
+
+_CALL = "clipped_grad_sum(loss_fn)"
+
+
+@dataclass(frozen=True, eq=False)
+class ClippedGradSum:
+    """``fn(params, *shared, batch, mask=None) -> (summed, norms, losses)``: see :func:`clipped_grad_sum`.
+
+    Guarantees: each sample's contribution to ``summed`` has norm ``<= l2_clip_norm`` (up to float
+    rounding), so adding or removing one sample moves ``summed`` by at most ``l2_sensitivity``;
+    masked and non-finite rows contribute exactly nothing. The configuration is fixed; what
+    changes is the cache of plans (one probe per input shape) and of ``"auto"``'s choices.
+    """
+
+    loss_fn: Callable[..., Tensor]
+    l2_clip_norm: float
+    method: str = "auto"
+    rule: str = "clip"
+    stability: float = 0.01
+    nonfinite: str = "zero"
+    randomness: str = "error"
+    norm_chunk_size: int | None = None
+    _plans: dict = field(default_factory=dict, repr=False)
+    _auto: AutoChooser = field(default_factory=AutoChooser, repr=False)
+    _grads_fn: Callable = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_grads_fn", per_sample_grads(self.loss_fn, return_loss=True, randomness=self.randomness))
+
+    @property
+    def l2_sensitivity(self) -> float:
+        """The L2 sensitivity of the released sum under adding or removing one sample: every rule
+        ('clip', and 'normalize' with ``C / (norm + stability)``) bounds a contribution by ``C``."""
+        return self.l2_clip_norm
+
+    @property
+    def chosen_methods(self) -> Mapping[tuple, str]:
+        """``"auto"``'s choice per input shape (a read-only view)."""
+        return self._auto.chosen
+
+    def prepare(self, *args: Any) -> Plan | None:
+        """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
+        return self._planned(args)[1]
+
+    def __call__(self, *args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        try:
+            return self._dispatch(args, mask)
+        except RuntimeError as err:
+            if "saved tensor hooks" in str(err):
+                raise UnsupportedModuleError(
+                    f"{_CALL}: the loss uses torch.utils.checkpoint (or other saved tensor hooks), which "
+                    "torch.func's grad/vjp (used by every method: vmap, ghost, two_pass) refuse: 'torch.func."
+                    "{grad, vjp, ...} don't yet support saved tensor hooks'. Expected a loss without "
+                    "checkpoint; to bound memory use physical_batch_size (make_train_step) or "
+                    "method='two_pass' with a small norm_chunk_size instead."
+                ) from err
+            raise
+
+    def _dispatch(self, args: tuple, mask: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        if len(args) < 2:
+            raise TypeError(f"{_CALL}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
+        params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
+        _checks.params_dict(_CALL, params, require_dict=False)
+        if mask is not None:
+            check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
+        if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
+            return self._by_vmap(params, shared, batch, mask)
+        # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
+        eager = not torch.compiler.is_compiling()
+        with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
+            if self.method == "two_pass":
+                return self._by_two_pass(params, shared, batch, mask)
+            key, plan = self._planned(args)
+            if self.method == "auto" and self._choose(key, plan, params, shared, batch, mask) == "vmap":
+                return self._by_vmap(params, shared, batch, mask)
+            return self._by_ghost(params, shared, batch, mask, plan)
+
+    def _planned(self, args: tuple) -> tuple[tuple, Plan | None]:
+        if self.method in ("vmap", "two_pass") or batch_size(args[-1], call=_CALL) == 0:
+            return (), None
+        key = shape_key(args)
+        plan = self._plans.get(key)
+        if plan is None:
+            try:
+                plan = probe(self._ghost_form[1], {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], self.randomness)
+            except RuntimeError as err:
+                raise _explain_runtime_error(_CALL, err) from err
+            self._plans[key] = plan
+        return key, plan
+
+    def _choose(self, key: tuple, plan: Plan | None, params, shared, batch, mask) -> str:
+        """``"auto"``'s method for this input shape (while tracing for torch.compile nothing can be
+        timed: then ghost if it covers any param)."""
+        known = self._auto.get(key)
+        if known is not None:
+            return known
+        names = auto_candidates(plan, params, batch_size(batch, call=_CALL))
+        if torch.compiler.is_compiling():
+            return names[0]
+        runs = {"ghost": lambda: self._by_ghost(params, shared, batch, mask, plan), "vmap": lambda: self._by_vmap(params, shared, batch, mask)}
+        return self._auto.choose(key, names, runs, next(iter(params.values())).device)
+
+    def _weights(self, norms: Tensor) -> Tensor:
+        return clip_factors(norms, self.l2_clip_norm, rule=self.rule, stability=self.stability)
+
+    def _by_vmap(self, params, shared, batch, mask):
+        grads, losses = self._grads_fn(params, *shared, batch, mask=mask)
+        summed, norms = clip_and_sum(grads, self.l2_clip_norm, mask=mask, rule=self.rule, stability=self.stability, nonfinite=self.nonfinite)
+        return summed, norms, losses
+
+    def _by_two_pass(self, params, shared, batch, mask):
+        # Per-sample grads norm_chunk_size rows at a time, each chunk clipped and added to the sum
+        # at once: the sum is of the very numbers whose norms were clipped (as vmap's), so every
+        # bound of clip_and_sum holds. (It used to be one batched backward of the reweighted
+        # losses, whose rounding is relative to the whole batch, and ops such as
+        # scale_grad_by_freq coupled the samples in it.)
+        b = batch_size(batch, call=_CALL)
+        size = self.norm_chunk_size or b
+        real = torch.ones(b, dtype=torch.bool) if mask is None else mask
+        norms, losses, summed = [], [], None
+        for s in range(0, b, size):
+            chunk = optree.tree_map(lambda t: t[s : s + size], batch, namespace="torch")
+            g, lo = self._grads_fn(params, *shared, chunk)
+            part, n = clip_and_sum(g, self.l2_clip_norm, mask=real[s : s + size], rule=self.rule, stability=self.stability, nonfinite="zero")
+            summed = part if summed is None else {k: summed[k] + part[k] for k in summed}
+            norms.append(n)
+            losses.append(lo)
+            del g, part  # one chunk's per-sample grads at a time
+        norms_t = torch.cat(norms)
+        if self.nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
+            _keep(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)
+        return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
+
+    def _by_ghost(self, params, shared, batch, mask, plan):
+        grad_scale, loss_fn = self._ghost_form
+        try:
+            if grad_scale == 1.0:
+                norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, self._weights, randomness=self.randomness, plan=plan, call=_CALL)
+            else:
+                norms, summed, losses = ghost_norms_and_sum(
+                    loss_fn, params, shared, batch, mask, lambda n: self._weights(n / grad_scale), randomness=self.randomness, plan=plan, call=_CALL
+                )
+                norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
+        except RuntimeError as err:
+            raise _explain_runtime_error(_CALL, err) from err
+        if self.nonfinite == "raise":
+            _keep(norms, mask, self.nonfinite, _CALL)
+        return summed, norms, losses
+
+    @property
+    def _ghost_form(self) -> tuple[float, Callable[..., Tensor]]:
+        """``(grad_scale, loss)`` ghost runs: an fp16 loss with a static loss_scale
+        (vmapdp.mixed_precision) offers the form whose params reach the layers as casts, with
+        gradients grad_scale times the loss's; ghost divides the (power-of-two) scale out exactly."""
+        return getattr(self.loss_fn, "_vmapdp_loss_scale", (1.0, self.loss_fn))

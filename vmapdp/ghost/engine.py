@@ -1,0 +1,268 @@
+"""Ghost clipping's engine: ``ghost_norms_and_sum``, per-sample norms and the clipped sum from one
+forward and one backward, with the book-keeping that decides what is kept, freed and summed how.
+
+The forward runs under the tracer (plan.py), which keeps each site's input and taps its output;
+one ``vjp`` gives the output grads; the rules (rules.py) turn them into uses, whose kinds give the
+norms and the weighted sum. This file owns the guarantees that span layers: the float64 sums where
+terms can cancel (``_sum_dtype``), the margin that keeps each contribution within the clip norm,
+and the keep budget (``Limits``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.func import vjp, vmap
+
+from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp.clipping import _weighted_sum
+from vmapdp.ghost import limits
+from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
+from vmapdp.ghost.rules import RULES
+from vmapdp.ghost.uses import Use, rounding_margin
+
+__all__ = ["ghost_norms_and_sum"]
+
+
+def _sum_dtype(uses: list[Use], other: bool, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the book-keeping sum of one param is accumulated in (see :func:`_weighted`).
+
+    One matmul (conv backward, index_add) adds the ``T`` terms ``w_i u_it v_it^T`` of *every*
+    sample ``i``; its rounding is ``<= gamma_N sum_i w_i M_i`` (``N = B T`` terms, ``M_i = sum_t
+    |u_it| |v_it|`` the mass). The margin only bounds ``w_i M_i`` by ``C / (2 (T + 2) eps)``: a
+    sample whose terms cancel (huge mass, small norm) is clipped within its own rounding, yet in
+    float32 it quantises the *other* samples' partial sums (measured: the neighbour difference
+    reached 1.016 C). Accumulated in float64 that cross-talk is ``<= gamma64_N * B * C / (2 T
+    eps32) ~ B**2 * 2**-30 * C`` (1.5e-5 C at B = 128). With ``T = 1`` and no other uses a term is
+    the sample's whole grad (``w_i M_i = ||w_i G_i|| <= C``: nothing can cancel), and the float32
+    sum's rounding ``gamma_B * B * C`` is the same as :func:`vmapdp.clip_and_sum`'s: it stays in
+    float32. A param with per-sample-view uses too (whose grads may cancel against the covered
+    ones) is summed in float64 as a whole."""
+    if dtype != torch.float32:
+        return dtype  # float64 stays float64
+    if other or any(u.t > 1 for u in uses):
+        return torch.float64
+    return dtype
+
+
+def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping), accumulated in
+    ``dtype`` (default the use's; see :func:`_sum_dtype`).
+
+    Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
+    is NaN.
+    """
+    u, v = use.u, use.v
+    if dtype is not None and dtype != u.dtype:
+        u = u.to(dtype)
+        if not use.kind.indices:
+            v = v.to(dtype)
+    if keep is not None:
+        u = torch.where(rows(keep, u), u, 0.0)
+        if not use.kind.indices:
+            v = torch.where(rows(keep, v), v, 0.0)
+    return use.kind.weighted(use, u * rows(w.to(u.dtype), u), v)
+
+
+def _use_margin(use: Use) -> Tensor:
+    return rounding_margin(use.t, use.u.dtype) * use.kind.mass(use)
+
+
+def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[Use]:
+    """A param's uses with the same rule joined into one (an RNN cell's weight is used once per
+    time step): ``"pair"`` and ``"embedding"`` uses concatenate along T, so that the norm and the
+    clipped sum each take one call, not one per use. ``joined`` caches the concatenations by the
+    identity of their parts: params whose uses share tensors (a cell's input and hidden weights
+    share the gate grads, a weight and its bias the output grads) share one copy."""
+    if len(uses) < 2 or len({u.kind for u in uses}) > 1 or not uses[0].kind.joinable:
+        return uses
+
+    def cat(parts: list[Tensor]) -> Tensor:
+        key = tuple(id(t) for t in parts)
+        if key not in joined:  # (the parts stay in the cache too: their ids cannot be reused meanwhile)
+            joined[key] = (parts, torch.cat(parts, 1))
+        return joined[key][1]
+
+    first = uses[0]
+    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra)]
+
+
+def _merge_all(uses: dict[str, list[Use]]) -> dict[str, list[Use]]:
+    joined: dict = {}
+    return {key: _merged(u, joined) for key, u in uses.items()}
+
+
+def _held(uses: list[Use]) -> int:
+    """Elements of the output grads and inputs the uses hold (tokens not counted)."""
+    return sum(u.u.numel() + (0 if u.kind.indices else u.v.numel()) for u in uses)
+
+
+def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared per-sample norms of one param's gradient (the sum of all its uses, see
+    :func:`_merged`), the margin of the norm (see :func:`~vmapdp.ghost.uses.rounding_margin`), and the per-sample grads when
+    they had to be formed and ``keep_grads`` allows keeping them (then the sum uses the same
+    numbers and the margin is 0)."""
+    if other is None and len(uses) == 1:
+        return uses[0].kind.sq_norms(uses[0], keep_grads)
+    total = None if other is None else other.to(acc_dtype(other.dtype))
+    for u in uses:
+        p = u.kind.per_sample(u)
+        total = p if total is None else total + p
+    sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
+    if keep_grads:
+        return sq, torch.zeros_like(sq), total
+    margin = torch.zeros_like(sq)
+    for u in uses:  # the other uses' per-sample grads are summed as they are: no margin for them
+        margin = margin + _use_margin(u).to(sq.dtype)
+    return sq, margin, None
+
+
+def ghost_norms_and_sum(
+    loss_fn: Callable[..., Tensor],
+    params: dict[str, Tensor],
+    shared: tuple,
+    batch: Any,
+    mask: Tensor | None,
+    weights_fn: Callable[[Tensor], Tensor] | None,
+    *,
+    randomness: str = "error",
+    plan: Plan | None = None,
+    call: str = "ghost clipping",
+) -> tuple[Tensor, dict[str, Tensor] | None, Tensor]:
+    """Per-sample norms ``[B]`` and ``sum_i w_i g_i`` from one forward and one backward.
+
+    ``weights_fn(norms)`` returns the per-sample clip factors (rows that must not contribute get
+    weight 0 here); with ``weights_fn=None`` only the norms are computed. Returns
+    ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0.
+
+    Stages: the tapped forward and one backward (``_tapped_uses``), the norms and their safe
+    bounds (``_norms``), the book-keeping sum (``_clipped_sum``).
+    """
+    if not isinstance(params, dict):
+        raise TypeError(f"{call}: params must be a dict of tensors keyed like named_parameters(), got {type(params).__name__}.")
+    b = batch_size(batch, call=call)
+    if mask is not None:
+        check_mask(mask, b, call=call)
+    params = {k: v.detach() for k, v in params.items()}
+    if plan is None:
+        plan = probe(loss_fn, params, shared, batch, randomness)
+    device = next(iter(params.values())).device
+    real = torch.ones(b, dtype=torch.bool, device=device) if mask is None else mask.to(device)
+    losses, uses, other_grads = _tapped_uses(loss_fn, params, shared, batch, real, plan, randomness, call)
+    norms, safe, kept = _norms(params, uses, other_grads, real, keep_budget=weights_fn is not None)
+    losses = torch.where(real, losses, 0.0)
+    if weights_fn is None:
+        return norms, None, losses
+    keep = real & torch.isfinite(norms)
+    w = torch.where(keep, weights_fn(safe), 0.0)
+    # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
+    zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
+    return norms, _clipped_sum(params, uses, other_grads, kept, w, zero), losses
+
+
+def _tapped_uses(
+    loss_fn: Callable[..., Tensor], params: dict[str, Tensor], shared: tuple, batch: Any, real: Tensor, plan: Plan, randomness: str, call: str
+) -> tuple[Tensor, dict[str, list[Use]], dict[str, Tensor]]:
+    """The losses ``[B]``, the covered uses of each param (from the sites' inputs and output grads)
+    and the per-sample grads of the uses no rule covers: one tapped forward, one backward of the
+    real rows' summed loss. The forward's saved tensors are freed on return."""
+    b = real.shape[0]
+    # zero taps as broadcast views of one zero: no memory, no fill; their grads come back dense
+    zero = torch.zeros((), dtype=acc_dtype(next(iter(params.values())).dtype), device=real.device)
+    taps = [zero.to(s.out_dtype).expand((b,) + s.out_shape) for s in plan.sites]
+    expanded = {k: params[k].expand((b,) + tuple(params[k].shape)) for k in plan.other}
+
+    def fwd(taps, expanded, sample):
+        run = Run(params, plan, taps, expanded)
+        loss = run_loss(run, loss_fn, params, shared, sample)
+        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates):
+            raise RuntimeError(f"{call}: {CONTROL_FLOW}")
+        if any(t._version != v for t, v in run.versions):
+            raise RuntimeError(
+                f"{call}: the model wrote in place into the input of a linear, conv or embedding layer after "
+                "the layer read it; ghost clipping needs that input unchanged. Write out of place "
+                "(y = x * 3 instead of x.mul_(3)), or use method='vmap'."
+            )
+        return loss, run.saved
+
+    def mapped(taps, expanded):
+        return vmap(fwd, in_dims=(0, 0, 0), randomness=randomness)(taps, expanded, batch)
+
+    losses, backward, saved = vjp(mapped, taps, expanded, has_aux=True)
+    if losses.shape != (b,):
+        raise ValueError(f"{call}: loss_fn must return a scalar for one sample; it returned shape {tuple(losses.shape[1:])} per sample.")
+    tap_grads, other_grads = backward(real.to(losses.dtype))
+    del backward  # frees the forward's saved tensors before the norms are computed
+
+    uses: dict[str, list[Use]] = {}
+    for site, x, g in zip(plan.sites, saved, tap_grads):
+        for key, use in RULES[site.op].uses(site, x, g, params):
+            uses.setdefault(key, []).append(use)
+    del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
+    return losses, _merge_all(uses), other_grads  # (the per-use tensors that were joined are freed here, unless shared)
+
+
+def _norms(
+    params: dict[str, Tensor], uses: dict[str, list[Use]], other_grads: dict[str, Tensor], real: Tensor, *, keep_budget: bool
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Per-sample norms (inf where the safe bound is not finite, 0 on masked rows), their safe
+    upper bounds (the norm plus the rounding margin of each use) and the per-sample grads that were
+    formed and kept (``keep_budget``: within ``Limits``); the uses of a kept param are dropped
+    from ``uses`` (the clipped sum takes them from its per-sample grads)."""
+    b, device = real.shape[0], real.device
+    sq = torch.zeros(b, dtype=acc_dtype(next(iter(params.values())).dtype), device=device)
+    kept: dict[str, Tensor] = {}  # per-sample grads that were formed anyway, kept within a budget
+    safe_sq = torch.zeros(b, dtype=torch.float64, device=device)
+    budget = limits.LIMITS.keep_elements if keep_budget else 0
+    for key in params:
+        if key in uses or key in other_grads:
+            size = b * params[key].numel()
+            # per-sample grads that get formed are kept while they fit the budget, or when they are
+            # no larger than the output grads and inputs of their uses: those are then released,
+            # which frees their memory unless other params' uses share them (a bias shares the
+            # output grads, sibling layers an input); so keeping adds at most that much
+            keep = keep_budget and (size <= budget or size <= limits.LIMITS.keep_ratio * _held(uses.get(key, [])))
+            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep)
+            if per is not None:
+                kept[key] = per
+                if size <= budget:
+                    budget -= size
+                uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
+            sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
+            sq = sq + sq_k
+            safe_sq = safe_sq + (sq_k.double().sqrt() + margin_k.double()).square()
+    norms = torch.where(real, sq.sqrt(), 0.0)
+    # the clip factor uses an upper bound on the norm that covers the rounding of the two
+    # computations (norm, and clipped sum) ghost clipping does for a sample: see rounding_margin
+    safe = torch.where(real, safe_sq.sqrt(), 0.0)
+    # a bound that is not finite (extreme values) must not turn into a factor of 1 or NaN: such a
+    # sample is dropped like a non-finite one, and its norm reported as inf so that it is counted
+    norms = torch.where(torch.isfinite(safe), norms, torch.inf)
+    return norms, safe.to(norms.dtype), kept
+
+
+def _clipped_sum(
+    params: dict[str, Tensor], uses: dict[str, list[Use]], other_grads: dict[str, Tensor], kept: dict[str, Tensor], w: Tensor, zero: Tensor | None
+) -> dict[str, Tensor]:
+    """``sum_i w_i g_i`` per param: the per-sample grads at hand by ``clip_and_sum``'s weighted sum,
+    the covered uses by book-keeping (``_weighted``, in ``_sum_dtype``). Rows where ``zero`` is
+    False (not None) are zeroed first."""
+    # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
+    # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
+    per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
+    summed = _weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
+    for key, p in params.items():
+        if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
+            continue
+        dtype = acc_dtype(p.dtype)
+        wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
+        total = torch.zeros(p.shape, dtype=wide, device=w.device)
+        if key in other_grads:
+            other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
+            total = total + _weighted_sum({key: other[key].to(wide)}, w)[key]
+        for use in uses.get(key, []):
+            total = total + _weighted(use, w, zero, wide)
+        summed[key] = total.to(dtype)
+    return {k: summed[k] for k in params}

@@ -1,0 +1,42 @@
+"""Ghost clipping's and ``"auto"``'s tuning limits: one frozen value, ``LIMITS``, read at call time.
+
+Each limit only trades speed against memory; none changes a result beyond float rounding. Tests
+(and callers tuning for a device) replace the default in one place:
+``monkeypatch.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, keep_elements=0))``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Limits", "LIMITS"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Memory and speed limits of ghost clipping and of ``"auto"``'s race."""
+
+    # intermediates of one slice of the batch are kept under this many elements (64 MiB in float32)
+    slice_elements: int = 1 << 24
+    # convs with at most this many (C_out x C_in / groups) weights per kernel tap get their
+    # per-sample norms from one grouped conv backward (fast for few channels); wider ones from
+    # unfolded patches or Grams
+    grouped_conv_max: int = 4096
+    # ... taking at most this many input channels (samples x C_in) per call: mkldnn's grouped
+    # backward slows down sharply past it (CPU)
+    grouped_channels: int = 2048
+    # per-sample grads formed on the way to a norm (small convs, mixed uses) are kept for the
+    # clipped sum, which is then a weighted sum over the batch instead of one more conv backward,
+    # while their total stays under this many elements (32 MiB in float32); beyond it recomputed
+    keep_elements: int = 1 << 23
+    # ... and beyond it when they are at most this many times the elements of the output grads and
+    # inputs of their uses, which the clipped sum then no longer needs (freed unless shared)
+    keep_ratio: float = 1.0
+    # "auto" races "vmap" only while its per-sample grads (B x trainable elements) stay under this
+    # many elements (256 MiB in float32); beyond it ghost (which covers the rest by per-sample views)
+    auto_vmap_elements: int = 1 << 26
+    # ... and times each candidate this many times after one warm-up call, keeping the best
+    auto_rounds: int = 2
+
+
+LIMITS = Limits()

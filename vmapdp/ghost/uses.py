@@ -1,0 +1,145 @@
+"""The vocabulary of ghost clipping's rules: a ``Use`` of a param, its kind's maths, sites and rules,
+and the floating-point margin that keeps a sample's released contribution within the clip norm.
+
+A rule (linear.py, conv.py, embedding.py) turns one covered call into ``Use`` s: batched layer
+inputs and output grads whose per-sample grad is never formed. The margin functions bound the
+rounding between a sample's norm and its share of the clipped sum (two different computations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from vmapdp.ghost import limits
+
+__all__ = ["Use", "UseKind", "Site", "Rule", "rounding_margin", "from_grams", "gram_margin", "gram_cheaper", "slices", "rows_per_slice"]
+
+
+@dataclass
+class Use:
+    """One covered use of a param, as batched tensors (leading dim B); ``kind`` holds its maths.
+
+    ``PAIR`` (linear.py): per-sample grad ``sum_t u_t v_t^T`` with ``u`` ``[B, T, du]``, ``v``
+    ``[B, T, dv]`` (linear weights and biases, conv biases). ``CONV`` (conv.py): ``u`` the output
+    grads ``[B, n, C_out, *out]``, ``v`` the padded input ``[B, n, C_in, *in]`` (``n``: a sample's
+    own batch dim, usually 1), ``extra = (dims, stride, dilation, groups)``. ``EMBEDDING``
+    (embedding.py): ``u`` grads ``[B, T, d]``, ``v`` tokens ``[B, T]``, ``extra`` the vocabulary size.
+    """
+
+    kind: "UseKind"
+    u: Tensor
+    v: Tensor
+    shape: tuple[int, ...]  # the param's shape
+    extra: Any = None
+
+    @property
+    def t(self) -> int:
+        """Positions per sample (``T``, or ``n * L`` output positions of a conv)."""
+        return self.kind.positions(self)
+
+    def rows(self, s: int, e: int) -> "Use":
+        """The use restricted to samples ``s:e``."""
+        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra)
+
+
+class UseKind(NamedTuple):
+    """The maths of one kind of use, which the engine calls (a rule file defines its kinds)."""
+
+    name: str
+    positions: Callable[[Use], int]  # T: the terms of a sample's per-sample grad
+    sq_norms: Callable[[Use, bool], tuple[Tensor, Tensor, Tensor | None]]  # (use, keep_grads) -> (sq, margin, per-sample grads or None)
+    per_sample: Callable[[Use], Tensor]  # the per-sample grads [B, *shape]
+    weighted: Callable[[Use, Tensor, Tensor], Tensor]  # (use, u * w, v) -> sum_i w_i G_i, without G_i
+    mass: Callable[[Use], Tensor]  # sum_t |u_t| |v_t| per sample (see rounding_margin)
+    indices: bool = False  # v holds indices (tokens): never cast, zeroed or counted as held
+    joinable: bool = True  # a param's uses of this kind join along T into one (see engine.merged)
+
+
+class Site(NamedTuple):
+    """One call of a covered op whose weight is a trainable param (the probe records them)."""
+
+    op: Callable  # the op, a key of rules.RULES
+    weight: str  # param key of the weight
+    bias: str | None  # param key of the bias (None: no bias, or a bias that is not a param)
+    out_shape: tuple[int, ...]  # per-sample output shape (the tap's)
+    out_dtype: torch.dtype
+    meta: tuple = ()  # what the rule's parse returned for the call (conv: its geometry)
+
+
+class Rule(NamedTuple):
+    """How ghost clipping covers one op: a new op is one new rule in one file, listed in rules.RULES."""
+
+    # (args, kwargs) -> (input, weight, bias, meta) when the call is in the standard form the rule
+    # handles (the weight a matrix / kernel of the right rank), else None: the generic path
+    parse: Callable[[tuple, dict], tuple[Any, Any, Any, tuple] | None]
+    # (site, saved input, tap grad [B, *out], params) -> the (param key, Use) pairs of the call
+    uses: Callable[[Site, Tensor, Tensor, dict[str, Tensor]], list[tuple[str, Use]]]
+
+
+def arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` (or keyword ``name``) of an op call."""
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def int_tuple(v: Any, d: int) -> tuple[int, ...]:
+    """A conv argument as ``d`` ints (ATen repeats a single int, or a 1-element list, per dim)."""
+    if isinstance(v, (tuple, list)):
+        return tuple(int(u) for u in v) * (d if len(v) == 1 else 1)
+    return (int(v),) * d
+
+
+def rows_per_slice(b: int, per_sample: int) -> int:
+    """How many of ``b`` samples fit a slice of ``Limits.slice_elements`` intermediates."""
+    return max(1, min(b, limits.LIMITS.slice_elements // max(per_sample, 1)))
+
+
+def slices(b: int, per_sample: int) -> list[tuple[int, int]]:
+    step = rows_per_slice(b, per_sample)
+    return [(s, min(s + step, b)) for s in range(0, b, step)]
+
+
+def cat_rows(xs: Any) -> Tensor:
+    return torch.cat(list(xs)) if len(xs) > 1 else xs[0]
+
+
+def eps_of(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def rounding_margin(t: int, dtype: torch.dtype) -> float:
+    """Relative margin for a per-sample gradient ``sum_t u_t v_t^T`` computed twice, differently.
+
+    Ghost clipping computes a sample's norm and its share of the clipped sum by two different
+    float computations; each can be off by ``~ T eps sum_t |u_t| |v_t|`` (worst case, when the
+    terms cancel). The clip factor uses ``norm + margin * sum_t |u_t||v_t|`` so that the released
+    contribution is within ``C`` however the rounding falls (an adversary can make the terms
+    cancel); benign samples see a relative change of ``~ T^1.5 eps``, 1e-4 or less in float32.
+    """
+    return 2.0 * (t + 2) * eps_of(dtype)
+
+
+def from_grams(gu: Tensor, gv: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Squared norms ``sum_{t,s} gu_ts gv_ts`` and masses ``sum_t |u_t||v_t|`` (in ``dtype``) of a
+    pair from its float64 Gram matrices ``[B, T, T]``: ``|u_t|^2 |v_t|^2`` are their diagonals."""
+    t = gu.shape[1]
+    diagonals = gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]  # (a strided slice: inductor lowers it)
+    return (gu * gv).sum((1, 2)), diagonals.sqrt().sum(1).to(dtype)
+
+
+def gram_margin(sq: Tensor, mass: Tensor, t: int, du: int, dv: int, dtype: torch.dtype) -> Tensor:
+    """The margin of a norm from float64 Grams of ``T`` positions: the clipped sum's rounding (see
+    :func:`~vmapdp.ghost.uses.rounding_margin`) plus the Gram sum's own, within ``gamma * mass^2`` of the true squared norm."""
+    gamma = (du + dv + t * t + 2) * eps_of(torch.float64)
+    m = mass.double()
+    root = sq.clamp_min(0.0).sqrt()
+    return rounding_margin(t, dtype) * mass + ((sq.clamp_min(0.0) + gamma * m * m).sqrt() - root)
+
+
+def gram_cheaper(t: int, du: int, dv: int) -> bool:
+    """Ghost norms (two ``T x T`` Grams) cost less than the direct ``du x dv`` outer product."""
+    return t * (du + dv) < du * dv
+
