@@ -95,6 +95,7 @@ EDITS = {
     "sampler draws": lambda p: p["sampler"].update(draws=0),
     "run id": lambda p: p.update(run_id="0" * 64),
     "methods": lambda p: p.update(methods=[[k, "vmap"] for k, _ in p["methods"]]),
+    "noise state": lambda p: p.update(noise_state=(torch.zeros(1),)),
 }
 
 
