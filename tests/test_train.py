@@ -543,7 +543,8 @@ def test_the_privatizer_runs_after_the_budget_check_and_the_default_is_the_gauss
         step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
     assert calls == []  # nothing reached the privatizer
 
-    default, explicit = make(loss_fn, noise=1.5, clip=0.7), make(loss_fn, noise=1.5, clip=0.7, privatizer=vmapdp.noise.gaussian_privatizer(1.5 * 0.7))
+    gaussian = vmapdp.noise.gaussian_privatizer(1.5 * 0.7)
+    default, explicit = make(loss_fn, noise=1.5, clip=0.7, method="vmap"), make(loss_fn, noise=1.5, clip=0.7, method="vmap", privatizer=gaussian)
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
     a, _ = default(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
     b, _ = explicit(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)

@@ -2,15 +2,15 @@
 
 One logical step, in this fixed order (each line a stage of ``step``)::
 
-    ledger = ledger.append(event)   # budgets checked first: nothing is computed or released past one
-    summed, stats += clipped_grad_sum(loss_fn, method=...)(params, chunk, mask=mask)  # per chunk
-              # = clip_and_sum(per_sample_grads(loss_fn)(params, chunk), C, mask=mask), computed by
-              #   ghost clipping, per-sample grads or two passes; masked rows add exactly 0;
+    ledger = ledger.append(event)              # every budget checked first: nothing computed past one
+    summed, stats = sum over chunks of clipped_grad_sum(loss_fn, method=...)(params, chunk, mask=mask)
+              # = clip_and_sum(per_sample_grads(loss_fn)(params, chunk), C, mask=mask), by ghost
+              #   clipping, per-sample grads or two passes; masked rows add exactly 0;
               #   stats: StepStats, the non-private telemetry
     summed, stats = all_reduce((summed, stats))                  # distributed=True only
-    noisy, noise_state = privatizer.privatize(summed, noise_state, key)  # once per logical step;
-              # default: + N(0, (noise_multiplier * C)**2), gaussian_privatizer
-    update = noisy / expected_batch_size                         # the EXPECTED size, never the realised one
+    noisy, noise_state = privatizer.privatize(summed, noise_state, key)  # once per logical step
+              # default: gaussian_privatizer, + N(0, (noise_multiplier * C)**2)
+    update = noisy / expected_batch_size       # the EXPECTED size, never the realised one
     params, opt_state = optimizer.update(update, opt_state, params)
 
 The tensor work of a chunk (norms, clipping, the masked sum) runs under
@@ -21,7 +21,8 @@ params) and to the step's release-defining configuration (clip norm, noise multi
 batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
 configuration always give the same step, and a run resumed from a checkpoint continues bit for
 bit as if it had not stopped: the method ``"auto"`` chose for each chunk shape is recorded in the
-state (``state.methods``) and replayed. A budget given to a step is recorded in the state
+state (``state.methods``) and replayed, and the privatizer's state (``state.noise_state``)
+is carried like the optimizer's. A budget given to a step is recorded in the state
 (``state.budgets``) and enforced by every later step on it, whatever that step was given.
 """
 
@@ -263,6 +264,19 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
     return f"vmapdp-noise:v2:{seed}:{step}:{binding}".encode()
 
 
+def _ledger_event(call: str, noise_multiplier: float, sample_rate: float) -> Any:
+    """What the ledger records for each step: a Poisson-subsampled Gaussian, or (with a warning,
+    to the caller of ``make_train_step``) a :class:`NonPrivateEvent` for ``noise_multiplier=0``."""
+    if noise_multiplier > 0:
+        return PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+    warnings.warn(
+        f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a NonPrivateEvent and epsilon is infinite.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return NonPrivateEvent()
+
+
 def _checked_inputs(call: str, state: Any, batch: Any, mask: Any, secure: bool) -> tuple[int, Tensor]:
     """The batch's row count and its mask on the params' device; TypeError/ValueError for a state
     that is not a TrainState or was made with another ``secure``, or a mask that does not fit."""
@@ -415,16 +429,7 @@ def make_train_step(
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
-    if noise_multiplier == 0:
-        warnings.warn(
-            f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a "
-            "NonPrivateEvent and epsilon is infinite.",
-            UserWarning,
-            stacklevel=2,
-        )
-        event: Any = NonPrivateEvent()
-    else:
-        event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+    event = _ledger_event(call, noise_multiplier, sample_rate)
     l2_sensitivity = l2_clip_norm  # what one sample can move the clipped sum by
     if privatizer is None:
         privatizer = gaussian_privatizer(noise_multiplier * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
