@@ -400,7 +400,9 @@ def make_train_step(
             ``privatize(summed, state.noise_state, key)``; its state is carried in
             ``state.noise_state`` (make the state with ``init_train_state(..., privatizer=)``).
             Default: ``gaussian_privatizer(noise_multiplier * l2_clip_norm, secure=secure)``, the
-            noise the ledger records; another one must give at least its privacy.
+            noise the ledger records; another one must give at least its privacy. With ``secure``
+            and ``distributed``, rank 0 alone privatizes and broadcasts the release and the state
+            (:func:`vmapdp.distributed.privatized_on_rank0`).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
