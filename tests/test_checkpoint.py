@@ -95,6 +95,7 @@ EDITS = {
     "sampler draws": lambda p: p["sampler"].update(draws=0),
     "run id": lambda p: p.update(run_id="0" * 64),
     "methods": lambda p: p.update(methods=[[k, "vmap"] for k, _ in p["methods"]]),
+    "noise state": lambda p: p.update(noise_state=(torch.zeros(1),)),
 }
 
 
@@ -216,6 +217,9 @@ def test_like_refuses_another_models_checkpoint_before_touching_the_sampler(save
     sgd_like = vmapdp.init_train_state(state.params, optim.sgd(0.1), seed=1)
     with pytest.raises(ValueError, match=r"optimizer state \(AdamState\) does not fit this run's \(SGDState\)"):
         vmapdp.load_state(path, sampler=s, like=sgd_like)
+    stateful = vmapdp.noise.Privatizer(lambda params: (torch.zeros(3),), lambda summed, state, key: (summed, state))
+    with pytest.raises(ValueError, match=r"noise state \(tuple\) does not fit this run's \(tuple\)"):
+        vmapdp.load_state(path, sampler=s, like=vmapdp.init_train_state(state.params, optim.adam(1e-2), seed=1, privatizer=stateful))
     assert vmapdp.load_state(path, sampler=s, like=vmapdp.init_train_state(state.params, optim.adam(1e-2), seed=1)).step == 2
 
 

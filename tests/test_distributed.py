@@ -114,6 +114,16 @@ def _worker(rank, world, init_file, out_dir):
         clipped._elapsed = lambda name, run, device: (run(), 1.0 if (name == "vmap") == (vdist.rank() == 0) else 2.0)[1]
         res["auto_chosen"] = train(True, steps=2, method="auto")[1]["chosen"]
         clipped._elapsed = real_elapsed
+        # the step's reduction: ONE float all_reduce per step, of the clipped sums and the five
+        # StepStats fields (the other collectives are the int64 same-state/sampler checks)
+        sent = []
+        real_all_reduce = dist.all_reduce
+        dist.all_reduce = lambda t, *a, **k: (sent.append((t.dtype, t.numel())), real_all_reduce(t, *a, **k))[1]
+        try:
+            train(True, steps=2)
+        finally:
+            dist.all_reduce = real_all_reduce
+        res["float_all_reduces"] = [s for s in sent if s[0].is_floating_point]
         # ranks that step different states (seed=None on each) fail together, none waits forever
         res["seed_error"] = _expect_error(lambda: train(True, steps=1, seed=100 + vdist.rank()))
         # ranks whose samplers differ (no shared key) fail together before sampling
@@ -153,6 +163,12 @@ def test_ranks_end_bitwise_identical_and_equal_one_process_on_all_rows(ranks):
         assert torch.equal(both.sort().values, log["seen"][t].sort().values)
     # some global step overflowed the capacity, and a rank's share overflowed its own
     assert max(log["chunks"]) > 1 and max(r0["log"]["chunks"] + r1["log"]["chunks"]) > 1
+
+
+def test_the_sums_and_the_telemetry_travel_in_one_all_reduce_per_step(ranks):
+    n_params = sum(p.numel() for p in problem()[0].values())
+    for r in ranks:
+        assert r["float_all_reduces"] == [(torch.float32, n_params + len(vmapdp.train.StepStats._fields))] * 2
 
 
 def test_secure_noise_is_drawn_on_rank_zero_and_shared(ranks):

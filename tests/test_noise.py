@@ -143,3 +143,20 @@ def test_keys_beyond_32_bits_matter():
     a = vmapdp.noise.keyed_normal((8,), 5)
     b = vmapdp.noise.keyed_normal((8,), 5 + 2**32)
     assert not torch.equal(a, b)
+
+
+def test_gaussian_privatizer_is_add_noise_under_the_steps_key():
+    tree = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)}
+    priv = vmapdp.noise.gaussian_privatizer(0.7)
+    assert priv.init(tree) == ()
+    noisy, state = priv.privatize(tree, (), b"step-key")
+    expected = add_noise(tree, 0.7, key=b"step-key")
+    assert state == () and all(torch.equal(noisy[k], expected[k]) for k in tree)
+    with pytest.raises(ValueError, match=r"needs the step's noise key"):
+        priv.privatize(tree, (), None)
+    secure = vmapdp.noise.gaussian_privatizer(0.7, secure=True)
+    assert secure.privatize(tree, (), None)[0]["b"].dtype == torch.float32
+    with pytest.raises(ValueError, match=r"takes no key"):
+        secure.privatize(tree, (), b"step-key")
+    with pytest.raises(ValueError, match=r"std"):
+        vmapdp.noise.gaussian_privatizer(-1.0)

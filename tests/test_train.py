@@ -485,3 +485,90 @@ def test_a_named_method_is_recorded_and_an_auto_step_on_its_state_replays_it(mon
     assert timed == [] and list(auto.chosen_methods.values()) == ["vmap"] and [m for _, m in state.methods] == ["vmap"]
     fresh, _ = auto(vmapdp.init_train_state({k: v + 1 for k, v in params.items()}, optim.sgd(0.5), seed=3), data, mask, buffers)
     assert [m for _, m in fresh.methods] == ["vmap"]  # this step object's choice, made on the same shape
+
+
+def recording_privatizer(calls, offset=0.25):
+    """A privatizer that records what it is given, adds ``offset`` to every coordinate and counts
+    its calls in its state (a tensor carried from step to step)."""
+
+    def init(params):
+        return (torch.zeros((), dtype=torch.int64),)
+
+    def privatize(summed, state, key):
+        calls.append(({k: v.clone() for k, v in summed.items()}, state, key))
+        return {k: v + offset for k, v in summed.items()}, (state[0] + 1,)
+
+    return vmapdp.noise.Privatizer(init, privatize)
+
+
+def test_a_custom_privatizer_is_called_once_per_step_after_aggregation_with_the_states_key(tmp_path):
+    from vmapdp.train import _step_key, noise_binding, step_config
+
+    _, params, buffers, (x, y), loss_fn = problem()
+    calls = []
+    priv = recording_privatizer(calls)
+    step = make(loss_fn, ebs=4.0, lr=1.0, physical_batch_size=4, method="vmap", privatizer=priv)
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=11, privatizer=priv)
+    assert state.noise_state == (0,)
+    mask = torch.tensor([True] * 6 + [False, False])
+    batch = (x[:8], y[:8])
+    new, _ = step(state, batch, mask, buffers)
+    assert len(calls) == 1
+    summed, given_state, key = calls[0]
+    whole = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="vmap")(params, buffers, (x[:6], y[:6]))[0]
+    for k in params:  # the sum over both chunks, then the privatizer; then / ebs and sgd
+        torch.testing.assert_close(summed[k], whole[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new.params[k], params[k] - (summed[k] + 0.25) / 4.0)
+    config = step_config(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.2, method="vmap")
+    assert given_state == state.noise_state and key == _step_key(11, 0, noise_binding(state.run_id, config))
+    assert int(new.noise_state[0]) == 1
+
+    # its state is carried across steps and a save/resume
+    vmapdp.save_state(tmp_path / "s.pt", new)
+    loaded = vmapdp.load_state(tmp_path / "s.pt", like=new)
+    assert int(loaded.noise_state[0]) == 1
+    a, _ = step(new, batch, mask, buffers)
+    b, _ = step(loaded, batch, mask, buffers)
+    assert int(a.noise_state[0]) == int(b.noise_state[0]) == 2 and len(calls) == 3
+    assert calls[1][2] == calls[2][2] == _step_key(11, 1, noise_binding(state.run_id, config))
+    assert all(torch.equal(a.params[k], b.params[k]) for k in params)
+
+
+def test_the_privatizer_runs_after_the_budget_check_and_the_default_is_the_gaussian():
+    _, params, buffers, (x, y), loss_fn = problem()
+    calls = []
+    priv = recording_privatizer(calls)
+    step = make(loss_fn, noise=0.5, privatizer=priv, budget=(1e-3, 1e-5))
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3, privatizer=priv)
+    with pytest.raises(PrivacyBudgetExceeded):
+        step(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    assert calls == []  # nothing reached the privatizer
+
+    gaussian = vmapdp.noise.gaussian_privatizer(1.5 * 0.7)
+    default, explicit = make(loss_fn, noise=1.5, clip=0.7, method="vmap"), make(loss_fn, noise=1.5, clip=0.7, method="vmap", privatizer=gaussian)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
+    a, _ = default(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    b, _ = explicit(state, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
+    assert a.noise_state == b.noise_state == () and all(torch.equal(a.params[k], b.params[k]) for k in params)
+
+
+def test_a_privatizer_that_is_not_an_init_privatize_pair_is_refused():
+    _, params, _, _, loss_fn = problem()
+    with pytest.raises(TypeError, match=r"privatizer must be an init/privatize pair"):
+        make(loss_fn, privatizer=lambda s: s)
+    with pytest.raises(TypeError, match=r"privatizer must be an init/privatize pair"):
+        vmapdp.init_train_state(params, optim.sgd(0.5), seed=3, privatizer=object())
+
+
+def test_step_stats_sum_leaf_wise_and_name_the_metrics():
+    from vmapdp.train import StepStats
+
+    mask = torch.tensor([True, True, True, False])
+    norms = torch.tensor([0.5, 2.0, math.inf, 9.0])
+    losses = torch.tensor([1.0, 3.0, 7.0, 100.0])
+    one = StepStats.of_chunk(mask, norms, losses, 1.0)
+    assert [float(v) for v in one] == [4.0, 3.0, 1.0, 2.5, 1.0]
+    both = vmapdp.distributed.all_reduce_step("test", {}, StepStats.zeros(torch.device("cpu")), (0, 0, ""))[1]  # no process group: a copy
+    assert isinstance(both, StepStats) and [float(v) for v in both] == [0.0] * 5
+    m = one.metrics()
+    assert m["batch_size"] == 3 and m["loss"] == 4.0 / 3 and m["clip_fraction"] == 1.0 / 3 and m["mean_grad_norm"] == 2.5 / 3 and m["nonfinite"] == 1

@@ -259,3 +259,10 @@ def params_dict(call: str, params: Any, *, what: str = "params", require_dict: b
         if bad:
             raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
     return params
+
+
+def privatizer(call: str, value: Any) -> Any:
+    """An init/privatize pair such as :func:`vmapdp.noise.gaussian_privatizer` (a :class:`vmapdp.noise.Privatizer`)."""
+    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "privatize", None))):
+        raise _type_error(call, "privatizer", value, "an init/privatize pair such as vmapdp.noise.gaussian_privatizer(std)")
+    return value

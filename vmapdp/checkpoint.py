@@ -2,7 +2,7 @@
 
 ``save_state(path, state, sampler=...)`` writes the params, the optimizer state, the noise seed,
 the step count, the privacy ledger, the run id, the budgets the run was given, the methods its
-chunks ran and (optionally) the Poisson sampler's RNG state to a file beside ``path`` and renames
+chunks ran, the privatizer's noise state and (optionally) the Poisson sampler's RNG state to a file beside ``path`` and renames
 it into place, so a crash mid-write never leaves half a checkpoint.
 
 The file is a one-line header (``vmapdp-checkpoint 2 sha256``), a 32-byte digest, then the body
@@ -98,6 +98,7 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
         "run_id": state.run_id,
         "budgets": [list(b) for b in state.budgets],
         "methods": [list(m) for m in state.methods],
+        "noise_state": state.noise_state,
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -173,9 +174,13 @@ def _leaf_signature(x: Any) -> Any:
     return (type(x).__name__,)
 
 
+def _signature(tree: Any) -> Any:
+    return optree.tree_map(_leaf_signature, tree, namespace="torch")
+
+
 def _check_like(call: str, state: TrainState, like: Any) -> None:
     """Refuse a loaded ``state`` that does not fit ``like`` (same param keys, shapes, dtypes,
-    optimizer-state structure and secure mode): checked before anything is written."""
+    optimizer- and noise-state structure and secure mode): checked before anything is written."""
     if not isinstance(like, TrainState):
         raise TypeError(f"{call}: like must be a vmapdp.TrainState (the run the checkpoint must fit), got {type(like).__name__}.")
     fix = "It was saved from another model or optimizer; load it into a run built like the one that saved it. Nothing was loaded."
@@ -189,10 +194,10 @@ def _check_like(call: str, state: TrainState, like: Any) -> None:
                 f"{call}: the checkpoint does not fit this run: params[{k!r}] is {tuple(got.shape)} {got.dtype} in the file, "
                 f"expected {tuple(v.shape)} {v.dtype}. {fix}"
             )
-    ours = optree.tree_map(_leaf_signature, like.opt_state, namespace="torch")
-    theirs = optree.tree_map(_leaf_signature, state.opt_state, namespace="torch")
-    if optree.tree_structure(like.opt_state, namespace="torch") != optree.tree_structure(state.opt_state, namespace="torch") or ours != theirs:
-        raise ValueError(f"{call}: the checkpoint's optimizer state ({type(state.opt_state).__name__}) does not fit this run's ({type(like.opt_state).__name__}). {fix}")
+    for field, what in (("opt_state", "optimizer state"), ("noise_state", "noise state")):
+        ours, theirs = getattr(like, field), getattr(state, field)
+        if optree.tree_structure(ours, namespace="torch") != optree.tree_structure(theirs, namespace="torch") or _signature(ours) != _signature(theirs):
+            raise ValueError(f"{call}: the checkpoint's {what} ({type(theirs).__name__}) does not fit this run's ({type(ours).__name__}). {fix}")
     if (state.noise_seed is None) != (like.noise_seed is None):
         mode = "secure (no seed)" if state.noise_seed is None else "seeded"
         raise ValueError(f"{call}: the checkpoint is {mode} but this run is not; use the same secure= setting. Nothing was loaded.")
@@ -286,7 +291,8 @@ def load_state(
         methods = tuple((str(k), str(m)) for k, m in payload["methods"])
     except (TypeError, ValueError) as err:
         raise ValueError(f"{call}: malformed 'budgets' or 'methods' ({err}); nothing was loaded.") from err
-    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods)
+    noise_state = payload.get("noise_state", ())  # absent from checkpoints saved before the privatizer seam
+    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state)
     if like is not None:
         _check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen

@@ -5,7 +5,7 @@ One logical DP-SGD step on ``W`` ranks (``make_train_step(..., distributed=True)
     every rank:  the same global Poisson sample (indices, mask)    # same sampler key on all ranks
                  its own disjoint share of it                       # shard(): sampled row j -> rank j % W
                  clipped sum + telemetry over its rows              # the usual chunk loop
-    all ranks:   one all_reduce(SUM) of the sums and telemetry      # all_reduce_sum()
+    all ranks:   one all_reduce(SUM) of the sums and telemetry      # all_reduce_step()
                  the same noise, drawn once from (noise_seed, step) # identical key on every rank
                  ÷ the GLOBAL expected batch size, optimizer update # identical params on every rank
 
@@ -20,8 +20,8 @@ its shapes and load depend on the split; dealing out one global sample keeps eve
 within one row of the others.
 
 With ``secure=True`` the noise comes from each process's OS CSPRNG and differs per rank, so rank
-0 draws it and broadcasts the noisy sum. A ``secure`` sampler likewise draws on rank 0 and
-broadcasts the global batch (:func:`sharded`).
+0 draws it and broadcasts the noisy sum (:func:`privatized_on_rank0`). A ``secure`` sampler
+likewise draws on rank 0 and broadcasts the global batch (:func:`sharded`).
 
 Checkpoints: every rank holds the same state, so rank 0 alone saves it and every rank loads it::
 
@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from vmapdp.noise import Privatizer
+
 __all__ = [
     "is_initialized",
     "require_initialized",
@@ -54,6 +56,7 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_step",
     "broadcast_tree",
+    "privatized_on_rank0",
     "check_same",
     "local_capacity",
     "shard",
@@ -192,8 +195,9 @@ def check_same(call: str, what: str, value: Any, *, fix: str, device: torch.devi
         raise ValueError(f"{call}: the ranks disagree on {what} (this is rank {rank()} of {world_size()}). {fix}")
 
 
-def all_reduce_step(call: str, summed: Any, stats: Tensor, noise_key: Any) -> tuple[Any, Tensor]:
-    """The train step's reduction: the clipped sums and the telemetry, summed over ranks.
+def all_reduce_step(call: str, summed: Any, stats: Any, noise_key: Any) -> tuple[Any, Any]:
+    """The train step's reduction: the clipped sums and the telemetry (a pytree of tensors, the
+    step's ``StepStats``), summed leaf-wise over ranks.
 
     First checks (one tiny collective) that every rank steps the same state, identified by
     ``noise_key = (noise_seed, step)``: ranks with different seeds would draw different noise and
@@ -206,9 +210,25 @@ def all_reduce_step(call: str, summed: Any, stats: Tensor, noise_key: Any) -> tu
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "
         "same checkpoint on every rank.",
-        device=stats.device,
+        device=optree.tree_leaves(stats, namespace="torch")[0].device,
     )
     return all_reduce_sum((summed, stats))
+
+
+def privatized_on_rank0(privatizer: Privatizer) -> Privatizer:
+    """``privatizer`` run by rank 0 alone, its release and next state broadcast to every rank.
+
+    For noise that differs per process (``secure=True``: each OS CSPRNG is its own), so that every
+    rank applies the same noisy sum. One ``broadcast`` (per device and dtype family) of
+    ``(noisy, state)``; the other ranks pass their own ``(summed, state)`` as placeholders of the
+    same structure. Without a process group, ``privatizer`` as it is (copies of its outputs).
+    """
+
+    def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
+        out = privatizer.privatize(summed, state, key) if rank() == 0 else (summed, state)
+        return broadcast_tree(out, src=0)
+
+    return Privatizer(privatizer.init, privatize)
 
 
 def local_capacity(capacity: int, world_size: int | None = None) -> int:

@@ -1,14 +1,16 @@
 """The DP-SGD step: ``step(state, batch, mask) -> (state, metrics)``, composed from the pure parts.
 
-One logical step, in this fixed order::
+One logical step, in this fixed order (each line a stage of ``step``)::
 
-    summed += clipped_grad_sum(loss_fn, method=...)(params, chunk, mask=mask)
-              # = clip_and_sum(per_sample_grads(loss_fn)(params, chunk), C, mask=mask), computed by
-              #   ghost clipping, per-sample grads or two passes; masked rows add exactly 0
-    summed  = all_reduce(summed)                                 # distributed=True only
-    ledger  = ledger.record(noise_multiplier, sample_rate)       # before anything is released
-    noisy   = add_noise(summed, noise_multiplier * l2_clip_norm)  # once per logical step
-    update  = noisy / expected_batch_size                        # the EXPECTED size, never the realised one
+    ledger = ledger.append(event)              # every budget checked first: nothing computed past one
+    summed, stats = sum over chunks of clipped_grad_sum(loss_fn, method=...)(params, chunk, mask=mask)
+              # = clip_and_sum(per_sample_grads(loss_fn)(params, chunk), C, mask=mask), by ghost
+              #   clipping, per-sample grads or two passes; masked rows add exactly 0;
+              #   stats: StepStats, the non-private telemetry
+    summed, stats = all_reduce((summed, stats))                  # distributed=True only
+    noisy, noise_state = privatizer.privatize(summed, noise_state, key)  # once per logical step
+              # default: gaussian_privatizer, + N(0, (noise_multiplier * C)**2)
+    update = noisy / expected_batch_size       # the EXPECTED size, never the realised one
     params, opt_state = optimizer.update(update, opt_state, params)
 
 The tensor work of a chunk (norms, clipping, the masked sum) runs under
@@ -19,7 +21,8 @@ params) and to the step's release-defining configuration (clip norm, noise multi
 batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
 configuration always give the same step, and a run resumed from a checkpoint continues bit for
 bit as if it had not stopped: the method ``"auto"`` chose for each chunk shape is recorded in the
-state (``state.methods``) and replayed. A budget given to a step is recorded in the state
+state (``state.methods``) and replayed, and the privatizer's state (``state.noise_state``)
+is carried like the optimizer's. A budget given to a step is recorded in the state
 (``state.budgets``) and enforced by every later step on it, whatever that step was given.
 """
 
@@ -42,10 +45,10 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
-from vmapdp.noise import add_noise
+from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
 
-__all__ = ["TrainState", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
+__all__ = ["TrainState", "StepStats", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
 
 class PrivacyBudgetExceeded(RuntimeError):
@@ -64,6 +67,7 @@ class TrainState(NamedTuple):
     run_id: str = ""  # hex SHA-256 of the initial params (init_train_state); bound into every noise key
     budgets: tuple[tuple[float, float, str], ...] = ()  # (epsilon, delta, accountant): every budget ever given, all enforced
     methods: tuple[tuple[str, str], ...] = ()  # (chunk shape digest, method run): replayed on resume
+    noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -75,6 +79,46 @@ class TrainState(NamedTuple):
     def epsilon(self, delta: float, *, accountant: str = "pld") -> float:
         """Epsilon spent so far at ``delta`` (from the ledger; host-side float math)."""
         return accountant_epsilon(self.ledger, delta, accountant)
+
+
+class StepStats(NamedTuple):
+    """A step's non-private telemetry as sums (0-dim float32 tensors), added leaf-wise over chunks
+    and ranks (a NamedTuple is a pytree); :meth:`metrics` turns them into the step's metrics."""
+
+    loss_sum: Tensor  # loss over the real rows with a finite gradient
+    rows: Tensor  # real rows (mask True)
+    clipped: Tensor  # real rows with a finite gradient norm above the clip norm
+    norm_sum: Tensor  # per-sample gradient norms of the real rows with a finite one
+    nonfinite: Tensor  # real rows dropped for a non-finite gradient
+
+    @classmethod
+    def of_chunk(cls, mask: Tensor, norms: Tensor, losses: Tensor, l2_clip_norm: float) -> StepStats:
+        """The telemetry of one chunk from its per-sample norms and losses (pure tensor work)."""
+        finite = torch.isfinite(norms)
+        counted = mask & finite
+        return cls(
+            torch.where(counted, losses, 0.0).sum().float(),
+            mask.sum().float(),
+            (counted & (norms > l2_clip_norm)).sum().float(),
+            torch.where(counted, norms, 0.0).sum().float(),
+            (mask & ~finite).sum().float(),
+        )
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> StepStats:
+        """The telemetry of an empty batch."""
+        return cls(*(torch.zeros((), device=device) for _ in cls._fields))
+
+    def metrics(self) -> dict[str, Tensor]:
+        """Mean loss, real rows, clip fraction, mean per-sample norm, non-finite rows dropped."""
+        real = self.rows.clamp_min(1.0)
+        return {
+            "loss": self.loss_sum / real,
+            "batch_size": self.rows,
+            "clip_fraction": self.clipped / real,
+            "mean_grad_norm": self.norm_sum / real,
+            "nonfinite": self.nonfinite,
+        }
 
 
 def accountant_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
@@ -123,6 +167,7 @@ def init_train_state(
     secure: bool = False,
     budget: tuple[float, float] | None = None,
     accountant: str = "pld",
+    privatizer: Privatizer | None = None,
 ) -> TrainState:
     """The state before the first step.
 
@@ -148,9 +193,14 @@ def init_train_state(
             on its descendants and checkpoints) raises :class:`PrivacyBudgetExceeded` rather than
             spend past it, whatever budget the step itself was given (see ``make_train_step``).
         accountant: the accountant ``budget`` is enforced with (``"rdp"`` or ``"pld"``).
+        privatizer: the :class:`vmapdp.noise.Privatizer` the run's steps use, when it keeps state
+            (``state.noise_state = privatizer.init(params)``); ``None``: no noise state (the
+            default Gaussian keeps none).
     """
     call = "init_train_state(params, optimizer)"
     _checks.params_dict(call, params)
+    if privatizer is not None:
+        _checks.privatizer(call, privatizer)
     if secure and seed is not None:
         raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
     if seed is not None:
@@ -167,6 +217,7 @@ def init_train_state(
         ledger=Ledger(),
         run_id=params_digest(params),
         budgets=merge_budgets((), recorded),
+        noise_state=() if privatizer is None else privatizer.init(params),
     )
 
 
@@ -213,6 +264,52 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
     return f"vmapdp-noise:v2:{seed}:{step}:{binding}".encode()
 
 
+def _ledger_event(call: str, noise_multiplier: float, sample_rate: float) -> Any:
+    """What the ledger records for each step: a Poisson-subsampled Gaussian, or (with a warning,
+    to the caller of ``make_train_step``) a :class:`NonPrivateEvent` for ``noise_multiplier=0``."""
+    if noise_multiplier > 0:
+        return PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+    warnings.warn(
+        f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a NonPrivateEvent and epsilon is infinite.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return NonPrivateEvent()
+
+
+def _checked_inputs(call: str, state: Any, batch: Any, mask: Any, secure: bool) -> tuple[int, Tensor]:
+    """The batch's row count and its mask on the params' device; TypeError/ValueError for a state
+    that is not a TrainState or was made with another ``secure``, or a mask that does not fit."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{call}: state must be a TrainState from vmapdp.init_train_state, got {type(state).__name__}.")
+    if secure != (state.noise_seed is None):
+        raise ValueError(
+            f"{call}: the step was made with secure={secure} but the state "
+            + ("holds no noise seed (made with secure=True)." if state.noise_seed is None else "holds a noise seed; secure=True rejects seeds.")
+            + " Use the same secure setting in init_train_state and make_train_step."
+        )
+    n = batch_size(batch, call=call)
+    check_mask(mask, n, call=call)
+    return n, mask.to(next(iter(state.params.values())).device)  # samplers make masks on the CPU
+
+
+def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, float, str] | None) -> tuple[Ledger, tuple]:
+    """The ledger with this step's ``event`` and every budget it must keep (the step's and the
+    state's), or :class:`PrivacyBudgetExceeded` if the step would spend past one: run before
+    anything is computed, so nothing is released past a budget."""
+    ledger = state.ledger.append(event)
+    budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
+    for b_eps, b_delta, b_accountant in budgets:
+        if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
+            eps = accountant_epsilon(ledger, b_delta, b_accountant)
+            whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
+            raise PrivacyBudgetExceeded(
+                f"{call}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "
+                f"(delta={b_delta:g}, {b_accountant}; the budget {whose}). Training stops here; the state is unchanged."
+            )
+    return ledger, budgets
+
+
 def _shape_digest(key: tuple) -> str:
     """A stable, serialisable name for a ``shape_key`` (kept in ``TrainState.methods``)."""
     return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
@@ -248,6 +345,7 @@ def make_train_step(
     secure: bool = False,
     distributed: bool = False,
     precision: torch.dtype | None = None,
+    privatizer: Privatizer | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -297,6 +395,14 @@ def make_train_step(
             (same ``seed=``, or ``load_state`` on every rank): checked each step, ValueError on
             every rank otherwise. ``metrics`` are then global.
         precision: bfloat16/float16 compute for the per-sample grads (:func:`vmapdp.mixed_precision`).
+        privatizer: how the summed clipped gradients become a release, a
+            :class:`vmapdp.noise.Privatizer` called once per step as
+            ``privatize(summed, state.noise_state, key)``; its state is carried in
+            ``state.noise_state`` (make the state with ``init_train_state(..., privatizer=)``).
+            Default: ``gaussian_privatizer(noise_multiplier * l2_clip_norm, secure=secure)``, the
+            noise the ledger records; another one must give at least its privacy. With ``secure``
+            and ``distributed``, rank 0 alone privatizes and broadcasts the release and the state
+            (:func:`vmapdp.distributed.privatized_on_rank0`).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -313,6 +419,8 @@ def make_train_step(
         loss_fn = mixed_precision(loss_fn, precision)  # float32 params, clipping and noise
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
         raise TypeError(f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(optimizer).__name__}.")
+    if privatizer is not None:
+        _checks.privatizer(call, privatizer)
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
     l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
@@ -323,16 +431,7 @@ def make_train_step(
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
-    if noise_multiplier == 0:
-        warnings.warn(
-            f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a "
-            "NonPrivateEvent and epsilon is infinite.",
-            UserWarning,
-            stacklevel=2,
-        )
-        event: Any = NonPrivateEvent()
-    else:
-        event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+    event = _ledger_event(call, noise_multiplier, sample_rate)
     config = step_config(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
@@ -349,23 +448,17 @@ def make_train_step(
         m: clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
         for m in methods
     }
-    noise_std = noise_multiplier * sum_fns[methods[0]].l2_sensitivity if noise_multiplier > 0 else 0.0
+    l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
+    if privatizer is None:
+        privatizer = gaussian_privatizer(noise_multiplier * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
+    if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
+        privatizer = _dist.privatized_on_rank0(privatizer)
 
     def chunk_fn(sum_fn: Callable) -> Callable:
         def chunk_sums(params, mask, shared, chunk):
             """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
             summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
-            finite = torch.isfinite(norms)
-            stats = torch.stack(
-                [
-                    torch.where(mask & finite, losses, 0.0).sum().float(),
-                    mask.sum().float(),
-                    (mask & finite & (norms > l2_clip_norm)).sum().float(),
-                    torch.where(mask & finite, norms, 0.0).sum().float(),
-                    (mask & ~finite).sum().float(),
-                ]
-            )
-            return summed, stats
+            return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
 
         return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
 
@@ -404,68 +497,40 @@ def make_train_step(
             name = chooser.choose(key, names, {m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
         return name, digest
 
-    def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
-        scall = "step(state, batch, mask)"
-        if not isinstance(state, TrainState):
-            raise TypeError(f"{scall}: state must be a TrainState from vmapdp.init_train_state, got {type(state).__name__}.")
-        if secure != (state.noise_seed is None):
-            raise ValueError(
-                f"{scall}: the step was made with secure={secure} but the state "
-                + ("holds no noise seed (made with secure=True)." if state.noise_seed is None else "holds a noise seed; secure=True rejects seeds.")
-                + " Use the same secure setting in init_train_state and make_train_step."
-            )
-        n = batch_size(batch, call=scall)
-        check_mask(mask, n, call=scall)
-        device = next(iter(state.params.values())).device
-        mask = mask.to(device)  # samplers make masks on the CPU
-        new_ledger = state.ledger.append(event)
-        budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
-        for b_eps, b_delta, b_accountant in budgets:
-            if not accounting.within_budget(new_ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
-                eps = accountant_epsilon(new_ledger, b_delta, b_accountant)
-                whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
-                raise PrivacyBudgetExceeded(
-                    f"{scall}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "
-                    f"(delta={b_delta:g}, {b_accountant}; the budget {whose}). Training stops here; the state is unchanged."
-                )
+    def clipped_sums(state: TrainState, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
+        """The clipped sum and telemetry of the batch, chunk by chunk, and the methods the state
+        records (each chunk shape's, with this batch's added)."""
         size = physical_batch_size or max(n, 1)
         if n % size:
-            raise ValueError(f"{scall}: the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
-        summed, stats = None, None
-        recorded = dict(state.methods)
+            raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
+        total, recorded = None, dict(state.methods)
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             chunk_mask = mask[start : start + size]
-            with full_float32(device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
+            with full_float32(mask.device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
                 name, digest = method_for(recorded, state.params, shared, chunk, chunk_mask)
-                s, st = runner(name)(state.params, chunk_mask, shared, chunk)
+                part = runner(name)(state.params, chunk_mask, shared, chunk)
             recorded[digest] = name
-            summed = s if summed is None else optree.tree_map(torch.add, summed, s, namespace="torch")
-            stats = st if stats is None else stats + st
-        if summed is None:  # an empty batch: the step still releases noise
-            summed = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
-            stats = torch.zeros(5, device=device)
+            total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
+        if total is None:  # an empty batch: the step still releases noise
+            zeros = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
+            total = (zeros, StepStats.zeros(mask.device))
+        return total, tuple(sorted(recorded.items()))
+
+    def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
+        scall = "step(state, batch, mask)"
+        n, mask = _checked_inputs(scall, state, batch, mask, secure)
+        ledger, budgets = _charged(scall, state, event, own_budget)  # before anything is computed or released
+        (summed, stats), methods = clipped_sums(state, batch, mask, shared, n)
         binding = noise_binding(state.run_id, config)
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
-        if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 draws, every rank gets its noisy sum
-            noisy = _dist.broadcast_tree(add_noise(summed, noise_std, secure=True) if _dist.rank() == 0 else summed, src=0)
-        elif secure:
-            noisy = add_noise(summed, noise_std, secure=True)
-        else:
-            noisy = add_noise(summed, noise_std, key=_step_key(state.noise_seed, state.step, binding))
+        key = None if secure else _step_key(state.noise_seed, state.step, binding)
+        noisy, noise_state = privatizer.privatize(summed, state.noise_state, key)
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        real = stats[1].clamp_min(1.0)
-        metrics = {
-            "loss": stats[0] / real,
-            "batch_size": stats[1],
-            "clip_fraction": stats[2] / real,
-            "mean_grad_norm": stats[3] / real,
-            "nonfinite": stats[4],
-        }
-        new_methods = tuple(sorted(recorded.items()))
-        return TrainState(params, opt_state, state.noise_seed, state.step + 1, new_ledger, state.run_id, budgets, new_methods), metrics
+        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state)
+        return new_state, stats.metrics()
 
     step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
     return step

@@ -35,7 +35,8 @@ from torch import Tensor
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype
 
-__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal"]
+__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes"]
+
 
 def key_bytes(key: bytes | int | str, *, call: str = "noise") -> bytes:
     """A secret key (bytes, int or str) as the bytes that keyed streams hash."""

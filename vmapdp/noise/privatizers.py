@@ -1,0 +1,70 @@
+"""The privatizer seam: how the train step turns the aggregated clipped sum into a release.
+
+A :class:`Privatizer` is an ``init``/``privatize`` pair of pure functions, like the optimizers
+of :mod:`vmapdp.optim`::
+
+    noise_state = privatizer.init(params)                                   # init_train_state
+    noisy, noise_state = privatizer.privatize(summed, noise_state, key)     # once per step
+
+``make_train_step`` calls ``privatize`` once per logical step, after the clipped sums of every
+chunk (and every rank) are summed and after the ledger has recorded the step; its state is
+``TrainState.noise_state``, carried from step to step and saved by checkpoints. ``key`` is the
+step's secret noise key (bytes, derived from the state's seed, step, run and configuration), or
+``None`` for a ``secure`` run, whose noise comes from the OS CSPRNG.
+
+:func:`gaussian_privatizer` is the default: independent ``N(0, std**2)`` per coordinate, no
+state. Noise that needs state (correlated noise from a matrix factorization keeps a few buffers
+of past draws) or another generator plugs in here without touching the step. The ledger records
+the step's ``noise_multiplier`` whatever the privatizer does: a privatizer must give at least
+the privacy of Gaussian noise of std ``noise_multiplier * l2_sensitivity`` on the sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from vmapdp import _checks
+from vmapdp.noise.gaussian import add_noise
+
+__all__ = ["Privatizer", "gaussian_privatizer"]
+
+
+class Privatizer(NamedTuple):
+    """An ``init``/``privatize`` pair (see the module docstring).
+
+    ``init(params) -> state``: the noise state before the first step (a pytree of tensors; ``()``
+    for none). ``privatize(summed, state, key) -> (noisy, state)``: the released sum (a pytree
+    like ``summed``, each leaf float32 or wider) and the next state; pure, drawing its randomness
+    from ``key`` only (``None``: from the OS CSPRNG).
+    """
+
+    init: Callable[[Any], Any]
+    privatize: Callable[[Any, Any, bytes | None], tuple[Any, Any]]
+
+
+def gaussian_privatizer(std: float, *, secure: bool = False) -> Privatizer:
+    """Independent Gaussian noise ``N(0, std**2)`` on every coordinate of the sum; no state.
+
+    Args:
+        std: the noise standard deviation, ``>= 0`` (DP-SGD: ``noise_multiplier * l2_sensitivity``).
+        secure: draw from the OS CSPRNG (:func:`vmapdp.noise.secure_normal`); the step's key is
+            then ``None``. Otherwise the noise is drawn from the step's key
+            (``add_noise(summed, std, key=key)``: the same key, the same bits).
+
+    Raises:
+        ValueError: at ``privatize``, a key given to a secure privatizer or none to a keyed one.
+    """
+    call = "gaussian_privatizer(std)"
+    std = _checks.noise_std(call, std)
+
+    def init(params: Any) -> tuple:
+        return ()
+
+    def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
+        if secure != (key is None):
+            raise ValueError(f"{call}: secure={secure} " + ("takes no key (its noise comes from the OS CSPRNG)." if secure else "needs the step's noise key, got None."))
+        if secure:
+            return add_noise(summed, std, secure=True), state
+        return add_noise(summed, std, key=key), state
+
+    return Privatizer(init, privatize)
