@@ -15,8 +15,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from vmapdp import accounting, optim
-from vmapdp.accounting import Ledger, NonPrivateEvent
+from vmapdp import optim
+from vmapdp.accounting import Ledger
+from vmapdp.audit.ledger import ledger_epsilon
 from vmapdp.audit.report import finish
 from vmapdp.audit.stats import clopper_pearson_upper
 from vmapdp.train import init_train_state, make_train_step
@@ -85,6 +86,79 @@ def _audit_loss(params: dict[str, Tensor], sample: tuple[Tensor, Tensor]) -> Ten
     """``w[idx] * x`` for one sample ``(idx, x)``: its gradient is ``x`` on coordinate ``idx`` only."""
     idx, x = sample
     return torch.index_select(params["w"], 0, idx.reshape(1)).sum() * x
+
+
+def _run_trials(
+    call: str,
+    step: Callable[..., Any],
+    opt: Any,
+    *,
+    trials: int,
+    width: int,
+    others: Sequence[float],
+    canary: float,
+    l2_clip_norm: float,
+    seed: int,
+    delta: float,
+    accountant: str,
+) -> tuple[Tensor, Tensor, float, int]:
+    """Run the step until each world has ``trials`` released scores, ``width`` trials per step.
+
+    Returns the scores with and without the canary, the epsilon the step's ledger claims for one
+    step at ``delta``, and the number of steps run.
+    """
+    k_others = len(others)
+    coord = torch.arange(width)
+    idx = coord.repeat(k_others + 1)
+    x = torch.cat([torch.full((width,), float(o) * l2_clip_norm) for o in others] + [torch.full((width,), float(canary) * l2_clip_norm)])
+    real = torch.ones(width * k_others, dtype=torch.bool)
+    params = {"w": torch.zeros(width)}
+    in_scores, out_scores = [], []
+    n_in = n_out = 0
+    s = 0
+    claimed = None
+    while n_in < trials or n_out < trials:
+        world_in = (coord + s) % 2 == 0
+        mask = torch.cat([real, world_in])
+        state = init_train_state(params, opt, seed=seed * (1 << 32) + s)
+        new, _ = step(state, (idx, x), mask)
+        if claimed is None:
+            ledger = getattr(new, "ledger", None)
+            if not isinstance(ledger, Ledger) or not ledger.events:
+                raise ValueError(f"{call}: the step wrote no privacy event to its ledger; nothing to compare with.")
+            claimed = ledger_epsilon(ledger, delta=delta, accountant=accountant)
+        released = -new.params["w"].detach().to(torch.float64)  # the canary's gradient pushes w down
+        if not bool(torch.isfinite(released).all()):
+            raise ValueError(f"{call}: the step released non-finite parameters at step {s}; fix that before auditing its privacy.")
+        in_scores.append(released[world_in])
+        out_scores.append(released[~world_in])
+        n_in += int(world_in.sum())
+        n_out += int((~world_in).sum())
+        s += 1
+    return torch.cat(in_scores)[:trials], torch.cat(out_scores)[:trials], claimed, s
+
+
+def _held_out_bound(scores_in: Tensor, scores_out: Tensor, *, delta: float, beta: float) -> tuple[float, int, int, int, float, float, float]:
+    """The epsilon lower bound from a threshold chosen on the first half of the trials, tested on the rest.
+
+    Returns ``(epsilon_lower_bound, held_out, false_positives, false_negatives, fpr_upper,
+    fnr_upper, threshold)``; the two upper bounds are Clopper-Pearson at ``beta / 2`` each.
+    """
+    half = scores_in.numel() // 2
+    orient, thr = _choose_threshold(scores_out[:half], scores_in[:half], delta)
+    test_out, test_in = orient * scores_out[half:], orient * scores_in[half:]
+    m = test_out.numel()
+    fp = int((test_out > thr).sum())
+    fn = int((test_in <= thr).sum())
+    fpu = clopper_pearson_upper(fp, m, beta / 2)
+    fnu = clopper_pearson_upper(fn, m, beta / 2)
+    bounds = []
+    for num, den in ((1 - delta - fnu, fpu), (1 - delta - fpu, fnu)):
+        bounds.append(math.log(num / den) if num > 0 and den > 0 else 0.0)
+    eps_lb = max(0.0, *bounds)
+    if math.isnan(eps_lb):
+        eps_lb = math.inf
+    return eps_lb, m, fp, fn, fpu, fnu, thr
 
 
 def audit_epsilon_lower_bound(
@@ -180,60 +254,14 @@ def audit_epsilon_lower_bound(
     if not canary > 1:
         raise ValueError(f"{call}: canary={canary!r} must be > 1 (a gradient larger than l2_clip_norm, which the step must clip).")
     t0 = time.perf_counter()
-    width = coordinates
-    k_others = len(others)
-    ebs = float(k_others + 1)
     opt = optim.sgd(lr)
     step = make_step(
-        _audit_loss, opt, l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=ebs, sample_rate=1.0, compile=compile
+        _audit_loss, opt, l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=float(len(others) + 1), sample_rate=1.0, compile=compile
     )
-    coord = torch.arange(width)
-    idx = coord.repeat(k_others + 1)
-    x = torch.cat([torch.full((width,), float(o) * l2_clip_norm) for o in others] + [torch.full((width,), float(canary) * l2_clip_norm)])
-    real = torch.ones(width * k_others, dtype=torch.bool)
-    params = {"w": torch.zeros(width)}
-    in_scores, out_scores = [], []
-    n_in = n_out = 0
-    s = 0
-    claimed = None
-    while n_in < trials or n_out < trials:
-        world_in = (coord + s) % 2 == 0
-        mask = torch.cat([real, world_in])
-        state = init_train_state(params, opt, seed=seed * (1 << 32) + s)
-        new, _ = step(state, (idx, x), mask)
-        if claimed is None:
-            ledger = getattr(new, "ledger", None)
-            if not isinstance(ledger, Ledger) or not ledger.events:
-                raise ValueError(f"{call}: the step wrote no privacy event to its ledger; nothing to compare with.")
-            claimed = (
-                math.inf
-                if any(isinstance(e, NonPrivateEvent) for e in ledger.events)
-                else float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
-            )
-        released = -new.params["w"].detach().to(torch.float64)  # the canary's gradient pushes w down
-        if not bool(torch.isfinite(released).all()):
-            raise ValueError(f"{call}: the step released non-finite parameters at step {s}; fix that before auditing its privacy.")
-        in_scores.append(released[world_in])
-        out_scores.append(released[~world_in])
-        n_in += int(world_in.sum())
-        n_out += int((~world_in).sum())
-        s += 1
-    scores_in = torch.cat(in_scores)[:trials]
-    scores_out = torch.cat(out_scores)[:trials]
-    half = trials // 2
-    orient, thr = _choose_threshold(scores_out[:half], scores_in[:half], delta)
-    test_out, test_in = orient * scores_out[half:], orient * scores_in[half:]
-    m = test_out.numel()
-    fp = int((test_out > thr).sum())
-    fn = int((test_in <= thr).sum())
-    fpu = clopper_pearson_upper(fp, m, beta / 2)
-    fnu = clopper_pearson_upper(fn, m, beta / 2)
-    bounds = []
-    for num, den in ((1 - delta - fnu, fpu), (1 - delta - fpu, fnu)):
-        bounds.append(math.log(num / den) if num > 0 and den > 0 else 0.0)
-    eps_lb = max(0.0, *bounds)
-    if math.isnan(eps_lb):
-        eps_lb = math.inf
+    scores_in, scores_out, claimed, s = _run_trials(
+        call, step, opt, trials=trials, width=coordinates, others=others, canary=canary, l2_clip_norm=l2_clip_norm, seed=seed, delta=delta, accountant=accountant
+    )
+    eps_lb, m, fp, fn, fpu, fnu, thr = _held_out_bound(scores_in, scores_out, delta=delta, beta=beta)
     passed = eps_lb <= claimed
     seconds = time.perf_counter() - t0
     figures = (

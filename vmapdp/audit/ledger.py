@@ -1,6 +1,7 @@
 """Check that the ledger a step wrote matches the steps taken, the noise and the rate: :func:`check_ledger`.
 
-Exact: the recorded ledger must equal the one expected; the report gives the epsilon each implies.
+Exact: the recorded ledger must equal the one expected; the report gives the epsilon each implies
+(:func:`ledger_epsilon`, also the white-box audit's claimed epsilon).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from vmapdp import accounting
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 
-__all__ = ["LedgerReport", "check_ledger"]
+__all__ = ["LedgerReport", "check_ledger", "ledger_epsilon"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,15 @@ def _ledger_of(call: str, name: str, state: Any) -> Ledger:
     if not isinstance(ledger, Ledger):
         raise TypeError(f"{call}: {name} must be a TrainState (or a Ledger), got {type(state).__name__}.")
     return ledger
+
+
+def ledger_epsilon(ledger: Ledger, *, delta: float, accountant: str) -> float:
+    """The epsilon a ledger implies at ``delta``: 0 when empty, infinite with a non-private event."""
+    if not ledger.events:
+        return 0.0
+    if any(isinstance(e, NonPrivateEvent) for e in ledger.events):
+        return math.inf
+    return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
 
 
 def check_ledger(
@@ -94,14 +104,7 @@ def check_ledger(
     if after != expected:
         problems.append(f"the ledger records {list(after.events)}, expected {list(expected.events)}")
 
-    def eps(ledger: Ledger) -> float:
-        if not ledger.events:
-            return 0.0
-        if any(isinstance(e, NonPrivateEvent) for e in ledger.events):
-            return math.inf
-        return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
-
-    e_exp, e_rec = eps(expected), eps(after)
+    e_exp, e_rec = ledger_epsilon(expected, delta=delta, accountant=accountant), ledger_epsilon(after, delta=delta, accountant=accountant)
     passed = not problems
     if passed:
         message = f"check_ledger: passed: {steps} step(s) recorded as {list(added.events)}; epsilon {e_rec:.4g} at delta={delta:g} ({accountant})."
