@@ -53,6 +53,74 @@ class SamplerReport:
         return self.message
 
 
+def _poisson_pvalues(n: int, q: float, s: int, mean: float, var: float, counts: Tensor, overlap: float) -> tuple[dict[str, float], float]:
+    """The four two-sided p-values of Poisson(q) sampling over ``s`` steps, and the dispersion z-score."""
+    e_mean, e_var = n * q, n * q * (1 - q)
+    pvalues = {"batch-size mean": two_sided_p((mean - e_mean) / math.sqrt(e_var / s))}
+    kurt = (1.0 - 6.0 * q * (1 - q)) / e_var  # excess kurtosis of Binomial(n, q)
+    pvalues["batch-size variance"] = two_sided_p((var - e_var) / (e_var * math.sqrt(2.0 / (s - 1) + kurt / s)))
+    v = s * q * (1 - q)
+    mu4_ratio = 1.0 / v + 3.0 * (s - 2) / s  # E[(c - sq)^4] / v^2 for c ~ Binomial(s, q)
+    stat = float(((counts - s * q) ** 2).sum()) / v
+    dispersion_z = (stat - n) / math.sqrt(n * (mu4_ratio - 1.0))
+    pvalues["inclusion-count dispersion"] = two_sided_p(dispersion_z)
+    ov_var = ((s - 1) * n * q * q * (1 - q * q) + 2 * (s - 2) * n * (q**3 - q**4)) / (s - 1) ** 2
+    pvalues["consecutive-batch overlap"] = two_sided_p((overlap - n * q * q) / math.sqrt(ov_var))
+    return pvalues, dispersion_z
+
+
+def _likely_causes(fails: list[str], q: float, too_even: bool, dispersion_z: float, bad_indices: bool) -> list[str]:
+    """The likely bug behind each failed test, for the failure message."""
+    hints = []
+    if "batch-size variance" in fails and too_even:
+        hints.append("fixed-size batches (shuffling, drop_last, truncation at a capacity) instead of Poisson sampling")
+    if "batch-size mean" in fails:
+        hints.append(f"a sampling rate other than the q={q:g} reported to the accountant")
+    if "inclusion-count dispersion" in fails:
+        hints.append(
+            "examples drawn without replacement across steps (epochs)"
+            if dispersion_z < 0
+            else "some examples favoured or never drawn (dropped tail, duplicated rows)"
+        )
+    if "consecutive-batch overlap" in fails:
+        hints.append("batches not independent across steps")
+    if bad_indices:
+        hints.append("indices repeated or outside the dataset")
+    return hints
+
+
+def _draw(call: str, sampler: Iterable[tuple[Tensor, Tensor]], steps: int, n: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Draw ``steps`` batches: their sizes, consecutive overlaps, per-example counts, duplicates, out-of-range indices."""
+    sizes = torch.zeros(steps, dtype=torch.float64)
+    overlaps = torch.zeros(steps - 1, dtype=torch.float64)
+    counts = torch.zeros(n, dtype=torch.float64)
+    duplicates = out_of_range = 0
+    prev = None
+    taken = 0
+    while taken < steps:
+        before = taken
+        for indices, m in sampler:
+            check_mask(m, indices.shape[0], call=call)
+            idx = indices[m].to(torch.int64).cpu()
+            bad = (idx < 0) | (idx >= n)
+            out_of_range += int(bad.sum())
+            idx = idx[~bad]
+            member = torch.zeros(n, dtype=torch.bool)
+            member[idx] = True
+            duplicates += idx.numel() - int(member.sum())
+            sizes[taken] = float(m.sum())
+            counts += member.to(torch.float64)
+            if prev is not None:
+                overlaps[taken - 1] = float((prev & member).sum())
+            prev = member
+            taken += 1
+            if taken == steps:
+                break
+        if taken == before:
+            raise ValueError(f"{call}: the sampler yielded no batches.")
+    return sizes, overlaps, counts, duplicates, out_of_range
+
+
 def check_sampler(
     sampler: Iterable[tuple[Tensor, Tensor]],
     *,
@@ -107,33 +175,7 @@ def check_sampler(
         raise ValueError(f"{call}: steps={steps!r} must be an int >= 2.")
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"{call}: alpha={alpha!r} must be in (0, 1).")
-    sizes = torch.zeros(steps, dtype=torch.float64)
-    overlaps = torch.zeros(steps - 1, dtype=torch.float64)
-    counts = torch.zeros(n, dtype=torch.float64)
-    duplicates = out_of_range = 0
-    prev = None
-    taken = 0
-    while taken < steps:
-        before = taken
-        for indices, m in sampler:
-            check_mask(m, indices.shape[0], call=call)
-            idx = indices[m].to(torch.int64).cpu()
-            bad = (idx < 0) | (idx >= n)
-            out_of_range += int(bad.sum())
-            idx = idx[~bad]
-            member = torch.zeros(n, dtype=torch.bool)
-            member[idx] = True
-            duplicates += idx.numel() - int(member.sum())
-            sizes[taken] = float(m.sum())
-            counts += member.to(torch.float64)
-            if prev is not None:
-                overlaps[taken - 1] = float((prev & member).sum())
-            prev = member
-            taken += 1
-            if taken == steps:
-                break
-        if taken == before:
-            raise ValueError(f"{call}: the sampler yielded no batches.")
+    sizes, overlaps, counts, duplicates, out_of_range = _draw(call, sampler, steps, n)
     s = steps
     mean, var = float(sizes.mean()), float(sizes.var())
     e_mean, e_var = n * q, n * q * (1 - q)
@@ -142,16 +184,7 @@ def check_sampler(
     pvalues: dict[str, float] = {}
     dispersion_z = 0.0
     if q < 1.0:
-        pvalues["batch-size mean"] = two_sided_p((mean - e_mean) / math.sqrt(e_var / s))
-        kurt = (1.0 - 6.0 * q * (1 - q)) / e_var  # excess kurtosis of Binomial(n, q)
-        pvalues["batch-size variance"] = two_sided_p((var - e_var) / (e_var * math.sqrt(2.0 / (s - 1) + kurt / s)))
-        v = s * q * (1 - q)
-        mu4_ratio = 1.0 / v + 3.0 * (s - 2) / s  # E[(c - sq)^4] / v^2 for c ~ Binomial(s, q)
-        stat = float(((counts - s * q) ** 2).sum()) / v
-        dispersion_z = (stat - n) / math.sqrt(n * (mu4_ratio - 1.0))
-        pvalues["inclusion-count dispersion"] = two_sided_p(dispersion_z)
-        ov_var = ((s - 1) * n * q * q * (1 - q * q) + 2 * (s - 2) * n * (q**3 - q**4)) / (s - 1) ** 2
-        pvalues["consecutive-batch overlap"] = two_sided_p((overlap - e_overlap) / math.sqrt(ov_var))
+        pvalues, dispersion_z = _poisson_pvalues(n, q, s, mean, var, counts, overlap)
         each = alpha / 4.0
         fails = [k for k, p in pvalues.items() if p < each]
     else:
@@ -172,21 +205,7 @@ def check_sampler(
     if passed:
         message = f"check_sampler: passed: {figures}."
     else:
-        hints = []
-        if "batch-size variance" in fails and var < e_var:
-            hints.append("fixed-size batches (shuffling, drop_last, truncation at a capacity) instead of Poisson sampling")
-        if "batch-size mean" in fails:
-            hints.append(f"a sampling rate other than the q={q:g} reported to the accountant")
-        if "inclusion-count dispersion" in fails:
-            hints.append(
-                "examples drawn without replacement across steps (epochs)"
-                if dispersion_z < 0
-                else "some examples favoured or never drawn (dropped tail, duplicated rows)"
-            )
-        if "consecutive-batch overlap" in fails:
-            hints.append("batches not independent across steps")
-        if duplicates or out_of_range:
-            hints.append("indices repeated or outside the dataset")
+        hints = _likely_causes(fails, q, var < e_var, dispersion_z, bool(duplicates or out_of_range))
         message = (
             f"{call}: FAILED ({'; '.join(fails)}): {figures}. The accountant assumes each example is in each batch "
             f"independently with probability {q:g} (Poisson subsampling); otherwise the reported epsilon is wrong. "
