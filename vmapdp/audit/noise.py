@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vmapdp.accounting import NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
-from vmapdp.audit.runs import is_float, params_of, rng_devices, seeded
+from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, seeded
 from vmapdp.audit.stats import ks_normal, two_sided_p
 
 __all__ = ["NoiseReport", "check_noise_calibration"]
@@ -95,9 +95,7 @@ def check_noise_calibration(
         ValueError: the expected noise std is zero, or too small to resolve in the params' dtype.
     """
     call = "check_noise_calibration(step, state, batch, mask, *shared)"
-    for name, v in (("lr", lr), ("l2_clip_norm", l2_clip_norm), ("expected_batch_size", expected_batch_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-            raise ValueError(f"{call}: {name}={v!r} must be a finite number > 0.")
+    check_step_hyperparameters(call, lr=lr, l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size)
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"{call}: alpha={alpha!r} must be in (0, 1).")
     if min_samples < 1000:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "check_step_hyperparameters",
     "is_float",
     "tree_map",
     "tree_leaves",
@@ -26,6 +27,13 @@ __all__ = [
     "rng_devices",
     "seeded",
 ]
+
+
+def check_step_hyperparameters(call: str, *, lr: float, l2_clip_norm: float, expected_batch_size: float) -> None:
+    """The step-level checks' bound needs ``lr``, ``l2_clip_norm`` and ``expected_batch_size`` finite and > 0."""
+    for name, v in (("lr", lr), ("l2_clip_norm", l2_clip_norm), ("expected_batch_size", expected_batch_size)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+            raise ValueError(f"{call}: {name}={v!r} must be a finite number > 0.")
 
 
 def is_float(x: Tensor) -> bool:

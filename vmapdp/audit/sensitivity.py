@@ -16,7 +16,7 @@ from torch import Tensor
 
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.audit.report import finish
-from vmapdp.audit.runs import is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
+from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
 
 __all__ = ["SensitivityReport", "check_sensitivity"]
 
@@ -54,6 +54,79 @@ def _require_seeded(call: str, state: Any) -> None:
             "different noise and cannot be compared. Check a seeded twin: init_train_state(params, "
             "optimizer, seed=0) with a step made with secure=False."
         )
+
+
+def _padding_leaks(params_after: Callable[[Any, Tensor], dict[str, Tensor]], batch: Any, mask: Tensor, first: int, pad: list[int], scale: float) -> list[str]:
+    """What changed the update when the padded rows were filled with NaN, then huge values (empty: inert)."""
+    nan_batch = set_rows(batch, pad, lambda leaf: torch.full_like(leaf[first], math.nan) if is_float(leaf) else leaf[first])
+    huge_batch = set_rows(batch, pad, lambda leaf: leaf[first] * (-scale) + 1.0 if is_float(leaf) else leaf[first])
+    clean = params_after(batch, mask)
+    leaked = []
+    for what, data in (("NaN", nan_batch), ("huge finite values", huge_batch)):
+        other = params_after(data, mask)
+        bad = [k for k in clean if not torch.equal(clean[k], other[k])]
+        if bad:
+            leaked.append(f"{what} (changed {bad[:3]}, distance {update_distance(clean, other):.3g})")
+    return leaked
+
+
+def _candidates(batch: Any, real: list[int], adversarial: Any, scale: float) -> list[tuple[str, Any]]:
+    """The adversarial samples to add: the given one, or up to three real rows scaled by ``+-scale``."""
+    if adversarial is not None:
+        return [("the given adversarial sample", adversarial)]
+    candidates = []
+    for r in real[:3]:
+        for sgn in (1.0, -1.0):
+            row = tree_map(lambda leaf: leaf[r] * (sgn * scale) if is_float(leaf) else leaf[r], batch)
+            candidates.append((f"row {r} x {sgn * scale:g}", row))
+    return candidates
+
+
+def _neighbour_pairs(
+    call: str,
+    params_after: Callable[[Any, Tensor], dict[str, Tensor]],
+    batch: Any,
+    mask: Tensor,
+    real: list[int],
+    slot: int,
+    candidates: list[tuple[str, Any]],
+    *,
+    bound: float,
+    rtol: float,
+    start: dict[str, Tensor],
+) -> tuple[str, float, float, float, int, tuple | None, int]:
+    """Run every base batch with and without each candidate in ``slot`` and compare the updates.
+
+    Returns ``(worst pair, its distance, its ratio to bound, its rounding slack, pairs run,
+    the worst failing pair or None, how many pairs failed)``.
+    """
+    none = torch.zeros_like(mask)
+    one = none.clone()
+    one[real[0]] = True
+    bases = [("the batch's real rows", mask), ("an empty batch", none)]
+    if len(real) > 1:
+        bases.append(("one real row", one))
+    worst, max_dist, max_ratio, slack_at_worst, pairs = "", 0.0, 0.0, 0.0, 0
+    failed, n_failed = None, 0
+    for base_name, base in bases:
+        with_adv = base.clone()
+        with_adv[slot] = True
+        for cand_name, row in candidates:
+            data = _with_row(call, batch, slot, row)
+            a = params_after(data, base)
+            b = params_after(data, with_adv)
+            dist = update_distance(a, b)
+            slack = 2.0 * rounding_slack(a, b, start)
+            pairs += 1
+            ratio = dist / bound if math.isfinite(dist) else math.inf
+            if not math.isfinite(dist) or dist > max_dist:
+                max_dist, max_ratio, slack_at_worst = dist, ratio, slack
+                worst = f"{base_name} + {cand_name}"
+            if not math.isfinite(dist) or dist > bound * (1.0 + rtol) + slack:
+                n_failed += 1
+                if failed is None or not ratio <= failed[3]:
+                    failed = (base_name, cand_name, dist, ratio, slack)
+    return worst, max_dist, max_ratio, slack_at_worst, pairs, failed, n_failed
 
 
 def check_sensitivity(
@@ -113,9 +186,7 @@ def check_sensitivity(
         ValueError: a mask without a real or a padded row; a secure (unseeded) state.
     """
     call = "check_sensitivity(step, state, batch, mask, *shared)"
-    for name, v in (("lr", lr), ("l2_clip_norm", l2_clip_norm), ("expected_batch_size", expected_batch_size)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
-            raise ValueError(f"{call}: {name}={v!r} must be a finite number > 0.")
+    check_step_hyperparameters(call, lr=lr, l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size)
     _require_seeded(call, state)
     n = batch_size(batch, call=call)
     check_mask(mask, n, call=call)
@@ -134,56 +205,15 @@ def check_sensitivity(
 
     # 1. padded rows are inert, bitwise
     first = real[0]
-    nan_batch = set_rows(batch, pad, lambda leaf: torch.full_like(leaf[first], math.nan) if is_float(leaf) else leaf[first])
-    huge_batch = set_rows(batch, pad, lambda leaf: leaf[first] * (-scale) + 1.0 if is_float(leaf) else leaf[first])
-    clean = params_after(batch, mask)
-    inert = True
-    leaked = []
-    for what, data in (("NaN", nan_batch), ("huge finite values", huge_batch)):
-        other = params_after(data, mask)
-        bad = [k for k in clean if not torch.equal(clean[k], other[k])]
-        if bad:
-            inert = False
-            leaked.append(f"{what} (changed {bad[:3]}, distance {update_distance(clean, other):.3g})")
+    leaked = _padding_leaks(params_after, batch, mask, first, pad, scale)
+    inert = not leaked
 
     # 2. one added sample moves the update by at most lr * C / E[B]
     bound = lr * l2_clip_norm / expected_batch_size
-    slot = pad[0]
-    if adversarial is not None:
-        candidates = [("the given adversarial sample", adversarial)]
-    else:
-        candidates = []
-        for r in real[:3]:
-            for sgn in (1.0, -1.0):
-                row = tree_map(lambda leaf: leaf[r] * (sgn * scale) if is_float(leaf) else leaf[r], batch)
-                candidates.append((f"row {r} x {sgn * scale:g}", row))
-    none = torch.zeros_like(mask)
-    one = none.clone()
-    one[first] = True
-    bases = [("the batch's real rows", mask), ("an empty batch", none)]
-    if len(real) > 1:
-        bases.append(("one real row", one))
-    worst, max_dist, max_ratio, slack_at_worst, pairs = "", 0.0, 0.0, 0.0, 0
-    failed, n_failed = None, 0
-    start = state.params
-    for base_name, base in bases:
-        with_adv = base.clone()
-        with_adv[slot] = True
-        for cand_name, row in candidates:
-            data = _with_row(call, batch, slot, row)
-            a = params_after(data, base)
-            b = params_after(data, with_adv)
-            dist = update_distance(a, b)
-            slack = 2.0 * rounding_slack(a, b, start)
-            pairs += 1
-            ratio = dist / bound if math.isfinite(dist) else math.inf
-            if not math.isfinite(dist) or dist > max_dist:
-                max_dist, max_ratio, slack_at_worst = dist, ratio, slack
-                worst = f"{base_name} + {cand_name}"
-            if not math.isfinite(dist) or dist > bound * (1.0 + rtol) + slack:
-                n_failed += 1
-                if failed is None or not ratio <= failed[3]:
-                    failed = (base_name, cand_name, dist, ratio, slack)
+    candidates = _candidates(batch, real, adversarial, scale)
+    worst, max_dist, max_ratio, slack_at_worst, pairs, failed, n_failed = _neighbour_pairs(
+        call, params_after, batch, mask, real, pad[0], candidates, bound=bound, rtol=rtol, start=state.params
+    )
     passed = inert and failed is None
     lines = []
     if failed is not None:
