@@ -66,6 +66,39 @@ def _perturb_row(batch: Any, j: int, b: int, gen: torch.Generator) -> Any:
     return set_rows(batch, j, value)
 
 
+def _leaks(run: Callable[..., Tensor], batch: Any, b: int, base: Tensor, scale: float, samples: tuple[int, ...], seed: int) -> tuple[float, tuple[int, int] | None, float]:
+    """Perturb each of ``samples`` in turn: the largest change of another sample's gradient (relative
+    to ``scale``), the pair (perturbed, leaking) where it happened, and the smallest own change."""
+    gen = torch.Generator().manual_seed(seed)
+    max_leak, worst, min_self = 0.0, None, math.inf
+    for j in samples:
+        moved = run(_perturb_row(batch, j, b, gen))
+        change = (moved - base).norm(dim=1) / scale
+        if not torch.isfinite(change).all():
+            change = torch.where(torch.isfinite(change), change, torch.full_like(change, math.inf))
+        min_self = min(min_self, float(change[j]))
+        others = change.clone()
+        others[j] = 0.0
+        i = int(others.argmax())
+        if float(others[i]) > max_leak:
+            max_leak, worst = float(others[i]), (j, i)
+    return max_leak, worst, min_self
+
+
+def _own_draws(run: Callable[..., Tensor], batch: Any, base: Tensor, scale: float, *, seed: int, rtol: float, randomness: str) -> tuple[bool | None, float | None]:
+    """Whether the gradients change with the RNG seed, and then how far identical copies of one
+    sample differ (None, None when ``randomness="error"``: nothing random to check)."""
+    loss_is_random, copies_diff = None, None
+    if randomness != "error":
+        loss_is_random = bool(((run(batch, seed + 1) - base).norm(dim=1) / scale > rtol).any())
+        if loss_is_random:
+            copies = tree_map(lambda leaf: leaf[:1].expand(leaf.shape).clone(), batch)
+            g = run(copies)
+            copy_scale = float(g.norm(dim=1).max()) or 1.0
+            copies_diff = float((g - g[:1]).norm(dim=1).max()) / copy_scale
+    return loss_is_random, copies_diff
+
+
 def check_per_sample_independence(
     loss_fn: Callable[..., Tensor] | None,
     params: Any,
@@ -146,28 +179,8 @@ def check_per_sample_independence(
     base = run(batch)
     scale = float(base.norm(dim=1).max())
     scale = scale if scale > 0 else 1.0
-    gen = torch.Generator().manual_seed(seed)
-    max_leak, worst, min_self = 0.0, None, math.inf
-    for j in samples:
-        moved = run(_perturb_row(batch, j, b, gen))
-        change = (moved - base).norm(dim=1) / scale
-        if not torch.isfinite(change).all():
-            change = torch.where(torch.isfinite(change), change, torch.full_like(change, math.inf))
-        min_self = min(min_self, float(change[j]))
-        others = change.clone()
-        others[j] = 0.0
-        i = int(others.argmax())
-        if float(others[i]) > max_leak:
-            max_leak, worst = float(others[i]), (j, i)
-
-    loss_is_random, copies_diff = None, None
-    if randomness != "error":
-        loss_is_random = bool(((run(batch, seed + 1) - base).norm(dim=1) / scale > rtol).any())
-        if loss_is_random:
-            copies = tree_map(lambda leaf: leaf[:1].expand(leaf.shape).clone(), batch)
-            g = run(copies)
-            copy_scale = float(g.norm(dim=1).max()) or 1.0
-            copies_diff = float((g - g[:1]).norm(dim=1).max()) / copy_scale
+    max_leak, worst, min_self = _leaks(run, batch, b, base, scale, samples, seed)
+    loss_is_random, copies_diff = _own_draws(run, batch, base, scale, seed=seed, rtol=rtol, randomness=randomness)
 
     leak_ok = max_leak <= rtol
     copies_ok = copies_diff is None or copies_diff > rtol

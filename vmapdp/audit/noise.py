@@ -49,6 +49,39 @@ class NoiseReport:
         return self.message
 
 
+def _noise_draws(
+    step: Callable[..., Any], state: Any, batch: Any, mask: Tensor, shared: tuple, *, pairs: int, seed: int, devices: list[int]
+) -> tuple[Tensor, Any]:
+    """The differences of ``pairs`` pairs of updates that differ only in their noise seed (float64,
+    flat), and the last event the first run wrote to its ledger (None if none)."""
+    secure = getattr(state, "noise_seed", 0) is None
+    diffs, recorded = [], None
+    for r in range(pairs):
+        if secure:
+            s1 = s2 = state
+        else:
+            s1 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 1) % (1 << 62))
+            s2 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 2) % (1 << 62))
+        a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
+        b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
+        pa, pb = params_of(a), params_of(b)
+        diffs.append(torch.cat([(pa[k].detach().to(torch.float64) - pb[k].detach().to(torch.float64)).flatten() for k in pa if is_float(pa[k])]))
+        if recorded is None:
+            ledger = getattr(a, "ledger", None)
+            events = getattr(ledger, "events", ())
+            recorded = events[-1] if events else None
+    return torch.cat(diffs), recorded
+
+
+def _recorded_noise(call: str, recorded: Any) -> float:
+    """The noise multiplier the step claimed in its ledger (0 for a non-private event)."""
+    if isinstance(recorded, PoissonGaussianEvent):
+        return recorded.noise_multiplier
+    if isinstance(recorded, NonPrivateEvent):
+        return 0.0
+    raise ValueError(f"{call}: the step wrote no privacy event to state.ledger; pass noise_multiplier=.")
+
+
 def check_noise_calibration(
     step: Callable[..., Any],
     state: Any,
@@ -104,32 +137,11 @@ def check_noise_calibration(
     per_pair = sum(v.numel() for v in params.values() if is_float(v))
     pairs = max(1, math.ceil(min_samples / per_pair))
     devices = rng_devices((params, batch))
-    secure = getattr(state, "noise_seed", 0) is None
-    diffs, recorded = [], None
-    for r in range(pairs):
-        if secure:
-            s1 = s2 = state
-        else:
-            s1 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 1) % (1 << 62))
-            s2 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 2) % (1 << 62))
-        a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
-        b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
-        pa, pb = params_of(a), params_of(b)
-        diffs.append(torch.cat([(pa[k].detach().to(torch.float64) - pb[k].detach().to(torch.float64)).flatten() for k in pa if is_float(pa[k])]))
-        if recorded is None:
-            ledger = getattr(a, "ledger", None)
-            events = getattr(ledger, "events", ())
-            recorded = events[-1] if events else None
+    x, recorded = _noise_draws(step, state, batch, mask, shared, pairs=pairs, seed=seed, devices=devices)
     if noise_multiplier is None:
-        if isinstance(recorded, PoissonGaussianEvent):
-            noise_multiplier = recorded.noise_multiplier
-        elif isinstance(recorded, NonPrivateEvent):
-            noise_multiplier = 0.0
-        else:
-            raise ValueError(f"{call}: the step wrote no privacy event to state.ledger; pass noise_multiplier=.")
+        noise_multiplier = _recorded_noise(call, recorded)
     if not noise_multiplier > 0:
         raise ValueError(f"{call}: noise_multiplier={noise_multiplier!r}: a step without noise has nothing to calibrate (epsilon is infinite).")
-    x = torch.cat(diffs)
     n = x.numel()
     expected = math.sqrt(2.0) * lr * noise_multiplier * l2_clip_norm / expected_batch_size
     flat = torch.cat([v.detach().abs().flatten() for v in params.values() if is_float(v)])
