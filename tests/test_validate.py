@@ -1,4 +1,4 @@
-"""Tests for vmapdp.validate: validate, fix, explain_failure, group_norm_groups."""
+"""Tests for vmapdp.validation: validate, fix, explain_failure, group_norm_groups."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, vmap
 
 import vmapdp.nn as vnn
 from vmapdp.errors import UnsupportedModuleError
-from vmapdp.validate import (
+from vmapdp.validation import (
     ATTRIBUTE_UPDATE,
     BATCH_NORM,
     BUFFER_UPDATE,

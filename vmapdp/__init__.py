@@ -34,7 +34,7 @@ from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
 from vmapdp.precision import mixed_precision
 from vmapdp.private import PrivateTrainer, make_private
 from vmapdp.train import PrivacyBudgetExceeded, TrainState, init_train_state, make_train_step
-from vmapdp.validate import Problem, explain_failure, fix, validate  # noqa: E402  (shadows the module name on purpose)
+from vmapdp.validation import Problem, explain_failure, fix, validate
 
 __version__ = "0.1.0"
 

@@ -85,7 +85,7 @@ def _explain(fm: FunctionalModel, params: Params, buffers: Buffers, err: Runtime
         )
     if "randomness" in msg:
         return err  # per_sample_grads explains the randomness choice
-    from vmapdp.validate import explain_failure
+    from vmapdp.validation import explain_failure
 
     explained = explain_failure(fm.module, err)
     return explained if explained is not None else err
@@ -122,7 +122,7 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
         (params if p.requires_grad else frozen)[name] = p.detach()
     buffers: Buffers = {name: b.detach() for name, b in module.named_buffers()}
     buffers.update(frozen)
-    from vmapdp.validate import with_vmap_recurrent
+    from vmapdp.validation import with_vmap_recurrent
 
     # torch's RNN/GRU/LSTM kernels cannot be batched by vmap: apply runs a copy with vmapdp.nn's
     # twins in their place (same parameter names, equal outputs); params stay the module's own

@@ -26,7 +26,7 @@ from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
 from vmapdp.functional import functionalize
 from vmapdp.train import TrainState, init_train_state, make_train_step
-from vmapdp.validate import VMAP_SLOW, VMAP_UNSUPPORTED, validate
+from vmapdp.validation import VMAP_SLOW, VMAP_UNSUPPORTED, validate
 
 __all__ = ["make_private", "PrivateTrainer"]
 

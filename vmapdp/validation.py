@@ -576,6 +576,12 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
     finally:
         for handle in handles:
             handle.remove()
+    return problems + _slow_op_problems(slow, work, types, flagged)
+
+
+def _slow_op_problems(slow: dict[str, Optional[str]], work: nn.Module, types, flagged) -> list[Problem]:
+    """A VMAP_SLOW problem per op vmap ran as a per-sample loop, at the module where it first ran."""
+    problems = []
     attributed = any(path is not None for path in slow.values())
     for op, path in slow.items():
         if path is None:  # ran in the backward pass: blame the root only if nothing else
