@@ -160,7 +160,7 @@ def clipped_grad_sum(
     * ``"ghost"``: per-sample norms from layer inputs and output gradients and the clipped sum by
       book-keeping (see this module's docstring): one forward and one backward, no per-sample
       gradients for linear, conv and embedding weights. Memory: non-private training's plus every
-      covered layer's output gradients (1.4-1.9x on the CIFAR-10 CNN).
+      covered layer's output gradients (measured in benchmarks/memory.py).
     * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time;
       each chunk is clipped and added to the sum before the next is computed. Peak memory
       ``norm_chunk_size x (params + one sample's activations)``, for any model, dropout included.

@@ -37,13 +37,13 @@ less. The returned ``norms`` are the computed norms, without the margin.
 The margin bounds a sample's *own* contribution; the guarantee DP needs is on the neighbour
 difference, ``||sum(D) - sum(D - {i})|| <= C (1 + tol)``. A book-keeping matmul adds the terms of
 all samples in one accumulation, and in float32 a sample with huge cancelling terms (within its
-margin) quantises the partial sums of the others (measured: 1.016 C). So every use with more than
+margin) quantises the partial sums of the others (a neighbour difference above C). So every use with more than
 one term per sample (sequences, conv positions, embeddings, a param with per-sample-view uses too)
 is accumulated in float64, where that cross-talk is ``<= ~B**2 2**-30 C`` (see ``engine._sum_dtype``);
 one-term uses (an MLP's layers) stay float32, with ``clip_and_sum``'s rounding. ``tol`` is then
 that of ``clip_and_sum``'s float32 sum (``~ 2 B**2 eps`` worst case; < 1e-4 at B = 8 in
-tests/test_sensitivity.py). Cost: +27% CPU time for the ghost clipped sum of the CIFAR-10 CNN at
-B = 128 (float64 conv backwards of the wide convs), none on an MLP.
+tests/test_sensitivity.py). The cost is float64 conv backwards for wide convs (its figure is in
+benchmarks/README.md); an MLP pays nothing.
 
 Small convs get their per-sample norms from one grouped conv backward; per-sample grads formed
 on the way to a norm are then kept (up to ``Limits.keep_elements`` floats in all, or when no larger
