@@ -34,7 +34,7 @@ from vmapdp.clipping import clip_and_sum
 from vmapdp.data import PoissonSampler
 from vmapdp.noise import add_noise
 from vmapdp.per_sample import per_sample_grads
-from vmapdp.train import TrainState, _step_key, noise_binding, step_config
+from vmapdp.train import _step_key, noise_binding, step_config
 
 ALPHA = 1e-3  # false-alarm rate of every statistical check here (sampler, noise)
 BETA = 0.05  # the audit's lower bound holds with confidence 1 - BETA

@@ -133,7 +133,8 @@ def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype
     monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
     calls = []
     spied = "conv_grams" if input_gram else "conv_pair"
-    monkeypatch.setattr(conv, spied, lambda *a, f=getattr(conv, spied): calls.append(a) or f(*a))
+    real = getattr(conv, spied)
+    monkeypatch.setattr(conv, spied, lambda *a: calls.append(a) or real(*a))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.ReLU(), nn.Conv2d(40, 128, 3, stride=2, padding=1), nn.ReLU(),
                           nn.Conv2d(128, 64, (2, 3), dilation=(2, 1)), nn.Flatten(), nn.LazyLinear(4))

@@ -64,7 +64,7 @@ def assert_trees_close(got, expected, **tol):
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "L{}-bi{:d}-bf{:d}-batched{:d}-bias{:d}".format(*l))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "L{}-bi{:d}-bf{:d}-batched{:d}-bias{:d}".format(*layout))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_outputs_states_and_grads_equal_torch_float64(kind, layout):
     num_layers, bidirectional, batch_first, batched, bias = layout

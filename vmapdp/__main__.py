@@ -13,7 +13,6 @@ Everything runs offline on a CPU in well under a minute. The demo
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Sequence

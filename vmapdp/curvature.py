@@ -516,7 +516,7 @@ def empirical_ntk(apply_fn: Callable[..., Tensor], *, chunk_size: int | None = N
         jb = jac(params, *shared, args[-1])
         total = None
         out_shape: tuple[int, ...] = ()
-        for (k, a), (_, b), (_, p) in zip(leaves_with_paths(ja), leaves_with_paths(jb), leaves_with_paths(params)):
+        for (_, a), (_, b), (_, p) in zip(leaves_with_paths(ja), leaves_with_paths(jb), leaves_with_paths(params)):
             out_shape = tuple(a.shape[1 : a.dim() - p.dim()])
             n_out, dtype = math.prod(out_shape), acc_dtype(a.dtype)
             a2 = a.reshape(a.shape[0], n_out, -1).to(dtype)

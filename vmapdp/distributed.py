@@ -133,7 +133,7 @@ def _flat_collective(tree: Any, collective) -> Any:
     """``tree`` with every leaf replaced by ``collective(flat buffer)`` of its group; inputs untouched."""
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
     out: list[Tensor | None] = [None] * len(leaves)
-    for (device, _), idx in _groups(leaves).items():
+    for (_device, _), idx in _groups(leaves).items():
         dtype = leaves[idx[0]].dtype
         for i in idx[1:]:
             dtype = torch.promote_types(dtype, leaves[i].dtype)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-import optree
-import torch
 from torch import Tensor
-from torch.func import grad, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask, zero_rows

@@ -200,7 +200,7 @@ def full_float32(device_type: str):
     if flags:
         # torch >= 2.9: fp32_precision, the only API to touch (reading or writing the legacy
         # allow_tf32 flags after TF32 was set through it raises)
-        saved = [getattr(obj, "fp32_precision") for obj in flags]
+        saved = [obj.fp32_precision for obj in flags]
         try:
             for obj in flags:
                 obj.fp32_precision = "ieee"
