@@ -82,7 +82,7 @@ def mutant_train_step(
         m = mask if use_mask else torch.ones_like(mask)  # bug: padded rows are summed
         grads = grads_fn(state.params, *shared, batch, mask=m)
         summed, _ = clip_and_sum(grads, l2_clip_norm if clip else math.inf, mask=m)  # bug: no clipping
-        config = step_config(l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, sample_rate=sample_rate, method=key_method)
+        config = step_config(l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size, sample_rate=sample_rate, method=key_method, optimizer=optimizer.config)
         key = _step_key(state.noise_seed, state.step, noise_binding(state.run_id, config))  # vmapdp's key
         noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, key=key)  # bug: noise x scale
         div = expected_batch_size if divisor == "expected" else m.sum().clamp_min(1)  # bug: realised size

@@ -335,14 +335,15 @@ def _noise_of(params, *, seed=5, n_steps=1, **config):
     """The noise a zero-gradient model releases (update * ebs / (sigma * C): standard normal)."""
     cfg = dict(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, method="vmap")
     cfg.update(config)
+    lr = cfg.pop("lr", 1.0)
 
     def loss_fn(p, sample):
         return (p["w"] * 0.0).sum() + sample.sum() * 0.0
 
-    step = vmapdp.make_train_step(loss_fn, optim.sgd(1.0), compile=False, **cfg)
-    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=seed)
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(lr), compile=False, **cfg)
+    state = vmapdp.init_train_state(params, optim.sgd(lr), seed=seed)
     new, _ = step(state, torch.zeros(4, 1), torch.ones(4, dtype=torch.bool))
-    scale = cfg["noise_multiplier"] * cfg["l2_clip_norm"] / cfg["expected_batch_size"]
+    scale = lr * cfg["noise_multiplier"] * cfg["l2_clip_norm"] / cfg["expected_batch_size"]
     return ((state.params["w"] - new.params["w"]) / scale).double().numpy()
 
 
@@ -355,6 +356,8 @@ def _noise_of(params, *, seed=5, n_steps=1, **config):
         dict(sample_rate=0.2),
         dict(method="ghost"),
         dict(rule="normalize"),
+        dict(lr=0.5),  # a learning-rate sweep on one seed (found by an adversarial review)
+        dict(precision=torch.bfloat16),
         "initial params",
     ],
     ids=str,
@@ -519,7 +522,7 @@ def test_a_custom_privatizer_is_called_once_per_step_after_aggregation_with_the_
     for k in params:  # the sum over both chunks, then the privatizer; then / ebs and sgd
         torch.testing.assert_close(summed[k], whole[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(new.params[k], params[k] - (summed[k] + 0.25) / 4.0)
-    config = step_config(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.2, method="vmap")
+    config = step_config(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.2, method="vmap", optimizer=optim.sgd(1.0).config)
     assert given_state == state.noise_state and key == _step_key(11, 0, noise_binding(state.run_id, config))
     assert int(new.noise_state[0]) == 1
 

@@ -67,6 +67,23 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Params], Any]
     update: Callable[[Grads, Any, Params], tuple[dict[str, Tensor], Any]]
+    config: str = ""  # its name and hyperparameters, canonically (bound into a DP step's noise keys)
+
+
+def optimizer_config(name: str, hyper: Mapping[str, Any]) -> str:
+    """``name`` and its hyperparameters as one canonical string: floats exactly (hex), a tensor
+    (a learning rate read at every update) as its dtype only, since its value may change."""
+
+    def one(v: Any) -> str:
+        if isinstance(v, Tensor):
+            return f"tensor[{v.dtype}]"
+        if isinstance(v, float):
+            return v.hex()
+        if isinstance(v, (tuple, list)):
+            return "(" + ",".join(one(x) for x in v) + ")"
+        return repr(v)
+
+    return name + "(" + ",".join(f"{k}={one(hyper[k])}" for k in sorted(hyper)) + ")"
 
 
 class SGDState(NamedTuple):
@@ -318,7 +335,7 @@ def sgd(
                 bufs = [torch.where(is_first, a, b) for a, b in zip(first_bufs, bufs)]
             return dict(zip(names, new_params)), SGDState(dict(zip(names, bufs)), state.step + 1)
 
-    return Optimizer(init=init, update=update)
+    return Optimizer(init=init, update=update, config=optimizer_config("sgd", hyper))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +417,7 @@ def _adam_like(
             )
         return dict(zip(names, new_params)), new_state
 
-    return Optimizer(init=init, update=update)
+    return Optimizer(init=init, update=update, config=optimizer_config(call, hyper))
 
 
 def adam(
@@ -562,4 +579,4 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
         new_state = {k: _copy_entry(after.get(i, {})) for i, k in enumerate(names)}
         return {k: leaf.detach() for k, leaf in zip(names, leaves)}, TorchOptimizerState(new_state)
 
-    return Optimizer(init=init, update=update)
+    return Optimizer(init=init, update=update, config=optimizer_config(f"from_torch[{optimizer_cls.__module__}.{optimizer_cls.__qualname__}]", kwargs))

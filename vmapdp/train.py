@@ -177,16 +177,15 @@ def init_train_state(
         optimizer: an init/update pair from :mod:`vmapdp.optim`.
         seed: the secret seed of the noise. Anyone who knows it can subtract the noise, so keep it
             as secret as the data, and large (a small int can be guessed; use it for tests and
-            reproducible experiments only); ``None`` draws 128 bits from OS entropy. The noise key
-            of every step also binds the run id (a digest of ``params``) and the step's
-            configuration (:func:`noise_binding`), so re-using a seed across runs that differ in
-            their initial params, clip norm, noise multiplier, expected batch size, sample rate,
-            rule or method gives independent noise. What stays the caller's responsibility:
-            never reuse a seed for two runs with the same initial params and configuration on
-            different data (two fine-tunes from one checkpoint, or from one ``init_train_state``,
-            with the same hyperparameters): their noise is equal and cancels in the difference
-            of their releases. The optimizer's hyperparameters (learning rate, momentum) are not
-            bound. With ``seed=None`` every run has its own random seed and nothing is shared.
+            reproducible experiments only); ``None`` draws 128 bits from OS entropy. Publish at
+            most one run per explicit seed: two runs that share a seed and differ in anything but
+            their noise (the data, the learning rate, the loss) release a difference in which
+            equal noise cancels. As a second line of defence the noise key of every step also
+            binds the run id (a digest of ``params``) and the step's configuration
+            (:func:`noise_binding`: clip norm, noise multiplier, expected batch size, sample rate,
+            rule, method, precision, the optimizer's hyperparameters), so such runs get
+            independent noise; what cannot be bound is the data and ``loss_fn``. With
+            ``seed=None`` every run has its own random seed and nothing is shared.
         secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
             such a state holds no seed (``seed`` must be None) and is not reproducible.
         budget: ``(epsilon, delta)`` recorded in the state from the start: every step on it (or
@@ -231,9 +230,11 @@ def step_config(
     nonfinite: str = "zero",
     randomness: str = "error",
     method: str = "auto",
+    precision: torch.dtype | None = None,
+    optimizer: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
-    as asked for (``"auto"`` whatever it chooses)."""
+    as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -243,6 +244,8 @@ def step_config(
         ("nonfinite", nonfinite),
         ("randomness", randomness),
         ("method", method),
+        ("precision", str(precision)),
+        ("optimizer", optimizer),
     )
     return repr(fields)
 
@@ -253,8 +256,9 @@ def noise_binding(run_id: str, config: str) -> str:
 
     Execution details that change only rounding are left out, so that the runs they make can be
     compared noise for noise: ``physical_batch_size``, ``compile``, ``distributed`` (a distributed
-    run equals one process), ``precision`` (a bf16 step tracks the float32 one) and what
-    ``"auto"`` chose.
+    run equals one process) and what ``"auto"`` chose. ``precision`` is bound: a sample that
+    overflows in float16 is dropped there and kept in float32, a difference that is not rounding.
+    ``loss_fn`` cannot be bound: see :func:`init_train_state` for the rule that stays the caller's.
     """
     return hashlib.sha256(b"vmapdp-noise-binding:" + repr((run_id, config)).encode()).hexdigest()
 
@@ -373,7 +377,9 @@ def make_train_step(
             state that has a choice for the shape replays it without racing, so a resumed run
             (``load_state``) is bit for bit the uninterrupted one.
         norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
-        rule, nonfinite: see :func:`vmapdp.clip_and_sum`.
+        rule, nonfinite: see :func:`vmapdp.clip_and_sum`. ``nonfinite="raise"`` is a debugging
+            switch, not private: whether a step raises (and the row it names) depends on who is
+            in the batch. The default ``"zero"`` drops such a sample (counted in ``metrics``).
         randomness: for random layers (dropout): ``"different"`` per sample; see
             :func:`vmapdp.per_sample_grads`.
         compile: run each chunk's tensor work under ``torch.compile(fullgraph=True)``.
@@ -441,6 +447,8 @@ def make_train_step(
         nonfinite=nonfinite,
         randomness=randomness,
         method=method,
+        precision=precision,
+        optimizer=getattr(optimizer, "config", ""),
     )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
