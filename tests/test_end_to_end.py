@@ -7,9 +7,14 @@ import re
 from vmapdp.__main__ import main
 
 
-def test_demo_quick_runs_and_learns(capsys):
-    assert main(["demo", "--quick"]) == 0
-    out = capsys.readouterr().out
+def test_demo_quick_runs_and_learns(capsys, tmp_path):
+    plot = tmp_path / "demo.png"
+    assert main(["demo", "--quick", "--plot", str(plot)]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert re.search(r"DP-SGD: 100%\|.*\| (\d+)/\1 ", captured.err)  # the progress bar reached its end
+    assert f"plot of epsilon and accuracy over the steps: {plot}" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     assert "worst relative error vs float64 oracle" in out
     dp_acc = float(re.search(r"test accuracy, DP-SGD:\s+([0-9.]+)", out).group(1))
     plain_acc = float(re.search(r"test accuracy, non-private:\s+([0-9.]+)", out).group(1))

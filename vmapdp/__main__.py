@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 import vmapdp
 from vmapdp import accounting
@@ -54,8 +55,9 @@ def _accuracy(apply, params, buffers, images, labels) -> float:
         return float((apply(params, buffers, images).argmax(1) == labels).float().mean())
 
 
-def _train(apply, params, buffers, loss_fn, data, *, steps, sample_rate, lr, l2_clip_norm, noise_multiplier, seed, private, compile):
-    """SGD on Poisson-sampled batches padded to a fixed capacity; ``private``: the DP-SGD step."""
+def _train(apply, params, buffers, loss_fn, data, *, steps, sample_rate, lr, l2_clip_norm, noise_multiplier, seed, private, compile, on_checkpoint=None):
+    """SGD on Poisson-sampled batches padded to a fixed capacity; ``private``: the DP-SGD step.
+    A progress bar shows the steps; ``on_checkpoint(state)`` runs at ten evenly spaced steps."""
     n = data[0].shape[0]
     sampler = PoissonSampler(n, sample_rate, steps, torch.Generator().manual_seed(seed))
     opt = vmapdp.optim.sgd(lr)
@@ -79,9 +81,37 @@ def _train(apply, params, buffers, loss_fn, data, *, steps, sample_rate, lr, l2_
             params, opt_state = opt.update(grads, state.opt_state, state.params)
             return state._replace(params=params, opt_state=opt_state, step=state.step + 1), {}
 
-    for indices, mask in sampler:
+    marks = {round(steps * k / 10) for k in range(1, 11)}
+    bar = tqdm(sampler, total=steps, desc="DP-SGD" if private else "non-private", unit="step", file=sys.stderr, dynamic_ncols=True)
+    for indices, mask in bar:
         state, _ = step(state, gather(data, indices), mask, buffers)
+        if on_checkpoint is not None and state.step in marks:
+            bar.set_postfix_str(on_checkpoint(state))
+    bar.close()
     return state
+
+
+def _plot(path: str, curve: list[tuple[int, float, float]], plain_acc: float, delta: float) -> str:
+    """Epsilon and test accuracy over the steps of the DP-SGD run, as a PNG at ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(no plot: pip install matplotlib for one)"
+    steps, eps, acc = zip(*curve)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    left.plot(steps, eps, marker="o")
+    left.set(xlabel="step", ylabel=f"epsilon (PLD, delta={delta:g})", title="privacy spent")
+    right.plot(steps, acc, marker="o", label="DP-SGD")
+    right.axhline(plain_acc, color="gray", linestyle="--", label="non-private")
+    right.set(xlabel="step", ylabel="test accuracy", title="accuracy", ylim=(0, 1))
+    right.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"plot of epsilon and accuracy over the steps: {path}"
 
 
 def demo(argv: Sequence[str]) -> int:
@@ -95,6 +125,7 @@ def demo(argv: Sequence[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile timing (saves ~15 s)")
     parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    parser.add_argument("--plot", default="vmapdp_demo.png", help="where to write the plot of epsilon and accuracy over the steps ('' for none)")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.quick:
@@ -147,7 +178,14 @@ def demo(argv: Sequence[str]) -> int:
     noise_multiplier = accounting.calibrate_noise(target_epsilon=args.epsilon, delta=args.delta, sample_rate=sample_rate, steps=steps)
     common = dict(steps=steps, sample_rate=sample_rate, lr=args.lr, l2_clip_norm=args.l2_clip_norm, noise_multiplier=noise_multiplier, seed=args.seed)
     t0 = time.perf_counter()
-    dp_state = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=True, compile=not args.no_compile, **common)
+    curve: list[tuple[int, float, float]] = []
+
+    def checkpoint(state) -> str:
+        eps_t = accounting.epsilon(state.ledger, delta=args.delta)
+        curve.append((state.step, eps_t, _accuracy(apply, state.params, buffers, split.test_images, split.test_labels)))
+        return f"epsilon {eps_t:.2f}, test accuracy {curve[-1][2]:.3f}"
+
+    dp_state = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=True, compile=not args.no_compile, on_checkpoint=checkpoint, **common)
     dp_time = time.perf_counter() - t0
     plain_state = _train(apply, params, buffers, loss_fn, (split.train_images, split.train_labels), private=False, compile=False, **dict(common, lr=0.2))
     dp_acc = _accuracy(apply, dp_state.params, buffers, split.test_images, split.test_labels)
@@ -157,6 +195,8 @@ def demo(argv: Sequence[str]) -> int:
     loose = accounting.epsilon(dp_state.ledger, delta=args.delta, accountant="rdp")
     print(f"  test accuracy, DP-SGD:      {dp_acc:.3f}   (epsilon = {eps:.2f} by PLD, {loose:.2f} by RDP; delta = {args.delta:g})")
     print(f"  test accuracy, non-private: {plain_acc:.3f}")
+    if args.plot:
+        print(_plot(args.plot, curve, plain_acc, args.delta))
     return 0
 
 
