@@ -28,6 +28,8 @@ class Use:
     grads ``[B, n, C_out, *out]``, ``v`` the padded input ``[B, n, C_in, *in]`` (``n``: a sample's
     own batch dim, usually 1), ``extra = (dims, stride, dilation, groups)``. ``EMBEDDING``
     (embedding.py): ``u`` grads ``[B, T, d]``, ``v`` tokens ``[B, T]``, ``extra`` the vocabulary size.
+    ``DIRECT`` (affine.py): ``u`` the per-sample grads themselves ``[B, *shape]`` (small affines).
+    The matmul rules (matmul.py) make ``PAIR`` uses.
     """
 
     kind: "UseKind"
