@@ -55,7 +55,10 @@ def parse_conv(dims: int, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tup
         int(arg(args, kwargs, 6, "groups", 1)),
         tuple(w.shape),
     )
-    return arg(args, kwargs, 0, "input"), w, arg(args, kwargs, 2, "bias"), meta
+    b = arg(args, kwargs, 2, "bias")
+    if isinstance(b, Tensor) and tuple(b.shape) != (w.shape[0],):
+        return None  # a broadcasting bias: the generic path
+    return arg(args, kwargs, 0, "input"), w, b, meta
 
 
 def conv_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:

@@ -181,8 +181,8 @@ def _tapped_uses(
             raise RuntimeError(f"{call}: {CONTROL_FLOW}")
         if any(t._version != v for t, v in run.versions):
             raise RuntimeError(
-                f"{call}: the model wrote in place into the input of a linear, conv or embedding layer after "
-                "the layer read it; ghost clipping needs that input unchanged. Write out of place "
+                f"{call}: the model wrote in place into the input of a covered layer (linear, conv, embedding, "
+                "matmul, norm affine) after the layer read it; ghost clipping needs that input unchanged. Write out of place "
                 "(y = x * 3 instead of x.mul_(3)), or use method='vmap'."
             )
         return loss, run.saved

@@ -19,11 +19,14 @@ __all__ = ["LINEAR", "PAIR", "pair_sq_norms", "pair_mass", "pair_uses"]
 
 
 def parse_linear(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
-    """``F.linear(input, weight, bias)`` with a matrix weight."""
+    """``F.linear(input, weight, bias)`` with a matrix weight and a bias of shape ``[out]`` (or none)."""
     w = arg(args, kwargs, 1, "weight")
     if not isinstance(w, Tensor) or w.dim() != 2:
         return None
-    return arg(args, kwargs, 0, "input"), w, arg(args, kwargs, 2, "bias"), ()
+    b = arg(args, kwargs, 2, "bias")
+    if isinstance(b, Tensor) and tuple(b.shape) != (w.shape[0],):
+        return None  # a broadcasting bias: the generic path
+    return arg(args, kwargs, 0, "input"), w, b, ()
 
 
 def pair_uses(key: str, bias: str | None, u: Tensor, v: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:

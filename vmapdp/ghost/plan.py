@@ -39,6 +39,17 @@ class Plan:
     sites: list[Site] = field(default_factory=list)
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
+    uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
+
+    def describe(self, params: dict[str, Tensor]) -> str:
+        """What ghost clipping covers of ``params`` and what it leaves to per-sample views, by name
+        and op (``print(fn.prepare(params, *shared, batch).describe(params))``)."""
+        total = sum(v.numel() for v in params.values())
+        lines = [f"ghost clipping covers {coverage(self, params):.1%} of {total} trainable elements"]
+        for k in self.other:
+            ops = ", ".join(self.uncovered.get(k, [])) or "?"
+            lines.append(f"  not covered (per-sample view, {params[k].numel()} elements per sample): {k} {tuple(params[k].shape)} used by {ops}")
+        return "\n".join(lines)
 
 
 class Mode(TorchFunctionMode):
@@ -100,20 +111,21 @@ class Run:
         keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
         return {k for k in keys if k is not None}
 
-    def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[str, str | None, tuple] | None:
-        """A covered op whose weight is a param, in the standard form its rule handles:
-        ``(weight key, bias key, meta)``."""
+    def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[Tensor, str, str | None, tuple] | None:
+        """A covered op whose weight is a param, in the standard form its rule handles (the rule's
+        parse checks the shapes, a bias's included): ``(input, weight key, bias key, meta)``."""
         rule = RULES.get(func)
         parsed = None if rule is None else rule.parse(args, kwargs)
         if parsed is None:
             return None
-        x, w, b, meta = parsed
-        wk = self._key(w)
-        if wk is None or not isinstance(x, Tensor) or self._key(x) is not None:
-            return None
-        if b is not None and (not isinstance(b, Tensor) or tuple(b.shape) != (w.shape[0],)):
-            return None  # a broadcasting bias: the generic path
-        return wk, self._key(b), meta
+        for x, w, b, meta in parsed if isinstance(parsed, list) else [parsed]:  # the first alternative whose weight is a param
+            wk = self._key(w)
+            if wk is None or not isinstance(x, Tensor) or self._key(x) is not None:
+                continue
+            if b is not None and not isinstance(b, Tensor):
+                return None
+            return x, wk, self._key(b), meta
+        return None
 
     def _swap(self, tree: Any) -> Any:
         """Params with uses no rule covers -> their per-sample copies (views of the param)."""
@@ -131,12 +143,19 @@ class Run:
         if self.probe:
             out = func(*args, **kwargs)
             if _has_tensor(out):  # a use that carries gradient (shape/dtype queries do not)
-                self.other |= keys
+                self._uncovered(keys, _name(func))
             return out
         out = func(*self._swap(tuple(args)), **self._swap(kwargs))
         if _has_tensor(out) and not keys <= self.expanded.keys():  # (expanded: the plan's other-use keys)
             raise RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
         return out
+
+    def _uncovered(self, keys: set[str], op: str) -> None:
+        self.other |= keys
+        for k in keys:
+            ops = self.plan.uncovered.setdefault(k, [])
+            if op not in ops:
+                ops.append(op)
 
     # -- what the probe refuses or records -------------------------------------------------------
     def _inspect(self, func, args: tuple, kwargs: dict) -> None:
@@ -176,7 +195,7 @@ class Run:
             if func is F.embedding and arg(args, kwargs, 2, "padding_idx") is not None:
                 func, args, kwargs = embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
-        wk, bk, meta = cand
+        x, wk, bk, meta = cand
         keys = {wk} | ({bk} if bk else set())
         index = self.n_cand
         self.n_cand += 1
@@ -186,7 +205,7 @@ class Run:
             is_site = level in (self.level, -1)  # not inside a transform of the user's own
             self.plan.candidates.append(is_site)
             if not is_site:
-                self.other |= keys
+                self._uncovered(keys, f"{_name(func)} inside a transform of the loss's own")
                 return out
             self.plan.sites.append(Site(func, wk, bk, tuple(out.shape), out.dtype, meta))
             return out
@@ -199,7 +218,6 @@ class Run:
         out = func(*args, **kwargs)
         if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != Site(func, wk, bk, tuple(out.shape), out.dtype, meta):
             raise RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
-        x = arg(args, kwargs, 0, "input")
         tap = self.taps[self.n]
         self.n += 1
         if torch.compiler.is_compiling():
@@ -208,6 +226,16 @@ class Run:
             self.versions.append(_version_of(x))
         self.saved.append(x)
         return out + tap
+
+
+def _name(func: Callable) -> str:
+    """An op's name as users write it (``torch.bmm``, ``Tensor.mul``, ``torch.nn.functional.instance_norm``)."""
+    name = getattr(func, "__name__", repr(func))
+    owner = getattr(func, "__objclass__", None)
+    if owner is not None:
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    return f"{'torch' if module.startswith('torch._C') else module}.{name}"
 
 
 def embedding_with_padding(embedding: Callable, input: Tensor, weight: Tensor, padding_idx: int | None = None, *rest: Any, **kwargs: Any) -> Tensor:

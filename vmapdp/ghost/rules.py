@@ -8,12 +8,39 @@ and list it here.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+from torch import Tensor
 
+from vmapdp.ghost.affine import ADD, GROUP_NORM, LAYER_NORM, MUL, RMS_NORM
 from vmapdp.ghost.conv import CONV_RULES
 from vmapdp.ghost.embedding import EMBEDDING_RULE
 from vmapdp.ghost.linear import LINEAR
+from vmapdp.ghost.matmul import ADDMM, EINSUM, MATMUL
 
 __all__ = ["RULES"]
 
-RULES = {F.linear: LINEAR, **CONV_RULES, F.embedding: EMBEDDING_RULE}
+RULES = {
+    F.linear: LINEAR,
+    **CONV_RULES,
+    F.embedding: EMBEDDING_RULE,
+    # matmul.py: a 2-D param times an activation (GPT-2's Conv1D is addmm; `x @ W` is Tensor.matmul)
+    torch.addmm: ADDMM,
+    torch.matmul: MATMUL,
+    Tensor.matmul: MATMUL,
+    Tensor.__matmul__: MATMUL,
+    torch.mm: MATMUL,
+    Tensor.mm: MATMUL,
+    torch.einsum: EINSUM,
+    # affine.py: elementwise affines, their per-sample grads formed directly
+    F.layer_norm: LAYER_NORM,
+    F.group_norm: GROUP_NORM,
+    F.rms_norm: RMS_NORM,
+    torch.mul: MUL,
+    Tensor.mul: MUL,
+    Tensor.__mul__: MUL,
+    torch.add: ADD,
+    Tensor.add: ADD,
+    Tensor.__add__: ADD,
+    Tensor.__radd__: ADD,
+}

@@ -28,6 +28,8 @@ class Use:
     grads ``[B, n, C_out, *out]``, ``v`` the padded input ``[B, n, C_in, *in]`` (``n``: a sample's
     own batch dim, usually 1), ``extra = (dims, stride, dilation, groups)``. ``EMBEDDING``
     (embedding.py): ``u`` grads ``[B, T, d]``, ``v`` tokens ``[B, T]``, ``extra`` the vocabulary size.
+    ``DIRECT`` (affine.py): ``u`` the per-sample grads themselves ``[B, *shape]`` (small affines).
+    The matmul rules (matmul.py) make ``PAIR`` uses.
     """
 
     kind: "UseKind"
@@ -74,8 +76,10 @@ class Rule(NamedTuple):
     """How ghost clipping covers one op: a new op is one new rule in one file, listed in rules.RULES."""
 
     # (args, kwargs) -> (input, weight, bias, meta) when the call is in the standard form the rule
-    # handles (the weight a matrix / kernel of the right rank), else None: the generic path
-    parse: Callable[[tuple, dict], tuple[Any, Any, Any, tuple] | None]
+    # handles (the weight a matrix / kernel of the right rank, the bias of the output's last dim),
+    # or a list of such alternatives (``x @ W`` or ``W @ x``: the tracer takes the first whose
+    # weight is a param), else None: the generic path
+    parse: Callable[[tuple, dict], tuple[Any, Any, Any, tuple] | list[tuple[Any, Any, Any, tuple]] | None]
     # (site, saved input, tap grad [B, *out], params) -> the (param key, Use) pairs of the call
     uses: Callable[[Site, Tensor, Tensor, dict[str, Tensor]], list[tuple[str, Use]]]
 

@@ -1,0 +1,158 @@
+"""Ghost clipping on transformer blocks: the matmul rules (addmm, ``@``, mm, einsum) and the
+elementwise-affine rules (layer/group/RMS norm, ``x * w``, ``x + w``) against the float64 oracle
+``vmapdp.testing.microbatch_grads`` and method="vmap"; coverage of GPT-2-, BERT-, Llama- and
+ViT-like blocks written in plain torch (tests/transformer_blocks.py) is 100%."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vmapdp
+from transformer_blocks import BLOCKS
+from vmapdp.ghost import coverage, probe
+from vmapdp.ghost.matmul import parse_einsum_equation
+from vmapdp.testing import microbatch_grads
+
+C = 0.2
+
+
+def _block(name, b, t, dtype=torch.float64, seed=0):
+    build, make = BLOCKS[name]
+    torch.manual_seed(seed)
+    apply, params, buffers = vmapdp.functionalize(build())
+    params = {k: v.to(dtype) for k, v in params.items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    x = make(b, t, g)
+    x = x.to(dtype) if x.is_floating_point() else x
+    batch = (x, torch.randint(0, 3, (b,), generator=g))
+
+    def loss_fn(params, buffers, sample):
+        x, y = sample
+        return F.cross_entropy(apply(params, buffers, x[None]), y[None])
+
+    return loss_fn, params, buffers, batch
+
+
+def _oracle(loss_fn, params, buffers, batch, mask):
+    """Clipped sum and norms from the float64 micro-batch oracle (one sample at a time)."""
+    grads = microbatch_grads(loss_fn, {k: v.double() for k, v in params.items()}, buffers, batch)
+    return vmapdp.clip_and_sum(grads, C, mask=mask)
+
+
+def _close(got, want, rtol):
+    (summed, norms), (ref_summed, ref_norms) = got, want
+    assert (norms.double() - ref_norms).abs().max() <= rtol * ref_norms.abs().max(), (norms, ref_norms)
+    total = math.sqrt(sum(float(v.square().sum()) for v in ref_summed.values()))
+    for k in ref_summed:
+        assert float((summed[k].double() - ref_summed[k]).norm()) <= rtol * total, k
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_blocks_are_fully_covered(name):
+    loss_fn, params, buffers, batch = _block(name, 3, 4)
+    plan = probe(loss_fn, params, (buffers,), batch, "error")
+    assert plan.other == [], plan.describe(params)
+    assert coverage(plan, params) == 1.0
+    assert "covers 100.0%" in plan.describe(params)
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (5, 1), (1, 4), (5, 4)])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_blocks_match_the_float64_oracle_and_vmap(name, b, t):
+    loss_fn, params, buffers, batch = _block(name, b, t)
+    mask = torch.ones(b, dtype=torch.bool)
+    if b > 1:
+        mask[1] = False  # a padding row
+    want = _oracle(loss_fn, params, buffers, batch, mask)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    summed, norms, _ = fn(params, buffers, batch, mask=mask)
+    _close((summed, norms), want, 1e-9)
+    if b > 1:
+        assert norms[1] == 0
+    by_vmap = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, buffers, batch, mask=mask)
+    _close((summed, norms), (by_vmap[0], by_vmap[1].double()), 1e-9)
+
+
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_blocks_float32(name):
+    loss_fn, params, buffers, batch = _block(name, 5, 4, dtype=torch.float32)
+    mask = torch.tensor([True, False, True, True, True])
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=mask)
+    _close((summed, norms), _oracle(loss_fn, params, buffers, batch, mask), 1e-4)
+    assert all(v.dtype == torch.float32 for v in summed.values())
+
+
+def _each_form():
+    """One-param losses, one per covered form, with ``W`` and the input shape of a sample."""
+    return {
+        "x @ W": (lambda p, x: torch.tanh(x @ p["w"]).sum(), (4, 3), (5, 4)),
+        "matmul(x, W) 1-D x": (lambda p, x: torch.tanh(torch.matmul(x[0], p["w"])).sum(), (4, 3), (5, 4)),
+        "W @ x": (lambda p, x: torch.tanh(p["w"] @ x.transpose(-1, -2)).sum(), (3, 4), (5, 4)),
+        "W @ x 1-D x": (lambda p, x: torch.tanh(p["w"] @ x[0]).sum(), (3, 4), (5, 4)),
+        "mm(x, W)": (lambda p, x: torch.tanh(torch.mm(x, p["w"])).sum(), (4, 3), (5, 4)),
+        "broadcast x @ W": (lambda p, x: torch.tanh(x.view(5, 2, 2)[None].expand(2, 5, 2, 2).reshape(2, 5, 4) @ p["w"]).sum(), (4, 3), (5, 4)),
+        "einsum xw": (lambda p, x: torch.tanh(torch.einsum("ti,ij->tj", x, p["w"])).sum(), (4, 3), (5, 4)),
+        "einsum ellipsis xwt list": (lambda p, x: torch.tanh(torch.einsum("...i,ji->...j", [x, p["w"]])).sum(), (3, 4), (5, 4)),
+        "einsum W first": (lambda p, x: torch.tanh(torch.einsum("ij,...i->...j", p["w"], x)).sum(), (4, 3), (5, 4)),
+        "addmm": (lambda p, x: torch.tanh(torch.addmm(p["b"], x, p["w"])).sum(), (4, 3), (5, 4)),
+        "layer_norm 2-D shape": (lambda p, x: torch.tanh(F.layer_norm(x, (5, 4), p["w"], p["b"])).square().sum(), (5, 4), (5, 4)),
+        "rms_norm default eps": (lambda p, x: torch.tanh(F.rms_norm(x, (4,), p["w"])).square().sum(), (4,), (5, 4)),
+        "group_norm": (lambda p, x: torch.tanh(F.group_norm(x.view(1, 4, 5), 2, p["w"], p["b"])).square().sum(), (4,), (5, 4)),
+        "w * x, layer scale": (lambda p, x: torch.tanh(p["w"] * x).square().sum(), (5, 1), (5, 4)),
+        "x + w, position embedding": (lambda p, x: torch.tanh(x + p["w"]).square().sum(), (5, 4), (5, 4)),
+    }
+
+
+@pytest.mark.parametrize("form", list(_each_form()))
+def test_each_form_is_covered_and_exact(form):
+    loss, wshape, xshape = _each_form()[form]
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(wshape, generator=g, dtype=torch.float64)}
+    if form in ("addmm", "layer_norm 2-D shape", "group_norm"):
+        params["b"] = torch.randn(wshape[-1] if form == "addmm" else wshape, generator=g, dtype=torch.float64)
+    x = torch.randn((3,) + xshape, generator=g, dtype=torch.float64)
+    x[2, :, 0] = 0.0  # (a row of zeros in one sample)
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
+    plan = fn.prepare(params, x)
+    assert plan.other == [] and coverage(plan, params) == 1.0, form
+    mask = torch.tensor([True, False, True])
+    summed, norms, _ = fn(params, x, mask=mask)
+    _close((summed, norms), vmapdp.clip_and_sum(microbatch_grads(loss, params, x), C, mask=mask), 1e-10)
+
+
+def test_uncovered_uses_are_named_with_their_ops():
+    params = {"w": torch.randn(3, 4, 2, dtype=torch.float64), "v": torch.randn(3, 2, dtype=torch.float64)}
+
+    def loss(p, x):
+        h = torch.bmm(x.expand(3, 5, 4), p["w"])  # a 3-D param in bmm: a per-sample view
+        return (h.sum(0) @ p["v"].t()).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
+    x = torch.randn(2, 1, 5, 4, dtype=torch.float64)
+    plan = fn.prepare(params, x[:, 0])
+    assert plan.other == ["v", "w"]
+    text = plan.describe(params)
+    assert "torch.bmm" in plan.uncovered["w"][0] and "Tensor.t" in plan.uncovered["v"][0], plan.uncovered
+    assert "covers 0.0%" in text and "w (3, 4, 2)" in text
+
+
+def test_einsum_equations():
+    assert parse_einsum_equation("...i,ij->...j") == (1, "xw")
+    assert parse_einsum_equation("bti, oi -> bto") == (1, "xwt")
+    assert parse_einsum_equation("ij,ti->tj") == (0, "xw")
+    for eq in ("ti,ij->ti", "ti,ij", "tii,ij->tj", "ti,ii->ti", "ti,ij,jk->tk", "ti,tj->ij", "tj,ij->tj", "bi,ij->jb"):
+        assert parse_einsum_equation(eq) is None, eq
+
+
+def test_compiled_ghost_on_a_transformer_block_equals_eager():
+    loss_fn, params, buffers, batch = _block("gpt2", 4, 3, dtype=torch.float32)
+    mask = torch.tensor([True, True, False, True])
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    fn.prepare(params, buffers, batch)
+    compiled = torch.compile(lambda p, b, x: fn(p, b, x, mask=mask), fullgraph=True, dynamic=False)
+    got, want = compiled(params, buffers, batch), fn(params, buffers, batch, mask=mask)
+    _close((got[0], got[1]), ({k: v.double() for k, v in want[0].items()}, want[1].double()), 1e-5)

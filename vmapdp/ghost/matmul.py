@@ -1,0 +1,126 @@
+"""The matmul rules (``torch.addmm``, ``matmul`` / ``@``, ``mm``, two-operand ``einsum``): a 2-D
+param times an activation, as "pair" uses (linear.py), the same sequence-level Gram identity as
+``F.linear`` (Li et al. 2022) with the weight possibly transposed.
+
+Three orientations, per sample (``t`` runs over all positions, the batch dims of a broadcasting
+matmul included):
+
+* ``"xw"``: ``y = x @ W``, ``W`` ``[in, out]`` (GPT-2's ``Conv1D``: ``torch.addmm(b, x, W)``):
+  ``G = sum_t x_t g_t^T``, the pair ``(x, g)``;
+* ``"xwt"``: ``y = x @ W^T`` (``einsum("...i,ji->...j")``, what ``F.linear`` computes):
+  the pair ``(g, x)``;
+* ``"wx"``: ``y = W @ x``, ``W`` ``[out, in]``, ``x`` ``[..., in, T]`` or ``[in]``: positions are
+  the columns: the pair ``(g^T, x^T)``.
+
+``addmm``'s bias (shape ``[out]``, ``beta = alpha = 1``) is the pair ``(g, ones)``. Guarantees: the
+per-sample grad is ``sum_t u_t v_t^T`` exactly as for ``F.linear``, so norms, margins (one term per
+position: float64 Grams, ``gram_margin``) and the float64 book-keeping of sequences
+(``engine._sum_dtype``, ``T > 1``) are linear's. A call in any other form (a 3-D param in ``bmm``,
+``beta != 1``, a broadcasting bias, an einsum that is not a plain contraction of one index of a
+matrix) is left to the generic per-sample view.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from vmapdp._tree import acc_dtype
+from vmapdp.ghost.linear import PAIR
+from vmapdp.ghost.uses import Rule, Site, Use, arg
+
+__all__ = ["ADDMM", "MATMUL", "EINSUM", "parse_einsum_equation"]
+
+
+def _xw(x: Any, w: Any) -> bool:
+    return isinstance(x, Tensor) and isinstance(w, Tensor) and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[0]
+
+
+def _wx(w: Any, x: Any) -> bool:
+    return isinstance(x, Tensor) and isinstance(w, Tensor) and w.dim() == 2 and x.dim() >= 1 and x.shape[0 if x.dim() == 1 else -2] == w.shape[1]
+
+
+def parse_matmul(args: tuple, kwargs: dict) -> list[tuple[Any, Any, Any, tuple]] | None:
+    """``matmul(a, b)`` / ``a @ b`` / ``mm(a, b)``: the alternatives ``a @ W`` (``W = b``) and ``W @ b``
+    (``W = a``), in that order (the tracer takes the first whose weight is a param)."""
+    a, b = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "other", kwargs.get("mat2"))
+    out = []
+    if _xw(a, b):
+        out.append((a, b, None, ("xw",)))
+    if _wx(a, b):
+        out.append((b, a, None, ("wx",)))
+    return out or None
+
+
+def parse_addmm(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
+    """``torch.addmm(bias, x, W)`` with ``beta = alpha = 1`` and a bias of shape ``[out]``."""
+    bias, x, w = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "mat1"), arg(args, kwargs, 2, "mat2")
+    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or not _xw(x, w):
+        return None
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (w.shape[1],):
+        return None
+    return x, w, bias, ("xw",)
+
+
+def parse_einsum_equation(equation: str) -> tuple[int, str] | None:
+    """``(index of the weight operand, orientation)`` when a two-operand equation contracts one
+    index of a matrix with the last index of the other operand, all else passing through in order
+    (``"...i,ij->...j"``: ``(1, "xw")``, ``"bti,oi->bto"``: ``(1, "xwt")``), else None."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1:
+        return None
+    lhs, out = eq.split("->")
+    subs = lhs.split(",")
+    if len(subs) != 2:
+        return None
+    for k in (1, 0):
+        w, x = subs[k], subs[1 - k]
+        if len(w) != 2 or w[0] == w[1] or not w.isalpha() or not x or not out:
+            continue
+        prefix, c, prefix_out, d = x[:-1], x[-1], out[:-1], out[-1]
+        letters = prefix.replace("...", "")
+        if prefix != prefix_out or set(letters) & set(w) or len(set(letters)) != len(letters) or {c, d} != set(w):
+            continue
+        return k, ("xw" if w == c + d else "xwt")
+    return None
+
+
+def parse_einsum(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
+    """``einsum(equation, x, W)`` (or with the operands in a list) of the forms of
+    :func:`parse_einsum_equation`."""
+    if not args or not isinstance(args[0], str) or kwargs:
+        return None
+    ops = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    parsed = parse_einsum_equation(args[0])
+    if parsed is None or len(ops) != 2:
+        return None
+    k, how = parsed
+    w, x = ops[k], ops[1 - k]
+    if not isinstance(w, Tensor) or w.dim() != 2 or not isinstance(x, Tensor):
+        return None
+    return x, w, None, (how,)
+
+
+def matmul_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:
+    b = g.shape[0]
+    dt = acc_dtype(g.dtype)
+    (how,) = site.meta
+    shape = tuple(params[site.weight].shape)
+    if how == "wx":
+        if x.dim() > 2:  # [B, ..., in, T] -> positions [B, ... * T, in]
+            x, g = x.transpose(-1, -2), g.transpose(-1, -2)
+        u, v = g.reshape(b, -1, g.shape[-1]).to(dt), x.reshape(b, -1, x.shape[-1]).to(dt)
+    else:
+        gg, xx = g.reshape(b, -1, g.shape[-1]).to(dt), x.reshape(b, -1, x.shape[-1]).to(dt)
+        u, v = (xx, gg) if how == "xw" else (gg, xx)
+    out = [(site.weight, Use(PAIR, u, v, shape))]
+    if site.bias:
+        gg = g.reshape(b, -1, g.shape[-1]).to(dt)
+        out.append((site.bias, Use(PAIR, gg, gg.new_ones(gg.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+    return out
+
+
+ADDMM = Rule(parse_addmm, matmul_uses)
+MATMUL = Rule(parse_matmul, matmul_uses)
+EINSUM = Rule(parse_einsum, matmul_uses)
