@@ -1,0 +1,132 @@
+"""transformers / peft models through vmapdp: padded batches, validate, make_private, LoRA.
+
+Tiny random configs built in code (nothing is downloaded); every per-sample gradient is checked
+against the float64 oracle, and the adapter's loss against the model's own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vmapdp
+from vmapdp import hf
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V, L = 50, 6
+TINY = dict(vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def gpt2(attn="eager"):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, attn_implementation=attn, **TINY))
+
+
+def bert(attn):
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                  attn_implementation=attn, vocab_size=V, pad_token_id=0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def llama(attn):
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                   max_position_embeddings=16, attn_implementation=attn, **TINY)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def qwen2(attn):  # the family of our choice: a causal LM with biased q/k/v projections
+    cfg = transformers.Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                   max_position_embeddings=16, attn_implementation=attn, **TINY)
+    return transformers.Qwen2ForSequenceClassification(cfg)
+
+
+def vit():
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32, num_labels=3)
+    return transformers.ViTForImageClassification(cfg)
+
+
+MODELS = {
+    "gpt2": lambda: gpt2("eager"),
+    "gpt2-sdpa": lambda: gpt2("sdpa"),
+    "bert-sdpa": lambda: bert("sdpa"),
+    "bert-eager": lambda: bert("eager"),
+    "llama-sdpa": lambda: llama("sdpa"),
+    "llama-eager": lambda: llama("eager"),
+    "qwen2-sdpa": lambda: qwen2("sdpa"),
+}
+
+
+def padded(b=3, *, left=False, classes=None, seed=0):
+    """A padded text batch as a tokenizer returns it (2-D attention_mask), with labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (b, L), generator=g)
+    mask = torch.ones(b, L, dtype=torch.long)
+    for i in range(1, b):
+        mask[i, L - 1 - i:] = 0  # lengths L, L-2, L-3, ...
+    if left:
+        mask = mask.flip(1)
+    ids = ids * mask  # pad id 0
+    labels = ids.clone() if classes is None else torch.randint(0, classes, (b,), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def model_batch(name, *, left=False):
+    torch.manual_seed(0)
+    m = MODELS[name]().eval()
+    return m, padded(left=left, classes=None if name.startswith(("gpt2", "llama")) else 2)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_padded_batches_give_oracle_per_sample_grads(name):
+    m, batch = model_batch(name, left=name.startswith("llama"))
+    apply, params, buffers, loss = hf.loss_fn(m)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    ref = vmapdp.testing.microbatch_grads(loss, params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-sdpa", "llama-sdpa", "qwen2-sdpa"])
+def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name):
+    """Not just self-consistent: each sample's loss equals the model's own loss (its own mask
+    builder, its own loss function) on that sample with its padding cut off."""
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        sample = {k: v[i] for k, v in batch.items()}
+        own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1, :n] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1])
+        torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
+def test_ghost_and_two_pass_clipped_sums_equal_vmaps(name):
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    mask = torch.tensor([True, True, False])
+    ref, ref_norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.5, method="vmap")(params, buffers, batch, mask=mask)
+    for method in ("ghost", "two_pass"):
+        summed, norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.5, method=method)(params, buffers, batch, mask=mask)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
+        for k in ref:
+            torch.testing.assert_close(summed[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"{method} {k}")
+
+
+def test_vit_image_classification():
+    torch.manual_seed(0)
+    m = vit().eval()
+    apply, params, buffers, loss = hf.loss_fn(m)
+    batch = {"pixel_values": torch.randn(3, 3, 8, 8), "labels": torch.tensor([0, 2, 1])}
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss(params, buffers, {k: v[0] for k, v in batch.items()}), m(pixel_values=batch["pixel_values"][:1], labels=batch["labels"][:1]).loss)
+
+
+def test_hf_errors_are_clear():
+    with pytest.raises(ValueError, match=r"vmapdp.hf.loss_fn\(model\): cannot tell which loss GPT2Model trains with.*Pass task="):
+        hf.loss_fn(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, **TINY)))
+    m, batch = model_batch("bert-eager")
+    *_, loss = hf.loss_fn(m)
+    with pytest.raises(KeyError, match=r"no 'labels'"):
+        loss(dict(m.named_parameters()), {}, {"input_ids": batch["input_ids"][0]})
+    assert hf.is_transformers_model(m) and not hf.is_transformers_model(torch.nn.Linear(2, 2))
