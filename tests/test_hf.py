@@ -130,3 +130,29 @@ def test_hf_errors_are_clear():
     with pytest.raises(KeyError, match=r"no 'labels'"):
         loss(dict(m.named_parameters()), {}, {"input_ids": batch["input_ids"][0]})
     assert hf.is_transformers_model(m) and not hf.is_transformers_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-eager", "llama-sdpa"])
+def test_validate_sees_into_model_outputs(name):
+    """A ModelOutput is one leaf to optree: the vmap trial must still run, and find what it finds
+    with return_dict=False (a tuple)."""
+    m, batch = model_batch(name)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    as_output = vmapdp.validate(m, **inputs)
+    as_tuple = vmapdp.validate(m, **inputs, return_dict=False)
+    assert [(p.path, p.kind, p.fix) for p in as_output] == [(p.path, p.kind, p.fix) for p in as_tuple]
+    # the 2-D padding mask is the one problem, and the fix names the adapter
+    assert [p.kind for p in as_output] == [vmapdp.validation.VMAP_FAILURE] and "vmapdp.hf.loss_fn" in as_output[0].fix
+    no_mask = {"input_ids": inputs["input_ids"]}
+    assert vmapdp.validate(m, **no_mask) == vmapdp.validate(m, **no_mask, return_dict=False)
+
+
+def test_validate_warns_when_the_vmap_trial_cannot_run():
+    class Ints(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x).argmax(-1)
+
+    with pytest.warns(UserWarning, match=r"trial was skipped: the output \(Tensor\) holds no floating-point tensor"):
+        assert vmapdp.validate(Ints(3, 2), torch.randn(2, 3)) == []
+    out = transformers.modeling_outputs.SequenceClassifierOutput(logits=torch.ones(2), hidden_states=(torch.zeros(1),))
+    assert [t.shape for t in vmapdp.validation.tensor_leaves({"a": out})] == [(2,), (1,)]
