@@ -156,3 +156,36 @@ def test_validate_warns_when_the_vmap_trial_cannot_run():
         assert vmapdp.validate(Ints(3, 2), torch.randn(2, 3)) == []
     out = transformers.modeling_outputs.SequenceClassifierOutput(logits=torch.ones(2), hidden_states=(torch.zeros(1),))
     assert [t.shape for t in vmapdp.validation.tensor_leaves({"a": out})] == [(2,), (1,)]
+
+
+class Rows(torch.utils.data.Dataset):
+    """A tokenized dataset as transformers users have it: one BatchEncoding (a Mapping) per row."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.batch["input_ids"])
+
+    def __getitem__(self, i):
+        return transformers.BatchEncoding({k: v[i] for k, v in self.batch.items()})
+
+
+def dataset(n, classes=None, seed=0):
+    parts = [padded(4, classes=classes, seed=seed + s) for s in range(n // 4)]
+    return Rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+
+
+@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-sdpa"])
+def test_make_private_trains_a_transformers_model_on_dict_rows(name):
+    torch.manual_seed(0)
+    m = MODELS[name]()  # training mode: dropout, so randomness="different"
+    data = dataset(40, classes=None if name.startswith("gpt2") else 2)
+    before = {k: v.detach().clone() for k, v in m.named_parameters()}
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), data, batch_size=8, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                  delta=1e-3, compile=False, method="vmap", seed=0, randomness="different")
+    metrics = [next(iter(trainer.train_epoch())) for _ in range(2)]
+    assert trainer.state.step == 2 and all(torch.isfinite(mm["loss"]) for mm in metrics)
+    assert any(not torch.equal(p.detach(), before[k]) for k, p in m.named_parameters())
+    for k, p in m.named_parameters():
+        assert torch.equal(p.detach(), trainer.state.params[k])

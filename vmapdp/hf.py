@@ -160,11 +160,23 @@ def _float_dtype(params: Mapping, buffers: Mapping) -> torch.dtype:
     return torch.get_default_dtype()
 
 
-def sample_loss(model: nn.Module, apply: FunctionalModel, *, task: Optional[str] = None, causal: Optional[bool] = None) -> Callable[..., Tensor]:
-    """``loss_fn(params, buffers, sample)`` for ``apply`` (from ``functionalize(model)``); see :func:`loss_fn`."""
+def sample_loss(
+    model: nn.Module,
+    apply: FunctionalModel,
+    *,
+    task: Optional[str] = None,
+    causal: Optional[bool] = None,
+    criterion: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+) -> Callable[..., Tensor]:
+    """``loss_fn(params, buffers, sample)`` for ``apply`` (from ``functionalize(model)``); see
+    :func:`loss_fn`. With ``criterion``, the loss is ``criterion(logits [1, ...], labels [1, ...])``
+    instead of the task's (the mask is still built per sample)."""
     call = "vmapdp.hf.loss_fn(model)"
     _require_transformers(call)
-    task = _task(call, model, task)
+    if criterion is None:
+        task = _task(call, model, task)
+    elif task is None:
+        task = "classification"  # (only picks where the labels are read: criterion computes the loss)
     config = getattr(_base_model(model), "config", None)
     regression = task == "classification" and (
         getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
@@ -200,6 +212,8 @@ def sample_loss(model: nn.Module, apply: FunctionalModel, *, task: Optional[str]
             inputs["use_cache"] = False
         out = apply(params, buffers, **inputs)
         logits = _logits(out)
+        if criterion is not None:
+            return criterion(logits, sample[_label_key(sample)][None])
         if task == "causal_lm":
             labels = sample[key] if key is not None else sample["input_ids"]
             if mask is not None and mask.dim() == 1:
