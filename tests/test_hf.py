@@ -189,3 +189,54 @@ def test_make_private_trains_a_transformers_model_on_dict_rows(name):
     assert any(not torch.equal(p.detach(), before[k]) for k, p in m.named_parameters())
     for k, p in m.named_parameters():
         assert torch.equal(p.detach(), trainer.state.params[k])
+
+
+def _only_adapters_change(m, trainer_steps=1):
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    trainer = vmapdp.make_private(m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5), dataset(16), batch_size=8,
+                                  l2_clip_norm=1.0, noise_multiplier=0.5, delta=1e-3, compile=False, method="vmap", seed=0)
+    for _ in range(trainer_steps):
+        next(iter(trainer.train_epoch()))
+    changed = {k for k, v in m.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k for k in changed), changed
+    return set(trainer.state.params)
+
+
+def test_add_lora_adapts_gpt2s_conv1d_projections_and_trains_only_them(caplog):
+    torch.manual_seed(0)
+    base = gpt2().eval()
+    with caplog.at_level("INFO", logger="vmapdp"):
+        m = vmapdp.nn.add_lora(base, rank=2, generator=torch.Generator().manual_seed(0))
+    adapted = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj", "lm_head"]
+    assert vmapdp.nn.lora_layers(m) == adapted and all(name in caplog.text for name in adapted)
+    assert vmapdp.nn.is_conv1d(base.transformer.h[0].attn.c_attn) and not vmapdp.nn.is_conv1d(base.lm_head)
+    batch = padded()
+    torch.testing.assert_close(m(**batch).loss, base(**batch).loss)  # B = 0 at init: the same function
+    apply, params, buffers, loss = hf.loss_fn(m)
+    assert params and all(".lora_" in k for k in params)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        m.transformer.h[0].attn.c_attn.lora_B.normal_()
+    merged = m.transformer.h[0].attn.c_attn.merged()
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(merged(x), m.transformer.h[0].attn.c_attn(x))
+    _only_adapters_change(vmapdp.nn.add_lora(base, rank=2))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-eager"])
+def test_peft_models_work_through_functionalize_with_only_adapters_trainable(name):
+    m, batch = model_batch(name)
+    targets = ["c_attn", "c_proj"] if name == "gpt2" else ["query", "value"]
+    model = peft.get_peft_model(m, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, fan_in_fan_out=name == "gpt2"))
+    model.eval()
+    apply, params, buffers, loss = hf.loss_fn(model)
+    assert params and all("lora_" in k for k in params)
+    with torch.no_grad():  # adapters away from their zero init, so every adapter gets a gradient
+        for k, p in model.named_parameters():
+            if "lora_B" in k:
+                p.normal_(0, 0.1)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    if name == "gpt2":
+        assert _only_adapters_change(model) == set(params)
