@@ -240,3 +240,15 @@ def test_peft_models_work_through_functionalize_with_only_adapters_trainable(nam
     vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
     if name == "gpt2":
         assert _only_adapters_change(model) == set(params)
+
+
+def test_gpt2_with_labels_traces_fullgraph():
+    """transformers' logger.warning_once ("loss_type=None ...") inside GPT-2's forward with labels=
+    was a fatal graph break under fullgraph=True (make_train_step(compile=True)); functionalize
+    makes torch.compile skip that one logging call. (backend="eager": dynamo's tracing only, fast.)"""
+    torch.manual_seed(0)
+    m = gpt2().eval()
+    apply, params, buffers = vmapdp.functionalize(m)
+    ids = padded(2)["input_ids"]
+    loss = torch.compile(lambda p: apply(p, buffers, input_ids=ids, labels=ids).loss, fullgraph=True, backend="eager")
+    torch.testing.assert_close(loss(params), m(input_ids=ids, labels=ids).loss)
