@@ -252,3 +252,12 @@ def test_gpt2_with_labels_traces_fullgraph():
     ids = padded(2)["input_ids"]
     loss = torch.compile(lambda p: apply(p, buffers, input_ids=ids, labels=ids).loss, fullgraph=True, backend="eager")
     torch.testing.assert_close(loss(params), m(input_ids=ids, labels=ids).loss)
+
+
+def test_without_transformers_the_error_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(ImportError, match=r"vmapdp.hf.loss_fn\(model\): needs the transformers package.*pip install vmapdp\[hf\]"):
+        hf.loss_fn(torch.nn.Linear(2, 2))
