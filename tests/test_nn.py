@@ -343,16 +343,16 @@ def test_lora_errors():
             vnn.add_lora(nn.Linear(3, 2), bad)
     with pytest.raises(ValueError, match=r"alpha=0.0 must be a positive finite number"):
         vnn.LoRALinear(nn.Linear(3, 2), 2, alpha=0.0)
-    with pytest.raises(TypeError, match=r"base must be a torch.nn.Linear, got Conv1d"):
+    with pytest.raises(TypeError, match=r"base must be a torch.nn.Linear or a Conv1D-style layer .*got Conv1d"):
         vnn.LoRALinear(nn.Conv1d(3, 2, 1), 2)
     convnet = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
-    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model has no nn.Linear layer"):
+    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model has no nn.Linear or Conv1D layer"):
         vnn.add_lora(convnet, 2)
-    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model's nn.Linear layers are \['0', '3', '5'\]"):
+    with pytest.raises(ValueError, match=r"no layer matched targets=.*The model's nn.Linear/Conv1D layers are \['0', '3', '5'\]"):
         vnn.add_lora(_lora_mlp(), 2, targets=lambda name: "attn" in name)
-    with pytest.raises(TypeError, match=r"targets=\(<class 'torch.nn.modules.conv.Conv2d'>,\) must be a non-empty tuple of nn.Linear classes"):
+    with pytest.raises(TypeError, match=r"targets=\(<class 'torch.nn.modules.conv.Conv2d'>,\) must be a non-empty tuple of nn.Linear \(or Conv1D-style\) classes"):
         vnn.add_lora(convnet, 2, targets=(nn.Conv2d,))
-    with pytest.raises(TypeError, match=r"targets must be a tuple of nn.Linear classes or a callable"):
+    with pytest.raises(TypeError, match=r"targets must be None, a tuple of nn.Linear \(or Conv1D-style\) classes or a callable"):
         vnn.add_lora(convnet, 2, targets="linear")
 
 

@@ -126,5 +126,26 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
     # torch's RNN/GRU/LSTM kernels cannot be batched by vmap: apply runs a copy with vmapdp.nn's
     # twins in their place (same parameter names, equal outputs); params stay the module's own
     apply = FunctionalModel(with_vmap_recurrent(module), tuple(params), tuple(buffers))
+    _quiet_transformers_logging_under_compile(module)
     return apply, params, buffers
+
+
+def _quiet_transformers_logging_under_compile(module: nn.Module) -> None:
+    """transformers logs one-time notes with ``logger.warning_once`` inside forwards (GPT-2 called
+    with ``labels=``: "loss_type=None was set in the config"), and ``torch.compile(fullgraph=True)``
+    (``make_train_step(compile=True)``) refuses any logging call with "logging.Logger method not
+    supported". For a module from transformers, that one function joins torch's
+    ``torch._dynamo.config.ignore_logging_functions``: under compile the note is dropped (it still
+    prints in eager runs); nothing else changes. transformers is only looked at when it is already
+    imported (the module came from it)."""
+    import sys
+
+    if "transformers" not in sys.modules or not any(type(m).__module__.startswith("transformers.") for m in module.modules()):
+        return
+    warning_once = getattr(getattr(sys.modules["transformers"], "utils", None), "logging", None)
+    warning_once = getattr(warning_once, "warning_once", None)
+    if callable(warning_once):
+        import torch._dynamo
+
+        torch._dynamo.config.ignore_logging_functions.add(warning_once)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
@@ -94,7 +95,7 @@ class PrivateTrainer:
         rows = batch_size(batch, call="make_private: collate_fn(rows)")
         if rows != len(indices):
             raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
-        return batch if isinstance(batch, dict) else tuple(batch)
+        return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
     def _write_back(self) -> None:
         with torch.no_grad():
@@ -148,12 +149,13 @@ def make_private(
     target_epsilon: float | None = None,
     epochs: int | None = None,
     batch_size: int | None = None,
-    criterion: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+    criterion: Callable[[Tensor, Tensor], Tensor] | None = None,
     seed: int | None = None,
     compile: bool = True,
     secure: bool = False,
     method: str = "auto",
     collate_fn: Callable[[list], Any] | None = None,
+    randomness: str = "error",
 ) -> PrivateTrainer:
     """Make a module + torch optimizer + data train with DP-SGD (the Opacus-style entry point).
 
@@ -175,13 +177,20 @@ def make_private(
         noise_multiplier: noise std / l2_clip_norm; or give ``target_epsilon`` and ``epochs`` to
             calibrate it (RDP, never above the target).
         batch_size: expected batch size (required for a Dataset).
-        criterion: ``criterion(logits [1, K], target [1])``, applied per sample.
+        criterion: ``criterion(logits [1, K], target [1])``, applied per sample (default
+            ``F.cross_entropy``). For a transformers (or peft) model with dict rows the default is
+            the model's task loss per sample (:func:`vmapdp.hf.loss_fn`: next-token cross-entropy
+            over the non-padding positions for a causal LM, cross-entropy of the logits for a
+            classifier), and a 2-D padding ``attention_mask`` is passed as a vmap-safe 4-D mask.
         seed: the secret noise seed (None: OS entropy); sampling gets its own generator.
         compile: compile the per-chunk tensor work.
         secure: noise and sampling from the OS CSPRNG (no seed).
         collate_fn: collates the sampled rows into a batch (default ``default_collate``). It must
             treat each row on its own (pad, tokenise; never mix rows, as mixup does) and keep one
             row per sample; padding rows are passed too.
+        randomness: for random layers in training mode (dropout, on by default in a transformers
+            model built from a config): ``"different"`` gives every sample its own draw, as DP-SGD
+            assumes; the default ``"error"`` refuses them (see :func:`vmapdp.per_sample_grads`).
         method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); what
             ``"auto"`` chose is kept in the state, so a resumed run replays it bit for bit.
 
@@ -237,8 +246,20 @@ def make_private(
             "there is nothing to train. Unfreeze the parameters to train (or add adapters: vmapdp.nn.add_lora)."
         )
     apply, params, buffers = functionalize(model)
+    if label_key is not None and collate_fn is None:
+        collate_fn = _collate_mappings  # BatchEncoding rows are Mappings, not dicts
+    hf_loss = None
+    if label_key is not None:
+        from vmapdp import hf
+
+        if hf.is_transformers_model(model):
+            hf_loss = hf.sample_loss(model, apply, criterion=criterion)
+    if criterion is None:
+        criterion = F.cross_entropy
 
     def loss_fn(params, buffers, sample):
+        if hf_loss is not None:
+            return hf_loss(params, buffers, sample)
         if label_key is None:
             x, y = sample
             out = apply(params, buffers, x[None])
@@ -262,6 +283,7 @@ def make_private(
         accountant="pld",  # the accountant calibrate_noise used: the budget is enforced against the same one
         secure=secure,
         method=method,
+        randomness=randomness,
     )
     state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None)
     trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
@@ -307,7 +329,7 @@ def _row_form(call: str, data: Any) -> str | None:
             raise ValueError(f"{call}: a TensorDataset must hold (inputs, labels), got {len(data.tensors)} tensors.")
         return None
     row = data[0]
-    if isinstance(row, dict):
+    if isinstance(row, Mapping):  # a dict, or a transformers BatchEncoding
         keys = [k for k in ("labels", "label") if k in row]
         if not keys:
             raise ValueError(
@@ -322,6 +344,11 @@ def _row_form(call: str, data: Any) -> str | None:
         f"{call}: a row of the dataset must be an (input, label) pair or a dict with a 'labels' key, got "
         f"{type(row).__name__}{f' of length {len(row)}' if isinstance(row, (tuple, list)) else ''}. Return (x, y) from __getitem__."
     )
+
+
+def _collate_mappings(rows: list) -> dict:
+    """``default_collate`` of Mapping rows (dicts, ``BatchEncoding``) as plain dicts."""
+    return torch.utils.data.default_collate([dict(r) for r in rows])
 
 
 def _logits(out: Any) -> Tensor:

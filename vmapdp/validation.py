@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import optree
@@ -449,6 +450,17 @@ _VMAP_FAILURE_FIX = (
 )
 
 
+_HF_FIX = (
+    "transformers builds the 4-D attention mask from a 2-D padding attention_mask with data-dependent "
+    "control flow (masking_utils), which vmap cannot run; train through vmapdp.hf.loss_fn(model), whose "
+    "per-sample loss passes a 4-D additive mask built with tensor ops (make_private does this for you)"
+)
+
+
+def _from_transformers(module: nn.Module) -> bool:
+    return any(m.__class__.__module__.startswith("transformers.") for m in module.modules())
+
+
 def _dynamic_problems(
     module: nn.Module, args: tuple, kwargs: dict, static: list[Problem]
 ) -> list[Problem]:
@@ -500,11 +512,20 @@ def _dynamic_problems(
                 "storing it on self",
             ))
     flagged |= {p.path for p in problems}
-    if _has_floating_leaf(output):
-        # Try vmap on a copy with the fixable problems repaired, to find the ones beyond them.
-        work = _apply_repairs(work)
-        paths = {id(m): p for p, m in work.named_modules()}
-        problems += _vmap_trial(work, args, kwargs, paths, types, flagged)
+    if not _has_floating_leaf(output):
+        warnings.warn(
+            f"validate({type(module).__name__}, *example_args, **example_kwargs): the two-sample "
+            f"vmap(grad(...)) trial was skipped: the output ({type(output).__name__}) holds no floating-point "
+            "tensor to differentiate, so only the forward-pass checks ran. Pass inputs for which the module "
+            "returns floating-point outputs (a tensor, or a tuple, dict, dataclass or ModelOutput of them).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return problems
+    # Try vmap on a copy with the fixable problems repaired, to find the ones beyond them.
+    work = _apply_repairs(work)
+    paths = {id(m): p for p, m in work.named_modules()}
+    problems += _vmap_trial(work, args, kwargs, paths, types, flagged)
     return problems
 
 
@@ -515,6 +536,14 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
     leaves, spec = optree.tree_flatten((args, kwargs))
     tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if not trainable or not tensor_at:
+        warnings.warn(
+            f"validate({type(work).__name__}, *example_args, **example_kwargs): the two-sample vmap(grad(...)) "
+            "trial was skipped: " + ("the module has no trainable parameter to differentiate" if not trainable
+                                     else "the example inputs hold no tensor to map over")
+            + "; only the forward-pass checks ran.",
+            UserWarning,
+            stacklevel=4,
+        )
         return []
     stacked = [torch.stack([leaves[i], leaves[i]]) for i in tensor_at]
 
@@ -524,7 +553,7 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
             filled[i] = t
         a, k = optree.tree_unflatten(spec, filled)
         out = torch.func.functional_call(work, (params, constants), a, k)
-        return sum(leaf.sum() for leaf in optree.tree_leaves(out) if _is_floating(leaf))
+        return sum(leaf.sum() for leaf in tensor_leaves(out) if _is_floating(leaf))
 
     running: list[nn.Module] = []  # the forward call stack, innermost last
 
@@ -570,7 +599,7 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
                 path, types.get(path, type(work).__name__), VMAP_FAILURE,
                 f"torch.func.vmap(torch.func.grad(...)) over two copies of the example inputs "
                 f"failed {place} with {type(exc).__name__}: {_first_line(exc)}",
-                _VMAP_FAILURE_FIX,
+                _HF_FIX if _from_transformers(work) and "attention_mask" in kwargs else _VMAP_FAILURE_FIX,
             ))
             flagged.add(path)
     finally:
@@ -651,8 +680,27 @@ def _is_floating(leaf) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
 
 
+def tensor_leaves(tree) -> list:
+    """The leaves of any output pytree, looking into the containers optree does not know:
+    transformers' ``ModelOutput`` (an ``OrderedDict`` subclass; its set fields through
+    ``to_tuple()``), other mappings, dataclasses, named tuples."""
+    out = []
+    for leaf in optree.tree_leaves(tree, none_is_leaf=False, namespace="torch"):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif callable(getattr(leaf, "to_tuple", None)):
+            out += tensor_leaves(tuple(leaf.to_tuple()))
+        elif isinstance(leaf, Mapping):
+            out += tensor_leaves(list(leaf.values()))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += tensor_leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, (tuple, list)):
+            out += tensor_leaves(list(leaf))
+    return out
+
+
 def _has_floating_leaf(tree) -> bool:
-    return any(_is_floating(leaf) for leaf in optree.tree_leaves(tree))
+    return any(_is_floating(leaf) for leaf in tensor_leaves(tree))
 
 
 # --- messages ------------------------------------------------------------------------------------

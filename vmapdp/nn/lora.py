@@ -1,8 +1,11 @@
 """Low-rank adapters (LoRA) for DP fine-tuning: :class:`LoRALinear` and :func:`add_lora`.
 
-A frozen backbone with small trainable adapters on its ``nn.Linear`` layers: only the adapters
-are parameters, so only they are differentiated, clipped and noised; the frozen weights travel
-among the buffers. Plain torch modules, independent of the recurrent layers in this package.
+A frozen backbone with small trainable adapters on its matrix layers: ``nn.Linear``, and layers
+following transformers' ``Conv1D`` convention (GPT-2's projections: a 2-D ``weight`` of shape
+``(in, out)``, ``nf`` output features, ``y = x @ weight + bias``), recognised without importing
+transformers. Only the adapters are parameters, so only they are differentiated, clipped and
+noised; the frozen weights travel among the buffers. Plain torch modules, independent of the
+recurrent layers in this package.
 
 References:
     Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (arXiv:2106.09685).
@@ -11,6 +14,7 @@ References:
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from typing import Optional
 
@@ -18,7 +22,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LoRALinear", "add_lora"]
+__all__ = ["LoRALinear", "add_lora", "lora_layers", "is_conv1d"]
+
+logger = logging.getLogger("vmapdp")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` follows transformers' ``Conv1D`` convention (GPT-2's projections): an
+    ``nf`` attribute (output features) and a 2-D ``weight`` of shape ``(in, nf)``, used as
+    ``x @ weight + bias``. Told by those attributes, so transformers is never imported."""
+    weight = getattr(module, "weight", None)
+    nf = getattr(module, "nf", None)
+    return (
+        not isinstance(module, nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and isinstance(nf, int)
+        and weight.shape[1] == nf
+    )
+
+
+def _is_matrix_layer(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _no_fused_fast_path(module: nn.Module, args: tuple) -> None:
@@ -39,7 +64,9 @@ class LoRALinear(nn.Module):
     """A frozen ``nn.Linear`` plus a trainable low-rank update: ``base(x) + (alpha / rank) * x A^T B^T``.
 
     Args:
-      base: the ``nn.Linear`` to adapt. Its weight and bias are registered here as frozen
+      base: the ``nn.Linear`` to adapt, or a ``Conv1D``-style layer (transformers' GPT-2
+        projections, :func:`is_conv1d`: ``weight`` of shape ``(in, out)``, kept in that layout, so
+        the layer computes ``x @ weight + bias + (alpha / rank) * x A^T B^T``). Its weight and bias are registered here as frozen
         parameters (``requires_grad=False``) under the same names, ``weight`` and ``bias``, so a
         state dict of the original model loads into the adapted one (``strict=False``) and
         :func:`vmapdp.functionalize` puts them among the buffers: only the adapters are
@@ -68,10 +95,17 @@ class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, alpha: float = 8.0, *, generator: Optional[torch.Generator] = None) -> None:
         super().__init__()
         call = "vmapdp.nn.LoRALinear(base, rank)"
-        if not isinstance(base, nn.Linear):
-            raise TypeError(f"{call}: base must be a torch.nn.Linear, got {type(base).__name__}.")
+        if not _is_matrix_layer(base):
+            raise TypeError(
+                f"{call}: base must be a torch.nn.Linear or a Conv1D-style layer (2-D weight of shape (in, nf), as "
+                f"transformers' GPT-2 uses), got {type(base).__name__}."
+            )
         _check_lora_args(call, rank, alpha)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.transposed = not isinstance(base, nn.Linear)  # Conv1D: weight is (in, out)
+        if self.transposed:
+            self.in_features, self.out_features = base.weight.shape
+        else:
+            self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.alpha = rank, float(alpha)
         self.scale = self.alpha / rank
         weight = base.weight
@@ -83,20 +117,23 @@ class LoRALinear(nn.Module):
         self.register_forward_pre_hook(_no_fused_fast_path)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        weight = self.weight.t() if self.transposed else self.weight
+        return F.linear(x, weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 
     def merged(self) -> nn.Linear:
         """One ordinary ``nn.Linear`` with weight ``W + (alpha / rank) * B @ A``: the same function,
-        for deployment (a new module; nothing here is modified)."""
+        for deployment (a new module; nothing here is modified). A Conv1D base becomes an
+        ``nn.Linear`` too (its weight transposed)."""
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
-            out.weight.copy_(self.weight + self.scale * (self.lora_B @ self.lora_A))
+            out.weight.copy_((self.weight.t() if self.transposed else self.weight) + self.scale * (self.lora_B @ self.lora_A))
             if self.bias is not None:
                 out.bias.copy_(self.bias)
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha:g}"
+        conv = ", conv1d=True" if self.transposed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha:g}{conv}"
 
 
 def add_lora(
@@ -104,25 +141,26 @@ def add_lora(
     rank: int,
     alpha: float = 8.0,
     *,
-    targets=(nn.Linear,),
+    targets=None,
     generator: Optional[torch.Generator] = None,
 ) -> nn.Module:
-    """A copy of ``module`` with low-rank adapters on its linear layers and everything else frozen.
+    """A copy of ``module`` with low-rank adapters on its matrix layers and everything else frozen.
 
     Args:
       module: any ``nn.Module`` (it is not modified: the result is a deep copy).
       rank, alpha, generator: as in :class:`LoRALinear`.
-      targets: which ``nn.Linear`` layers get an adapter: a tuple of ``nn.Linear`` subclasses
-        (default: every ``nn.Linear``), or a predicate ``targets(name) -> bool`` on the qualified
-        module name (``"encoder.layers.0.linear1"``; ``""`` for ``module`` itself), applied to the
-        ``nn.Linear`` layers only. The output projection of ``nn.MultiheadAttention`` is never
-        wrapped: attention reads its weight directly instead of calling it, so an adapter there
-        would get no gradient.
+      targets: which matrix layers get an adapter (``nn.Linear``, and ``Conv1D``-style layers such
+        as GPT-2's projections, see :func:`is_conv1d`): ``None`` (default) for all of them, a tuple
+        of classes (``nn.Linear`` subclasses or Conv1D-style classes), or a predicate
+        ``targets(name) -> bool`` on the qualified module name (``"encoder.layers.0.linear1"``;
+        ``""`` for ``module`` itself), applied to the matrix layers only. The output projection of
+        ``nn.MultiheadAttention`` is never wrapped: attention reads its weight directly instead of
+        calling it, so an adapter there would get no gradient.
 
     Returns:
-      The copy, each targeted ``nn.Linear`` replaced by a :class:`LoRALinear` (its name keeps the
-      layer's position: ``fc.weight`` stays ``fc.weight`` and ``fc.lora_A``, ``fc.lora_B`` are
-      added). Every parameter but the adapters has ``requires_grad=False``, so
+      The copy, each targeted layer replaced by a :class:`LoRALinear` (its name keeps the layer's
+      position: ``fc.weight`` stays ``fc.weight`` and ``fc.lora_A``, ``fc.lora_B`` are added). What
+      was adapted is logged (logger ``"vmapdp"``, INFO) and listed by :func:`lora_layers`. Every parameter but the adapters has ``requires_grad=False``, so
       :func:`vmapdp.functionalize` returns the adapters as ``params`` and the frozen backbone among
       the ``buffers``. To train another layer too (a classifier head), set its
       ``requires_grad_(True)`` on the result.
@@ -143,34 +181,50 @@ def add_lora(
     _check_lora_args(call, rank, alpha)
     if isinstance(targets, type):
         targets = (targets,)
-    if isinstance(targets, tuple):
-        if not targets or not all(isinstance(t, type) and issubclass(t, nn.Linear) for t in targets):
+    if targets is None:
+        wanted = lambda name, m: _is_matrix_layer(m)  # noqa: E731
+    elif isinstance(targets, tuple):
+        if not targets or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in targets) or any(
+            issubclass(t, (nn.modules.conv._ConvNd, nn.Embedding)) for t in targets
+        ):
             raise TypeError(
-                f"{call}: targets={targets!r} must be a non-empty tuple of nn.Linear classes, or a predicate "
-                "targets(name) -> bool on module names (e.g. lambda name: 'attn' not in name)."
+                f"{call}: targets={targets!r} must be a non-empty tuple of nn.Linear (or Conv1D-style) classes, or a "
+                "predicate targets(name) -> bool on module names (e.g. lambda name: 'attn' not in name)."
             )
         classes = targets
-        wanted = lambda name, m: isinstance(m, classes)  # noqa: E731
+        wanted = lambda name, m: isinstance(m, classes) and _is_matrix_layer(m)  # noqa: E731
     elif callable(targets):
         predicate = targets
-        wanted = lambda name, m: isinstance(m, nn.Linear) and bool(predicate(name))  # noqa: E731
+        wanted = lambda name, m: _is_matrix_layer(m) and bool(predicate(name))  # noqa: E731
     else:
-        raise TypeError(f"{call}: targets must be a tuple of nn.Linear classes or a callable targets(name) -> bool, got {type(targets).__name__}.")
+        raise TypeError(
+            f"{call}: targets must be None, a tuple of nn.Linear (or Conv1D-style) classes or a callable targets(name) -> bool, "
+            f"got {type(targets).__name__}."
+        )
 
     new = copy.deepcopy(module)
     new.requires_grad_(False)
     owned_by_attention = {id(m.out_proj) for m in new.modules() if isinstance(m, nn.MultiheadAttention)}
     chosen = [(name, m) for name, m in new.named_modules() if id(m) not in owned_by_attention and wanted(name, m)]
     if not chosen:
-        linears = [name or "<root>" for name, m in new.named_modules() if isinstance(m, nn.Linear)]
+        linears = [name or "<root>" for name, m in new.named_modules() if _is_matrix_layer(m)]
         raise ValueError(
             f"{call}: no layer matched targets={targets!r}, so there would be nothing to train. "
-            + (f"The model's nn.Linear layers are {linears}." if linears else "The model has no nn.Linear layer.")
-            + " Adapters wrap nn.Linear layers only (nn.MultiheadAttention's out_proj excluded)."
+            + (f"The model's nn.Linear/Conv1D layers are {linears}." if linears else "The model has no nn.Linear or Conv1D layer.")
+            + " Adapters wrap nn.Linear and Conv1D-style layers only (nn.MultiheadAttention's out_proj excluded)."
         )
+    names = [name or "<root>" for name, _ in chosen]
+    skipped = [name for name, m in new.named_modules() if _is_matrix_layer(m) and id(m) not in {id(c) for _, c in chosen}]
+    logger.info("add_lora: adapters (rank %d) on %d layer(s): %s; left frozen without adapter: %s", rank, len(names), names, skipped or "none")
     if chosen[0][0] == "":  # the module itself is a Linear
         return LoRALinear(new, rank, alpha, generator=generator)
     for name, m in chosen:
         parent_name, _, child = name.rpartition(".")
         setattr(new.get_submodule(parent_name), child, LoRALinear(m, rank, alpha, generator=generator))
     return new
+
+
+def lora_layers(module: nn.Module) -> list[str]:
+    """The qualified names of the :class:`LoRALinear` layers in ``module`` (what :func:`add_lora`
+    adapted), ``"<root>"`` for ``module`` itself."""
+    return [name or "<root>" for name, m in module.named_modules() if isinstance(m, LoRALinear)]

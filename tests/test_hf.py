@@ -1,0 +1,263 @@
+"""transformers / peft models through vmapdp: padded batches, validate, make_private, LoRA.
+
+Tiny random configs built in code (nothing is downloaded); every per-sample gradient is checked
+against the float64 oracle, and the adapter's loss against the model's own loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vmapdp
+from vmapdp import hf
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+V, L = 50, 6
+TINY = dict(vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def gpt2(attn="eager"):
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16, attn_implementation=attn, **TINY))
+
+
+def bert(attn):
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                  attn_implementation=attn, vocab_size=V, pad_token_id=0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def llama(attn):
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                   max_position_embeddings=16, attn_implementation=attn, **TINY)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def qwen2(attn):  # the family of our choice: a causal LM with biased q/k/v projections
+    cfg = transformers.Qwen2Config(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                   max_position_embeddings=16, attn_implementation=attn, **TINY)
+    return transformers.Qwen2ForSequenceClassification(cfg)
+
+
+def vit():
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=32, num_labels=3)
+    return transformers.ViTForImageClassification(cfg)
+
+
+MODELS = {
+    "gpt2": lambda: gpt2("eager"),
+    "gpt2-sdpa": lambda: gpt2("sdpa"),
+    "bert-sdpa": lambda: bert("sdpa"),
+    "bert-eager": lambda: bert("eager"),
+    "llama-sdpa": lambda: llama("sdpa"),
+    "llama-eager": lambda: llama("eager"),
+    "qwen2-sdpa": lambda: qwen2("sdpa"),
+}
+
+
+def padded(b=3, *, left=False, classes=None, seed=0):
+    """A padded text batch as a tokenizer returns it (2-D attention_mask), with labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (b, L), generator=g)
+    mask = torch.ones(b, L, dtype=torch.long)
+    for i in range(1, b):
+        mask[i, L - 1 - i:] = 0  # lengths L, L-2, L-3, ...
+    if left:
+        mask = mask.flip(1)
+    ids = ids * mask  # pad id 0
+    labels = ids.clone() if classes is None else torch.randint(0, classes, (b,), generator=g)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def model_batch(name, *, left=False):
+    torch.manual_seed(0)
+    m = MODELS[name]().eval()
+    return m, padded(left=left, classes=None if name.startswith(("gpt2", "llama")) else 2)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_padded_batches_give_oracle_per_sample_grads(name):
+    m, batch = model_batch(name, left=name.startswith("llama"))
+    apply, params, buffers, loss = hf.loss_fn(m)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    ref = vmapdp.testing.microbatch_grads(loss, params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-sdpa", "llama-sdpa", "qwen2-sdpa"])
+def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name):
+    """Not just self-consistent: each sample's loss equals the model's own loss (its own mask
+    builder, its own loss function) on that sample with its padding cut off."""
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        sample = {k: v[i] for k, v in batch.items()}
+        own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1, :n] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1])
+        torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
+def test_ghost_and_two_pass_clipped_sums_equal_vmaps(name):
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    mask = torch.tensor([True, True, False])
+    ref, ref_norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.5, method="vmap")(params, buffers, batch, mask=mask)
+    for method in ("ghost", "two_pass"):
+        summed, norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.5, method=method)(params, buffers, batch, mask=mask)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=1e-6)
+        for k in ref:
+            torch.testing.assert_close(summed[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"{method} {k}")
+
+
+def test_vit_image_classification():
+    torch.manual_seed(0)
+    m = vit().eval()
+    apply, params, buffers, loss = hf.loss_fn(m)
+    batch = {"pixel_values": torch.randn(3, 3, 8, 8), "labels": torch.tensor([0, 2, 1])}
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(loss(params, buffers, {k: v[0] for k, v in batch.items()}), m(pixel_values=batch["pixel_values"][:1], labels=batch["labels"][:1]).loss)
+
+
+def test_hf_errors_are_clear():
+    with pytest.raises(ValueError, match=r"vmapdp.hf.loss_fn\(model\): cannot tell which loss GPT2Model trains with.*Pass task="):
+        hf.loss_fn(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, **TINY)))
+    m, batch = model_batch("bert-eager")
+    *_, loss = hf.loss_fn(m)
+    with pytest.raises(KeyError, match=r"no 'labels'"):
+        loss(dict(m.named_parameters()), {}, {"input_ids": batch["input_ids"][0]})
+    assert hf.is_transformers_model(m) and not hf.is_transformers_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-eager", "llama-sdpa"])
+def test_validate_sees_into_model_outputs(name):
+    """A ModelOutput is one leaf to optree: the vmap trial must still run, and find what it finds
+    with return_dict=False (a tuple)."""
+    m, batch = model_batch(name)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    as_output = vmapdp.validate(m, **inputs)
+    as_tuple = vmapdp.validate(m, **inputs, return_dict=False)
+    assert [(p.path, p.kind, p.fix) for p in as_output] == [(p.path, p.kind, p.fix) for p in as_tuple]
+    # the 2-D padding mask is the one problem, and the fix names the adapter
+    assert [p.kind for p in as_output] == [vmapdp.validation.VMAP_FAILURE] and "vmapdp.hf.loss_fn" in as_output[0].fix
+    no_mask = {"input_ids": inputs["input_ids"]}
+    assert vmapdp.validate(m, **no_mask) == vmapdp.validate(m, **no_mask, return_dict=False)
+
+
+def test_validate_warns_when_the_vmap_trial_cannot_run():
+    class Ints(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x).argmax(-1)
+
+    with pytest.warns(UserWarning, match=r"trial was skipped: the output \(Tensor\) holds no floating-point tensor"):
+        assert vmapdp.validate(Ints(3, 2), torch.randn(2, 3)) == []
+    out = transformers.modeling_outputs.SequenceClassifierOutput(logits=torch.ones(2), hidden_states=(torch.zeros(1),))
+    assert [t.shape for t in vmapdp.validation.tensor_leaves({"a": out})] == [(2,), (1,)]
+
+
+class Rows(torch.utils.data.Dataset):
+    """A tokenized dataset as transformers users have it: one BatchEncoding (a Mapping) per row."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.batch["input_ids"])
+
+    def __getitem__(self, i):
+        return transformers.BatchEncoding({k: v[i] for k, v in self.batch.items()})
+
+
+def dataset(n, classes=None, seed=0):
+    parts = [padded(4, classes=classes, seed=seed + s) for s in range(n // 4)]
+    return Rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+
+
+@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-sdpa"])
+def test_make_private_trains_a_transformers_model_on_dict_rows(name):
+    torch.manual_seed(0)
+    m = MODELS[name]()  # training mode: dropout, so randomness="different"
+    data = dataset(40, classes=None if name.startswith("gpt2") else 2)
+    before = {k: v.detach().clone() for k, v in m.named_parameters()}
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), data, batch_size=8, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                  delta=1e-3, compile=False, method="vmap", seed=0, randomness="different")
+    metrics = [next(iter(trainer.train_epoch())) for _ in range(2)]
+    assert trainer.state.step == 2 and all(torch.isfinite(mm["loss"]) for mm in metrics)
+    assert any(not torch.equal(p.detach(), before[k]) for k, p in m.named_parameters())
+    for k, p in m.named_parameters():
+        assert torch.equal(p.detach(), trainer.state.params[k])
+
+
+def _only_adapters_change(m, trainer_steps=1):
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    trainer = vmapdp.make_private(m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5), dataset(16), batch_size=8,
+                                  l2_clip_norm=1.0, noise_multiplier=0.5, delta=1e-3, compile=False, method="vmap", seed=0)
+    for _ in range(trainer_steps):
+        next(iter(trainer.train_epoch()))
+    changed = {k for k, v in m.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k for k in changed), changed
+    return set(trainer.state.params)
+
+
+def test_add_lora_adapts_gpt2s_conv1d_projections_and_trains_only_them(caplog):
+    torch.manual_seed(0)
+    base = gpt2().eval()
+    with caplog.at_level("INFO", logger="vmapdp"):
+        m = vmapdp.nn.add_lora(base, rank=2, generator=torch.Generator().manual_seed(0))
+    adapted = ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj", "lm_head"]
+    assert vmapdp.nn.lora_layers(m) == adapted and all(name in caplog.text for name in adapted)
+    assert vmapdp.nn.is_conv1d(base.transformer.h[0].attn.c_attn) and not vmapdp.nn.is_conv1d(base.lm_head)
+    batch = padded()
+    torch.testing.assert_close(m(**batch).loss, base(**batch).loss)  # B = 0 at init: the same function
+    apply, params, buffers, loss = hf.loss_fn(m)
+    assert params and all(".lora_" in k for k in params)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        m.transformer.h[0].attn.c_attn.lora_B.normal_()
+    merged = m.transformer.h[0].attn.c_attn.merged()
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(merged(x), m.transformer.h[0].attn.c_attn(x))
+    _only_adapters_change(vmapdp.nn.add_lora(base, rank=2))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert-eager"])
+def test_peft_models_work_through_functionalize_with_only_adapters_trainable(name):
+    m, batch = model_batch(name)
+    targets = ["c_attn", "c_proj"] if name == "gpt2" else ["query", "value"]
+    model = peft.get_peft_model(m, peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, fan_in_fan_out=name == "gpt2"))
+    model.eval()
+    apply, params, buffers, loss = hf.loss_fn(model)
+    assert params and all("lora_" in k for k in params)
+    with torch.no_grad():  # adapters away from their zero init, so every adapter gets a gradient
+        for k, p in model.named_parameters():
+            if "lora_B" in k:
+                p.normal_(0, 0.1)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    if name == "gpt2":
+        assert _only_adapters_change(model) == set(params)
+
+
+def test_gpt2_with_labels_traces_fullgraph():
+    """transformers' logger.warning_once ("loss_type=None ...") inside GPT-2's forward with labels=
+    was a fatal graph break under fullgraph=True (make_train_step(compile=True)); functionalize
+    makes torch.compile skip that one logging call. (backend="eager": dynamo's tracing only, fast.)"""
+    torch.manual_seed(0)
+    m = gpt2().eval()
+    apply, params, buffers = vmapdp.functionalize(m)
+    ids = padded(2)["input_ids"]
+    loss = torch.compile(lambda p: apply(p, buffers, input_ids=ids, labels=ids).loss, fullgraph=True, backend="eager")
+    torch.testing.assert_close(loss(params), m(input_ids=ids, labels=ids).loss)
+
+
+def test_without_transformers_the_error_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    with pytest.raises(ImportError, match=r"vmapdp.hf.loss_fn\(model\): needs the transformers package.*pip install vmapdp\[hf\]"):
+        hf.loss_fn(torch.nn.Linear(2, 2))

@@ -1,0 +1,273 @@
+"""Per-sample gradients of Hugging Face ``transformers`` (and ``peft``) models.
+
+``loss_fn(model)`` returns ``(apply, params, buffers, loss_fn)`` where ``loss_fn(params, buffers,
+sample)`` takes ONE sample as a dict (``input_ids``, ``attention_mask``, ``labels``, any other
+input of the model such as ``token_type_ids`` or ``pixel_values``) and returns the model's loss for
+it, ready for :func:`vmapdp.per_sample_grads`, :func:`vmapdp.clipped_grad_sum`,
+:func:`vmapdp.make_train_step` and :func:`vmapdp.make_private` (which uses it for transformers
+models)::
+
+    apply, params, buffers, loss = vmapdp.hf.loss_fn(model)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, dict(tokenizer(texts, padding=True)) | {"labels": y})
+
+Why an adapter: given the usual 2-D padding ``attention_mask``, transformers builds the 4-D
+attention mask with data-dependent Python control flow (``masking_utils`` checks
+``padding_mask.all()`` to skip the mask), which ``torch.func.vmap`` cannot run. Every mask
+builder in ``transformers.masking_utils`` returns a mask that is already 4-D as it is, so the
+adapter builds the additive float mask ``[1, 1, T, T]`` (0 where a query may attend, the dtype's
+most negative number where not) of each sample itself, with tensor ops only, and passes that.
+Causal or bidirectional is found once by probing the model (does position 0 see position 1?).
+
+Losses, per sample (a padded position never counts):
+
+* causal LM (``*ForCausalLM``, ``*LMHeadModel``): the mean cross-entropy of the next token over
+  the positions whose target is a real token (``attention_mask == 1`` and ``labels != -100``);
+  ``labels`` defaults to ``input_ids``.
+* classification (``*ForSequenceClassification``, ``*ForImageClassification``, ...): the
+  cross-entropy of the logits against the label (mean squared error for one output,
+  ``problem_type="regression"``).
+
+This module imports ``transformers`` lazily; vmapdp itself does not depend on it
+(``pip install vmapdp[hf]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vmapdp import _checks
+from vmapdp.functional import FunctionalModel, functionalize
+
+__all__ = ["loss_fn", "sample_loss", "is_transformers_model", "additive_mask", "TASKS"]
+
+TASKS = ("causal_lm", "classification")
+_IGNORE = -100
+
+
+def _require_transformers(call: str) -> None:
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError(
+            f"{call}: needs the transformers package, which is not installed (vmapdp does not depend on it). "
+            "Install it with: pip install vmapdp[hf]"
+        )
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (``PeftModel.get_base_model()``), or ``model``."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def is_transformers_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (or a peft model wrapping one).
+    Never imports transformers: a module that is not one cannot come from it."""
+    if not isinstance(model, nn.Module):
+        return False
+    base = _base_model(model)
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(base).__mro__)
+
+
+def _task(call: str, model: nn.Module, task: Optional[str]) -> str:
+    if task is not None:
+        return _checks.choice(call, "task", task, TASKS, why="the loss the adapter computes per sample")
+    name = type(_base_model(model)).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "causal_lm"
+    if "Classification" in name:
+        return "classification"
+    raise ValueError(
+        f"{call}: cannot tell which loss {name} trains with (expected a *ForCausalLM, *LMHeadModel or "
+        f"*For...Classification model). Pass task= one of {TASKS}, or write your own loss_fn around "
+        "vmapdp.hf.additive_mask."
+    )
+
+
+def additive_mask(attention_mask: Tensor, *, causal: bool, dtype: torch.dtype) -> Tensor:
+    """The 4-D additive attention mask ``[1, 1, T, T]`` of ONE sample's 2-D padding mask ``[T]``.
+
+    0 where query ``q`` may attend to key ``k`` (``attention_mask[k] == 1``, and ``k <= q`` when
+    ``causal``), ``torch.finfo(dtype).min`` elsewhere: what transformers' ``eager_mask`` builds,
+    with tensor ops only, so it runs under ``vmap``, ``grad`` and ``torch.compile``. Every query also
+    sees itself, so no row is fully masked (a left-padding query of a causal model would be NaN once
+    a model casts the scores to float32): this changes only padding positions' outputs, which never
+    reach a real position nor the losses here.
+    """
+    if attention_mask.dim() != 1:
+        raise ValueError(
+            f"vmapdp.hf.additive_mask(attention_mask): expected ONE sample's padding mask of shape [T], got shape "
+            f"{tuple(attention_mask.shape)}. Call it inside a per-sample loss (vmap maps the batch dim away)."
+        )
+    t = attention_mask.shape[0]
+    keep = (attention_mask != 0)[None, :].expand(t, t)
+    if causal:
+        keep = keep & torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+    # a query that would see no key at all (a left-padding position of a causal model) sees itself:
+    # a fully masked row is NaN once a model casts the scores to a narrower dtype (-inf everywhere)
+    keep = keep | torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+    zero = torch.zeros((), dtype=dtype, device=attention_mask.device)
+    return torch.where(keep, zero, torch.finfo(dtype).min)[None, None]
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.train(mode)
+
+
+def _is_causal(model: nn.Module) -> bool:
+    """Whether the model's attention is causal: does its last hidden state at position 0 change
+    when the token at position 1 does? (Two length-2 forwards, in eval mode, without gradients.)"""
+    with _eval_mode(model), torch.no_grad():
+        ids = torch.tensor([[1, 2], [1, 3]], device=_device(model))
+        out = model(input_ids=ids, output_hidden_states=True, return_dict=True)
+        hidden = out.hidden_states[-1]
+    return bool(torch.equal(hidden[0, 0], hidden[1, 0]))
+
+
+def _device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _label_key(sample: Mapping) -> str:
+    for k in ("labels", "label"):
+        if k in sample:
+            return k
+    raise KeyError(
+        f"vmapdp.hf loss_fn(params, buffers, sample): the sample has keys {sorted(sample)} but no 'labels' "
+        "(or 'label'); the loss needs the targets. For a causal LM put labels = input_ids (padding is "
+        "ignored through attention_mask)."
+    )
+
+
+def _float_dtype(params: Mapping, buffers: Mapping) -> torch.dtype:
+    for t in list(params.values()) + list(buffers.values()):
+        if isinstance(t, Tensor) and t.is_floating_point():
+            return t.dtype
+    return torch.get_default_dtype()
+
+
+def sample_loss(
+    model: nn.Module,
+    apply: FunctionalModel,
+    *,
+    task: Optional[str] = None,
+    causal: Optional[bool] = None,
+    criterion: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+) -> Callable[..., Tensor]:
+    """``loss_fn(params, buffers, sample)`` for ``apply`` (from ``functionalize(model)``); see
+    :func:`loss_fn`. With ``criterion``, the loss is ``criterion(logits [1, ...], labels [1, ...])``
+    instead of the task's (the mask is still built per sample)."""
+    call = "vmapdp.hf.loss_fn(model)"
+    _require_transformers(call)
+    if criterion is None:
+        task = _task(call, model, task)
+    elif task is None:
+        task = "classification"  # (only picks where the labels are read: criterion computes the loss)
+    config = getattr(_base_model(model), "config", None)
+    regression = task == "classification" and (
+        getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
+    )
+    if causal is None and "input_ids" in inspect.signature(_base_model(model).forward).parameters:
+        causal = _is_causal(model)  # once, eagerly (not while vmap or compile traces the loss)
+    window = getattr(config, "sliding_window", None)
+    use_cache = config is not None and hasattr(config, "use_cache")
+
+    def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"vmapdp.hf loss_fn(params, buffers, sample): sample must be a dict of one sample's tensors "
+                f"(input_ids, attention_mask, labels, ...), got {type(sample).__name__}."
+            )
+        key = _label_key(sample) if task == "classification" or "labels" in sample or "label" in sample else None
+        inputs = {k: v[None] for k, v in sample.items() if k != key}
+        mask = sample.get("attention_mask")
+        if mask is not None and mask.dim() == 1:
+            if causal is None:
+                raise ValueError(
+                    f"{call}: the sample has a 2-D attention_mask but the model takes no input_ids, so whether its "
+                    "attention is causal could not be probed. Pass causal=True or causal=False."
+                )
+            t = mask.shape[0]
+            if isinstance(window, int) and causal and t > window:
+                raise ValueError(
+                    f"{call}: sequences of length {t} exceed config.sliding_window={window}; the adapter's mask "
+                    "is a full causal one, not a sliding window. Use sequences of at most that length."
+                )
+            inputs["attention_mask"] = additive_mask(mask, causal=causal, dtype=_float_dtype(params, buffers))
+        if use_cache:
+            inputs["use_cache"] = False
+        out = apply(params, buffers, **inputs)
+        logits = _logits(out)
+        if criterion is not None:
+            return criterion(logits, sample[_label_key(sample)][None])
+        if task == "causal_lm":
+            labels = sample[key] if key is not None else sample["input_ids"]
+            if mask is not None and mask.dim() == 1:
+                labels = torch.where(mask != 0, labels, _IGNORE)
+            target = labels[1:]
+            pred = logits[0, :-1]
+            valid = target != _IGNORE
+            per_token = F.cross_entropy(pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred,
+                                        torch.where(valid, target, 0), reduction="none")
+            count = valid.sum().clamp(min=1)
+            return (per_token * valid).sum() / count
+        y = sample[key]
+        if regression:
+            return F.mse_loss(logits.reshape(-1), y.reshape(-1).to(logits.dtype))
+        return F.cross_entropy(logits.reshape(1, -1), y.reshape(1))
+
+    return loss
+
+
+def loss_fn(model: nn.Module, *, task: Optional[str] = None, causal: Optional[bool] = None):
+    """``(apply, params, buffers, loss_fn)`` for a transformers (or peft) model.
+
+    Args:
+      model: a transformers ``PreTrainedModel`` (or a ``peft`` model over one); not modified.
+      task: ``"causal_lm"`` or ``"classification"``; by default from the class name.
+      causal: whether attention is causal; by default probed once (position 0 must not see position 1).
+
+    Returns:
+      ``apply, params, buffers`` as from :func:`vmapdp.functionalize` (only trainable parameters in
+      ``params``: the adapters of a LoRA/peft model), and ``loss_fn(params, buffers, sample)`` for ONE
+      sample given as a dict of its tensors (no batch dim): the keys of a tokenizer's output plus
+      ``labels``. A 2-D padding ``attention_mask`` is turned into a 4-D additive mask per sample
+      (vmap-safe); padding never counts in the loss.
+
+    Raises:
+      ImportError: transformers is not installed (``pip install vmapdp[hf]``).
+      ValueError: the task cannot be told from the model (pass ``task=``).
+    """
+    call = "vmapdp.hf.loss_fn(model)"
+    _require_transformers(call)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}: model must be a transformers model (an nn.Module), got {type(model).__name__}.")
+    apply, params, buffers = functionalize(model)
+    return apply, params, buffers, sample_loss(model, apply, task=task, causal=causal)
+
+
+def _logits(out: Any) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, Mapping):
+        logits = out.get("logits")
+    if logits is None and isinstance(out, tuple) and out and isinstance(out[0], Tensor):
+        logits = out[0]
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"vmapdp.hf loss_fn: the model returned {type(out).__name__} without .logits; the loss needs the logits.")
+    return logits
