@@ -232,9 +232,12 @@ def step_config(
     method: str = "auto",
     precision: torch.dtype | None = None,
     optimizer: str = "",
+    sampler: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
-    as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`."""
+    as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`;
+    ``sampler`` the batch scheme other than Poisson (:func:`scheme_description`; ``""`` for
+    Poisson sampling, which ``sample_rate`` already says, and then left out)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -246,8 +249,19 @@ def step_config(
         ("method", method),
         ("precision", str(precision)),
         ("optimizer", optimizer),
-    )
+    ) + ((("sampler", sampler),) if sampler else ())
     return repr(fields)
+
+
+def scheme_description(sampler: Any) -> str:
+    """The batch scheme of ``sampler`` for the noise binding: ``""`` for plain Poisson sampling (or
+    no sampler), else its class and the public parameters that define its events."""
+    from vmapdp.data import PoissonSampler
+
+    if sampler is None or type(sampler) is PoissonSampler:
+        return ""
+    names = ("num_samples", "sample_rate", "batch_size", "steps_per_epoch", "max_batch_size")
+    return repr((type(sampler).__name__, tuple((k, getattr(sampler, k)) for k in names if hasattr(sampler, k))))
 
 
 def noise_binding(run_id: str, config: str) -> str:
@@ -268,17 +282,34 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
     return f"vmapdp-noise:v2:{seed}:{step}:{binding}".encode()
 
 
-def _ledger_event(call: str, noise_multiplier: float, sample_rate: float) -> Any:
-    """What the ledger records for each step: a Poisson-subsampled Gaussian, or (with a warning,
-    to the caller of ``make_train_step``) a :class:`NonPrivateEvent` for ``noise_multiplier=0``."""
+def _ledger_event(call: str, noise_multiplier: float, sample_rate: float, sampler: Any = None) -> Callable[[], Any]:
+    """What the ledger records for each step, as a function called once per step before anything
+    is computed: ``sampler.event(noise_multiplier)`` (the event of the batch the sampler drew last:
+    for shuffled and balls-in-bins epochs, an :class:`~vmapdp.accounting.EpochGaussianEvent`
+    that charges the epoch on the step that opens it), a Poisson-subsampled Gaussian for
+    ``sample_rate=`` alone, or (with a warning, to the caller of ``make_train_step``) a
+    :class:`NonPrivateEvent` for ``noise_multiplier=0``, whatever the sampler."""
     if noise_multiplier > 0:
-        return PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+        if sampler is None:
+            event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+            return lambda: event
+
+        def sampled() -> Any:
+            event = sampler.event(noise_multiplier)
+            if not isinstance(event, accounting.events._EVENT_TYPES) or isinstance(event, NonPrivateEvent):
+                raise TypeError(
+                    f"step(state, batch, mask): the sampler's event(noise_multiplier) gave {event!r}, not a privacy event of "
+                    "vmapdp.accounting; the ledger cannot record it. Use a sampler from vmapdp.data."
+                )
+            return event
+
+        return sampled
     warnings.warn(
         f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a NonPrivateEvent and epsilon is infinite.",
         UserWarning,
         stacklevel=3,
     )
-    return NonPrivateEvent()
+    return NonPrivateEvent
 
 
 def _checked_inputs(call: str, state: Any, batch: Any, mask: Any, secure: bool) -> tuple[int, Tensor]:
@@ -305,7 +336,10 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
-            eps = accountant_epsilon(ledger, b_delta, b_accountant)
+            try:
+                eps = accountant_epsilon(ledger, b_delta, b_accountant)
+            except ValueError:  # an accountant that cannot bound this ledger (fixed-size batches): RDP decided
+                eps, b_accountant = accountant_epsilon(ledger, b_delta, "rdp"), "rdp, the only bound for this ledger"
             whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
             raise PrivacyBudgetExceeded(
                 f"{call}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "
@@ -335,8 +369,9 @@ def make_train_step(
     *,
     l2_clip_norm: float,
     noise_multiplier: float,
-    expected_batch_size: float,
-    sample_rate: float,
+    expected_batch_size: float | None = None,
+    sample_rate: float | None = None,
+    sampler: Any = None,
     physical_batch_size: int | None = None,
     method: str = "auto",
     norm_chunk_size: int | None = None,
@@ -363,8 +398,18 @@ def make_train_step(
         expected_batch_size: the divisor of the noisy sum: ``sample_rate * dataset size``, a public
             constant. Never the realised batch size, which depends on the data and is private.
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
-            not a rank's share.
-        sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger).
+            not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
+        sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
+            it means Poisson sampling.
+        sampler: the :mod:`vmapdp.data` sampler the batches come from (``PoissonSampler``,
+            ``FixedSizeSampler``, ``ShuffledSampler``, ``BallsInBinsSampler``,
+            ``TruncatedPoissonSampler``): each step records ``sampler.event(noise_multiplier)``,
+            the event of the batch the sampler drew last, before anything is computed. So call
+            the step on each batch as it is drawn (iterate the sampler; do not draw ahead): an
+            epoch sampler's event says whether its last batch opened an epoch. Given with
+            ``sample_rate`` the two must agree (ValueError otherwise). Fixed-size batches are
+            accounted by RDP only: a budget with ``accountant="pld"`` is then enforced by the RDP
+            bound (see :func:`vmapdp.accounting.within_budget`).
         physical_batch_size: split each batch into chunks of this many rows (use the sampler's
             ``capacity``: a rare overflowing step then reuses the compiled chunk). Default: one
             chunk of whatever size the batch has.
@@ -429,15 +474,17 @@ def make_train_step(
         _checks.privatizer(call, privatizer)
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
     l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
+    sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
+    if expected_batch_size is None and sampler is not None:
+        expected_batch_size = sampler.expected_batch_size
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
-    sample_rate = _checks.sample_rate(call, sample_rate)
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
-    event = _ledger_event(call, noise_multiplier, sample_rate)
+    event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
     config = step_config(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
@@ -449,6 +496,7 @@ def make_train_step(
         method=method,
         precision=precision,
         optimizer=getattr(optimizer, "config", ""),
+        sampler=scheme_description(sampler),
     )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
@@ -528,7 +576,7 @@ def make_train_step(
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
         n, mask = _checked_inputs(scall, state, batch, mask, secure)
-        ledger, budgets = _charged(scall, state, event, own_budget)  # before anything is computed or released
+        ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
         (summed, stats), methods = clipped_sums(state, batch, mask, shared, n)
         binding = noise_binding(state.run_id, config)
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
