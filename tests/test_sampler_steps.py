@@ -145,3 +145,14 @@ def test_a_budget_stops_a_shuffled_run_at_the_epoch_that_would_cross_it():
         for indices, mask in sampler:
             state, _ = step(state, gather(data, indices), mask, buffers)
     assert state.step == 3
+
+
+def test_within_budget_decides_replace_one_ledgers_the_pld_accountant_cannot_bound():
+    """Poisson steps followed by fixed-size steps: 'pld' refuses the mixed replace-one ledger, so
+    the budget is kept by RDP's bound: within exactly when RDP's epsilon is."""
+    delta = 1e-5
+    for count in (1, 3, 10, 30):
+        ledger = Ledger((PoissonGaussianEvent(noise_multiplier=2.0, sample_rate=0.1, count=10), FixedSizeGaussianEvent(noise_multiplier=2.0, batch_size=10, num_samples=100, count=count)))
+        rdp = accounting.epsilon(ledger, delta=delta, accountant="rdp")
+        for budget in (rdp * 0.99, rdp * 1.01):
+            assert accounting.within_budget(ledger, epsilon=budget, delta=delta) == (rdp <= budget)
