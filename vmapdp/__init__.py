@@ -33,6 +33,7 @@ from vmapdp.noise import add_noise, make_generator
 from vmapdp.per_sample import per_sample_grad_norms, per_sample_grads
 from vmapdp.precision import mixed_precision
 from vmapdp.private import PrivateTrainer, make_private
+from vmapdp.adaptive import AdaptiveClipping
 from vmapdp.train import PrivacyBudgetExceeded, TrainState, init_train_state, make_train_step
 from vmapdp.validation import Problem, explain_failure, fix, validate
 
@@ -63,6 +64,7 @@ __all__ = [
     "grad_similarity",
     "influence_scores",
     "make_train_step",
+    "AdaptiveClipping",
     "init_train_state",
     "TrainState",
     "PrivacyBudgetExceeded",

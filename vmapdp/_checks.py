@@ -266,3 +266,34 @@ def privatizer(call: str, value: Any) -> Any:
     if not (callable(getattr(value, "init", None)) and callable(getattr(value, "privatize", None))):
         raise _type_error(call, "privatizer", value, "an init/privatize pair such as vmapdp.noise.gaussian_privatizer(std)")
     return value
+
+
+def batch_scheme(call: str, rate: Any, sampler: Any) -> tuple[float, Any]:
+    """Which batch scheme a step runs: ``(rate, sampler)`` from ``sample_rate=`` and/or ``sampler=``.
+
+    ``sample_rate`` alone means Poisson sampling at that rate (``sampler`` is then None); a
+    ``sampler`` (anything with ``event(noise_multiplier)`` and a ``sample_rate``, such as the
+    samplers of :mod:`vmapdp.data`) says which scheme ran and its events are recorded. Both may be
+    given only when they agree (the same rate); TypeError/ValueError otherwise.
+    """
+    if sampler is None:
+        if rate is None:
+            raise ValueError(
+                f"{call}: got neither sample_rate= nor sampler=; the ledger must know how the batches were drawn. "
+                "Pass sampler=<the vmapdp.data sampler the batches come from> (or sample_rate= for Poisson sampling)."
+            )
+        return sample_rate(call, rate), None
+    if not callable(getattr(sampler, "event", None)) or getattr(sampler, "sample_rate", None) is None:
+        raise _type_error(
+            call, "sampler", sampler, "a sampler from vmapdp.data (PoissonSampler, FixedSizeSampler, ShuffledSampler, BallsInBinsSampler, TruncatedPoissonSampler)",
+            "Its event(noise_multiplier) is what the ledger records for each step.",
+        )
+    theirs = float(sampler.sample_rate)
+    if rate is not None:
+        given = sample_rate(call, rate)
+        if not math.isclose(given, theirs, rel_tol=1e-12, abs_tol=0.0):
+            raise ValueError(
+                f"{call}: sample_rate={rate!r} disagrees with the sampler's rate {theirs!r} ({type(sampler).__name__}); "
+                "the ledger would not know which one drew the batches. Pass sampler= alone (its events are recorded)."
+            )
+    return theirs, sampler

@@ -99,6 +99,7 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
         "budgets": [list(b) for b in state.budgets],
         "methods": [list(m) for m in state.methods],
         "noise_state": state.noise_state,
+        "clip_norm": state.clip_norm,
     }
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -292,7 +293,10 @@ def load_state(
     except (TypeError, ValueError) as err:
         raise ValueError(f"{call}: malformed 'budgets' or 'methods' ({err}); nothing was loaded.") from err
     noise_state = payload.get("noise_state", ())  # absent from checkpoints saved before the privatizer seam
-    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state)
+    clip_norm = payload.get("clip_norm")  # adaptive clipping's threshold (absent from older checkpoints)
+    if clip_norm is not None and not (isinstance(clip_norm, torch.Tensor) and clip_norm.dim() == 0 and clip_norm.is_floating_point()):
+        raise ValueError(f"{call}: malformed 'clip_norm' ({type(clip_norm).__name__}); expected a 0-dim float tensor or None. Nothing was loaded.")
+    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm)
     if like is not None:
         _check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen

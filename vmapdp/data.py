@@ -388,6 +388,7 @@ class FixedSizeSampler(_KeyedSampler):
         self._init_source(call, generator, key, secure)
 
     expected_batch_size = property(lambda self: float(self.batch_size), doc="the batch size (every batch has it)")
+    sample_rate = property(lambda self: self.batch_size / self.num_samples, doc="batch_size / num_samples: the probability that an example is in a batch")
 
     def _params(self):
         return {"num_samples": self.num_samples, "batch_size": self.batch_size}
@@ -477,6 +478,7 @@ class ShuffledSampler(_EpochSampler):
         self._init_source(call, generator, key, secure)
 
     expected_batch_size = property(lambda self: float(self.batch_size), doc="the (full) batch size")
+    sample_rate = property(lambda self: self.batch_size / self.num_samples, doc="batch_size / num_samples: the share of the data in a full batch")
 
     def _params(self):
         return {"num_samples": self.num_samples, "batch_size": self.batch_size}
@@ -524,6 +526,7 @@ class BallsInBinsSampler(_EpochSampler):
         self._init_source(call, generator, key, secure)
 
     expected_batch_size = property(lambda self: self.num_samples / self.steps_per_epoch, doc="num_samples / steps_per_epoch")
+    sample_rate = property(lambda self: 1.0 / self.steps_per_epoch, doc="1 / steps_per_epoch: the probability that an example is in a step's batch")
 
     def _params(self):
         return {"num_samples": self.num_samples, "steps_per_epoch": self.steps_per_epoch}

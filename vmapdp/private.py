@@ -276,7 +276,7 @@ def make_private(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
         expected_batch_size=sampler.expected_batch_size,
-        sample_rate=sample_rate,
+        sampler=sampler,  # each step records the sampler's event (Poisson here)
         physical_batch_size=sampler.capacity,
         compile=compile,
         budget=(target_epsilon, delta) if target_epsilon is not None else None,

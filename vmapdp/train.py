@@ -41,11 +41,12 @@ import torch
 from torch import Tensor
 
 from vmapdp import _checks, accounting
+from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
-from vmapdp.noise import Privatizer, gaussian_privatizer
+from vmapdp.noise import Privatizer, add_noise, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
 
 __all__ = ["TrainState", "StepStats", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
@@ -68,6 +69,7 @@ class TrainState(NamedTuple):
     budgets: tuple[tuple[float, float, str], ...] = ()  # (epsilon, delta, accountant): every budget ever given, all enforced
     methods: tuple[tuple[str, str], ...] = ()  # (chunk shape digest, method run): replayed on resume
     noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
+    clip_norm: Any = None  # adaptive clipping's current threshold (0-dim float32 tensor); None: the step's l2_clip_norm
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -232,9 +234,13 @@ def step_config(
     method: str = "auto",
     precision: torch.dtype | None = None,
     optimizer: str = "",
+    sampler: str = "",
+    adaptive: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
-    as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`."""
+    as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`;
+    ``sampler`` the batch scheme other than Poisson (:func:`scheme_description`; ``""`` for
+    Poisson sampling, which ``sample_rate`` already says, and then left out)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -246,8 +252,19 @@ def step_config(
         ("method", method),
         ("precision", str(precision)),
         ("optimizer", optimizer),
-    )
+    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ())
     return repr(fields)
+
+
+def scheme_description(sampler: Any) -> str:
+    """The batch scheme of ``sampler`` for the noise binding: ``""`` for plain Poisson sampling (or
+    no sampler), else its class and the public parameters that define its events."""
+    from vmapdp.data import PoissonSampler
+
+    if sampler is None or type(sampler) is PoissonSampler:
+        return ""
+    names = ("num_samples", "sample_rate", "batch_size", "steps_per_epoch", "max_batch_size")
+    return repr((type(sampler).__name__, tuple((k, getattr(sampler, k)) for k in names if hasattr(sampler, k))))
 
 
 def noise_binding(run_id: str, config: str) -> str:
@@ -268,17 +285,34 @@ def _step_key(seed: int, step: int, binding: str) -> bytes:
     return f"vmapdp-noise:v2:{seed}:{step}:{binding}".encode()
 
 
-def _ledger_event(call: str, noise_multiplier: float, sample_rate: float) -> Any:
-    """What the ledger records for each step: a Poisson-subsampled Gaussian, or (with a warning,
-    to the caller of ``make_train_step``) a :class:`NonPrivateEvent` for ``noise_multiplier=0``."""
+def _ledger_event(call: str, noise_multiplier: float, sample_rate: float, sampler: Any = None) -> Callable[[], Any]:
+    """What the ledger records for each step, as a function called once per step before anything
+    is computed: ``sampler.event(noise_multiplier)`` (the event of the batch the sampler drew last:
+    for shuffled and balls-in-bins epochs, an :class:`~vmapdp.accounting.EpochGaussianEvent`
+    that charges the epoch on the step that opens it), a Poisson-subsampled Gaussian for
+    ``sample_rate=`` alone, or (with a warning, to the caller of ``make_train_step``) a
+    :class:`NonPrivateEvent` for ``noise_multiplier=0``, whatever the sampler."""
     if noise_multiplier > 0:
-        return PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+        if sampler is None:
+            event = PoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=float(sample_rate))
+            return lambda: event
+
+        def sampled() -> Any:
+            event = sampler.event(noise_multiplier)
+            if not isinstance(event, accounting.events._EVENT_TYPES) or isinstance(event, NonPrivateEvent):
+                raise TypeError(
+                    f"step(state, batch, mask): the sampler's event(noise_multiplier) gave {event!r}, not a privacy event of "
+                    "vmapdp.accounting; the ledger cannot record it. Use a sampler from vmapdp.data."
+                )
+            return event
+
+        return sampled
     warnings.warn(
         f"{call}: noise_multiplier=0 trains WITHOUT differential privacy; the ledger records a NonPrivateEvent and epsilon is infinite.",
         UserWarning,
         stacklevel=3,
     )
-    return NonPrivateEvent()
+    return NonPrivateEvent
 
 
 def _checked_inputs(call: str, state: Any, batch: Any, mask: Any, secure: bool) -> tuple[int, Tensor]:
@@ -305,13 +339,19 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
-            eps = accountant_epsilon(ledger, b_delta, b_accountant)
+            try:
+                eps = accountant_epsilon(ledger, b_delta, b_accountant)
+            except ValueError:  # an accountant that cannot bound this ledger (fixed-size batches): RDP decided
+                eps, b_accountant = accountant_epsilon(ledger, b_delta, "rdp"), "rdp, the only bound for this ledger"
             whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
             raise PrivacyBudgetExceeded(
                 f"{call}: step {state.step + 1} would spend epsilon={eps:.4g} > budget {b_eps:g} "
                 f"(delta={b_delta:g}, {b_accountant}; the budget {whose}). Training stops here; the state is unchanged."
             )
     return ledger, budgets
+
+
+_COUNT = "\x00adaptive-count"  # the noisy count's slot in the release (no param is named so)
 
 
 def _shape_digest(key: tuple) -> str:
@@ -335,8 +375,9 @@ def make_train_step(
     *,
     l2_clip_norm: float,
     noise_multiplier: float,
-    expected_batch_size: float,
-    sample_rate: float,
+    expected_batch_size: float | None = None,
+    sample_rate: float | None = None,
+    sampler: Any = None,
     physical_batch_size: int | None = None,
     method: str = "auto",
     norm_chunk_size: int | None = None,
@@ -350,6 +391,7 @@ def make_train_step(
     distributed: bool = False,
     precision: torch.dtype | None = None,
     privatizer: Privatizer | None = None,
+    adaptive_clipping: _adaptive.AdaptiveClipping | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -363,8 +405,18 @@ def make_train_step(
         expected_batch_size: the divisor of the noisy sum: ``sample_rate * dataset size``, a public
             constant. Never the realised batch size, which depends on the data and is private.
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
-            not a rank's share.
-        sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger).
+            not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
+        sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
+            it means Poisson sampling.
+        sampler: the :mod:`vmapdp.data` sampler the batches come from (``PoissonSampler``,
+            ``FixedSizeSampler``, ``ShuffledSampler``, ``BallsInBinsSampler``,
+            ``TruncatedPoissonSampler``): each step records ``sampler.event(noise_multiplier)``,
+            the event of the batch the sampler drew last, before anything is computed. So call
+            the step on each batch as it is drawn (iterate the sampler; do not draw ahead): an
+            epoch sampler's event says whether its last batch opened an epoch. Given with
+            ``sample_rate`` the two must agree (ValueError otherwise). Fixed-size batches are
+            accounted by RDP only: a budget with ``accountant="pld"`` is then enforced by the RDP
+            bound (see :func:`vmapdp.accounting.within_budget`).
         physical_batch_size: split each batch into chunks of this many rows (use the sampler's
             ``capacity``: a rare overflowing step then reuses the compiled chunk). Default: one
             chunk of whatever size the batch has.
@@ -409,6 +461,17 @@ def make_train_step(
             noise the ledger records; another one must give at least its privacy. With ``secure``
             and ``distributed``, rank 0 alone privatizes and broadcasts the release and the state
             (:func:`vmapdp.distributed.privatized_on_rank0`).
+        adaptive_clipping: a :class:`vmapdp.AdaptiveClipping` (Andrew et al. 2021): the clip norm
+            starts at ``l2_clip_norm`` and follows a privately estimated quantile of the per-sample
+            norms; the threshold is carried in ``state.clip_norm`` and enters the compiled chunk
+            as a traced 0-dim tensor (each sample's gradient is that of ``loss / C_t`` clipped to 1,
+            times ``C_t``: exact, one graph for every threshold). The count of unclipped samples is
+            released with its own noise ``count_noise_multiplier``; the gradient noise uses the
+            paper's split ``sigma_grad = (noise_multiplier^-2 - (2 count_noise_multiplier)^-2)^(-1/2)``,
+            so the step as a whole is the Gaussian mechanism at ``noise_multiplier`` that the ledger
+            records. ``rule="clip"`` only, with the default privatizer, not ``distributed``.
+            ``metrics`` then add ``clip_norm`` (the threshold used) and ``unclipped_estimate``
+            (the private estimate of the unclipped fraction; both public).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -429,15 +492,30 @@ def make_train_step(
         _checks.privatizer(call, privatizer)
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
     l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
+    sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
+    if expected_batch_size is None and sampler is not None:
+        expected_batch_size = sampler.expected_batch_size
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
-    sample_rate = _checks.sample_rate(call, sample_rate)
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
+    grad_sigma = None
+    if adaptive_clipping is not None:
+        if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
+            raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
+        why = "adaptive clipping"
+        if noise_multiplier == 0 or math.isinf(l2_clip_norm):
+            raise ValueError(f"{call}: {why} needs noise_multiplier > 0 and a finite initial l2_clip_norm (got {noise_multiplier!r}, {l2_clip_norm!r}); its count is a private release. Drop adaptive_clipping= for a non-private run.")
+        if rule != "clip" or privatizer is not None or distributed:
+            raise ValueError(
+                f"{call}: {why} supports rule='clip' with the default Gaussian privatizer on one process; got rule={rule!r}, "
+                f"privatizer={'given' if privatizer is not None else None}, distributed={distributed}. Drop adaptive_clipping= or those arguments."
+            )
+        grad_sigma = adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
-    event = _ledger_event(call, noise_multiplier, sample_rate)
+    event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
     config = step_config(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
@@ -449,11 +527,20 @@ def make_train_step(
         method=method,
         precision=precision,
         optimizer=getattr(optimizer, "config", ""),
+        sampler=scheme_description(sampler),
+        adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
     )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
+    sum_loss, sum_clip = loss_fn, l2_clip_norm
+    if adaptive_clipping is not None:  # clip(g, C) = C * clip(g / C, 1), and g / C is the gradient of loss / C
+
+        def sum_loss(params, clip_norm, *rest):
+            return loss_fn(params, *rest) / clip_norm
+
+        sum_clip = 1.0
     sum_fns = {
-        m: clipped_grad_sum(loss_fn, l2_clip_norm=l2_clip_norm, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
+        m: clipped_grad_sum(sum_loss, l2_clip_norm=sum_clip, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
         for m in methods
     }
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
@@ -466,7 +553,12 @@ def make_train_step(
         def chunk_sums(params, mask, shared, chunk):
             """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
             summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
-            return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
+            if adaptive_clipping is None:
+                return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
+            c = shared[0]  # the traced threshold; an invalid one (unchecked while tracing) releases NaN, nothing
+            ok = _checks.clip_norm_ok(c)
+            summed = {k: torch.where(ok, v * c, torch.full_like(v, math.nan)) for k, v in summed.items()}
+            return summed, StepStats.of_chunk(mask, norms * c, losses * c, c)
 
         return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
 
@@ -479,7 +571,7 @@ def make_train_step(
         """The (compiled) chunk function of ``name``; made on first use for a method replayed from a state."""
         if name not in run_chunk:
             sum_fns[name] = clipped_grad_sum(
-                loss_fn, l2_clip_norm=l2_clip_norm, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
+                sum_loss, l2_clip_norm=sum_clip, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
             )
             run_chunk[name] = chunk_fn(sum_fns[name])
         return run_chunk[name]
@@ -528,17 +620,41 @@ def make_train_step(
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
         n, mask = _checked_inputs(scall, state, batch, mask, secure)
-        ledger, budgets = _charged(scall, state, event, own_budget)  # before anything is computed or released
+        ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
+        clip = None
+        if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor
+            clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
+            clip = _adaptive.check_clip_norm(scall, clip)
+            shared = (clip, *shared)
         (summed, stats), methods = clipped_sums(state, batch, mask, shared, n)
         binding = noise_binding(state.run_id, config)
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
-        noisy, noise_state = privatizer.privatize(summed, state.noise_state, key)
+        new_clip, extra = state.clip_norm, {}
+        if adaptive_clipping is None:
+            noisy, noise_state = privatizer.privatize(summed, state.noise_state, key)
+        else:
+            noisy, noise_state = _adaptive_release(summed, stats, clip, key, state.noise_state)
+            new_clip, estimate = adaptive_clipping.next_clip_norm(clip, noisy.pop(_COUNT), expected_batch_size)
+            extra = {"clip_norm": clip, "unclipped_estimate": estimate}
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state)
-        return new_state, stats.metrics()
+        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
+        return new_state, {**stats.metrics(), **extra}
+
+    def _adaptive_release(summed: dict, stats: StepStats, clip: Tensor, key: bytes | None, noise_state: Any) -> tuple[dict, Any]:
+        """The noisy gradient sum (std ``grad_sigma * C_t``) and, under ``_COUNT``, the noisy
+        ``sum_i (b_i - 1/2)`` (std ``count_noise_multiplier``), from independent streams."""
+        half_count = 0.5 * stats.rows - stats.clipped - stats.nonfinite  # sum over real rows of (b_i - 1/2)
+        sb = adaptive_clipping.count_noise_multiplier
+        if secure:
+            noisy = add_noise(summed, grad_sigma * clip, secure=True)
+            count = add_noise(half_count, sb, secure=True)
+        else:
+            noisy = add_noise(summed, grad_sigma * clip, key=key)
+            count = add_noise(half_count, sb, key=key + b":adaptive-count")
+        return {**noisy, _COUNT: count}, noise_state
 
     step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
     return step

@@ -11,6 +11,7 @@ Training appends immutable events to an immutable :class:`Ledger`; accountants r
     acc.epsilon(ledger, delta=1e-5, accountant="rdp")    # looser upper bound (RDP), fast
     acc.epsilon(noise_multiplier=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
     acc.calibrate_noise(target_epsilon=3.0, delta=1e-5, sample_rate=0.01, steps=1000)
+    acc.tpr_bound(ledger, fpr=[0.01, 0.1])             # f-DP: the best attacker's TPR at those FPRs
 
 Accountants (``accountant=``):
   ``"pld"``  (the default) privacy loss distributions composed by FFT with connect-the-dots
@@ -33,6 +34,7 @@ from vmapdp.accounting.events import (
     PoissonGaussianEvent,
     TruncatedPoissonGaussianEvent,
 )
+from vmapdp.accounting.fdp import delta_curve, mu_gdp, tpr_bound
 from vmapdp.accounting.pld import PLDBounds
 from vmapdp.accounting.rdp import DEFAULT_ORDERS, rdp_poisson_gaussian
 
@@ -48,9 +50,12 @@ __all__ = [
     "TruncatedPoissonGaussianEvent",
     "calibrate_noise",
     "delta",
+    "delta_curve",
     "epsilon",
     "epsilon_bounds",
     "epsilon_grid",
+    "mu_gdp",
     "rdp_poisson_gaussian",
+    "tpr_bound",
     "within_budget",
 ]

@@ -619,6 +619,10 @@ def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant
 
     * RDP first (microseconds): it is an upper bound on the true epsilon, so RDP within the
       budget means the ledger is within it, whatever ``accountant`` is asked.
+    * A replace-one ledger (fixed-size, shuffled or balls-in-bins batches): ``"pld"`` is the exact
+      closed form for Gaussian epochs; where it cannot bound the ledger (fixed-size batches,
+      Poisson steps converted to replace-one) RDP is the only bound, so when RDP is over the
+      budget the ledger is not within it (the step stops where RDP says).
     * Else, for ``"pld"``: the largest count ``K`` of the ledger's last event that stays within
       the budget is found once (galloping from the current count, then bisection; cached), and
       later calls compare counts. The true epsilon grows with the count, so a certified upper
@@ -635,13 +639,23 @@ def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant
     accountant = _options(where, accountant, None, None, None)[0]
     if not ledger.events:
         return True
+    rdp_bounded = True
     try:
         if _ledger_epsilon(ledger.events, delta, "rdp") <= epsilon:
             return True
     except ValueError:  # a ledger RDP does not cover: decide with the accountant asked
-        pass
+        rdp_bounded = False
     if accountant == "rdp":
         return False
+    if ledger.adjacency == _events.REPLACE_ONE:
+        # "pld" here is the closed form of the composed epoch Gaussians (cheap: no count search),
+        # or a refusal (fixed-size batches): then RDP, an upper bound, is the only bound and is over
+        try:
+            return _ledger_epsilon(ledger.events, delta, accountant) <= epsilon
+        except ValueError:  # refused (fixed-size, or Poisson converted): RDP's bound, over the budget, decides
+            if rdp_bounded:
+                return False
+            raise
     *prefix, last = ledger.events
     return last.count <= _max_count(tuple(prefix), last._with_count(1), last.count, epsilon, delta, accountant)
 

@@ -1,4 +1,4 @@
-"""Check that the ledger a step wrote matches the steps taken, the noise and the rate: :func:`check_ledger`.
+"""Check that the ledger a step wrote matches the steps taken, the noise and the batch scheme: :func:`check_ledger`.
 
 Exact: the recorded ledger must equal the one expected; the report gives the epsilon each implies
 (:func:`ledger_epsilon`, also the white-box audit's claimed epsilon).
@@ -10,8 +10,8 @@ import dataclasses
 import math
 from typing import Any
 
-from vmapdp import accounting
-from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
+from vmapdp import _checks, accounting
+from vmapdp.accounting import EpochGaussianEvent, Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 
 __all__ = ["LedgerReport", "check_ledger", "ledger_epsilon"]
@@ -51,13 +51,31 @@ def ledger_epsilon(ledger: Ledger, *, delta: float, accountant: str) -> float:
     return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
 
 
+def sampler_events(sampler: Any, steps: int, noise_multiplier: float) -> Ledger:
+    """The ledger of the last ``steps`` batches ``sampler`` drew at ``noise_multiplier``, written
+    from the scheme's definition: the sampler's (stateless) event per step, and for an epoch
+    sampler one :class:`EpochGaussianEvent` per step whose ``epochs`` counts the draws
+    ``i = draws - steps, ..., draws - 1`` (0-based) with ``i % steps_per_epoch == 0``."""
+    spe = getattr(sampler, "steps_per_epoch", None)
+    if spe is None:
+        return Ledger((dataclasses.replace(sampler.event(noise_multiplier), count=steps),))
+    drawn = sampler._step
+    if drawn < steps:
+        raise ValueError(f"check_ledger: the sampler drew {drawn} batch(es), fewer than steps={steps}; pass the sampler the steps' batches came from, after the steps.")
+    ledger = Ledger()
+    for i in range(drawn - steps, drawn):
+        ledger = ledger.append(EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=spe, scheme=sampler._SCHEME, epochs=int(i % spe == 0)))
+    return ledger
+
+
 def check_ledger(
     state_before: Any,
     state_after: Any,
     *,
     steps: int,
     noise_multiplier: float,
-    sample_rate: float,
+    sample_rate: float | None = None,
+    sampler: Any = None,
     delta: float = 1e-5,
     accountant: str = "rdp",
     raise_on_failure: bool = True,
@@ -65,16 +83,21 @@ def check_ledger(
     """Check that the ledger the step wrote matches the steps taken, the noise and the sampling rate.
 
     The accountant only knows what the ledger says: a step that records a smaller sampling rate or
-    a larger noise multiplier than it used, or records nothing, reports a false epsilon. Exact:
-    ``state_after.ledger`` must equal ``state_before.ledger`` followed by ``steps`` events of
-    ``PoissonGaussianEvent(noise_multiplier, sample_rate)`` (a ``NonPrivateEvent`` for noise 0),
-    and the step counter must have advanced by ``steps``.
+    a larger noise multiplier than it used, records another sampling scheme than the one that drew
+    the batches, or records nothing, reports a false epsilon. Exact: ``state_after.ledger`` must
+    equal ``state_before.ledger`` followed by ``steps`` events of the scheme
+    (``PoissonGaussianEvent(noise_multiplier, sample_rate)`` for ``sample_rate=`` alone; with
+    ``sampler=``, the sampler's events, epochs charged on the draws that opened them: see
+    :func:`sampler_events`; a ``NonPrivateEvent`` for noise 0), and the step counter must have
+    advanced by ``steps``.
 
     Args:
         state_before, state_after: train states (or ledgers) around the steps.
         steps: how many steps were taken.
         noise_multiplier: the noise std / l2_clip_norm the step was meant to add.
         sample_rate: the Poisson rate the batches were really drawn with (the sampler's).
+        sampler: the :mod:`vmapdp.data` sampler that drew the steps' batches, after the steps (any
+            scheme); with ``sample_rate`` too, the two must agree.
         delta, accountant: to report the epsilon implied by each ledger.
         raise_on_failure: raise :class:`PrivacyCheckError` on failure (default) or return the report.
 
@@ -89,10 +112,13 @@ def check_ledger(
     after = _ledger_of(call, "state_after", state_after)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"{call}: steps={steps!r} must be an int >= 0.")
+    sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
     if steps == 0:
         added = Ledger()
     elif noise_multiplier == 0:
         added = Ledger((NonPrivateEvent(count=steps),))
+    elif sampler is not None:
+        added = sampler_events(sampler, steps, noise_multiplier)
     else:
         added = Ledger().record(noise_multiplier=noise_multiplier, sample_rate=sample_rate, count=steps)
     expected = before.extend(added)
@@ -122,7 +148,7 @@ def check_ledger(
         message = (
             f"{call}: FAILED: {'; '.join(problems)}. The accountant would report epsilon {e_rec:.4g} instead of "
             f"{e_exp:.4g} at delta={delta:g} ({accountant}). Likely: {'; '.join(hint) or 'a ledger written by hand'}. "
-            "Build the step with the sampler's sample_rate (make_train_step(..., sample_rate=sampler.sample_rate))."
+            "Build the step with the sampler the batches come from (make_train_step(..., sampler=sampler))."
         )
     return finish(
         LedgerReport(

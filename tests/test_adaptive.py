@@ -1,0 +1,136 @@
+"""Adaptive clipping (Andrew et al. 2021): the noise split, the private quantile tracking, the
+ledger, and the threshold as a traced value of the compiled step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+import vmapdp
+from vmapdp import optim
+from vmapdp.accounting import Ledger, PoissonGaussianEvent
+
+ALPHA = 1e-3  # false-alarm rate of the statistical test (fixed seeds: deterministic)
+N, D = 200, 6
+
+
+def linear_problem(seed=0):
+    """loss_i = w . x_i: the per-sample gradient is x_i, its norm ||x_i||, spread uniformly on [1, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g)
+    x = x / x.norm(dim=1, keepdim=True) * torch.linspace(1.0, 3.0, N)[torch.randperm(N, generator=g)][:, None]
+
+    def loss_fn(p, sample):
+        return (p["w"] * sample).sum()
+
+    return {"w": torch.zeros(D)}, x, loss_fn
+
+
+def make(loss_fn, adaptive, *, noise=0.5, lr=0.0, clip=1.0, compile=False):
+    return vmapdp.make_train_step(
+        loss_fn, optim.sgd(lr), l2_clip_norm=clip, noise_multiplier=noise, expected_batch_size=float(N), sample_rate=1.0,
+        adaptive_clipping=adaptive, compile=compile, method="vmap",
+    )
+
+
+def test_the_noise_split_is_the_papers():
+    a = vmapdp.AdaptiveClipping(count_noise_multiplier=5.0)
+    assert a.gradient_noise_multiplier(1.0) == pytest.approx((1.0 - 1.0 / 100.0) ** -0.5, rel=1e-14)
+    # the two releases, in units of their noise, together move by 1 / sigma: one Gaussian mechanism at sigma
+    s, sb = 1.3, 2.0
+    sg = vmapdp.AdaptiveClipping(count_noise_multiplier=sb).gradient_noise_multiplier(s)
+    assert math.hypot(1 / sg, 0.5 / sb) == pytest.approx(1 / s, rel=1e-14)
+    with pytest.raises(ValueError, match=r"count_noise_multiplier=0.5 must be > noise_multiplier / 2 = 0.5"):
+        vmapdp.AdaptiveClipping(count_noise_multiplier=0.5).gradient_noise_multiplier(1.0)
+    with pytest.raises(ValueError, match=r"AdaptiveClipping: target_quantile=1.0 must be in \(0, 1\)"):
+        vmapdp.AdaptiveClipping(count_noise_multiplier=1.0, target_quantile=1.0)
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.9])
+def test_the_clip_norm_tracks_the_target_quantile_of_the_norms(quantile):
+    """Norms uniform on [1, 3]: the gamma-quantile is 1 + 2 gamma. From C = 1 the threshold
+    reaches it within 0.1 (count noise 2 on 200 samples moves the estimate by ~0.01)."""
+    params, x, loss_fn = linear_problem()
+    step = make(loss_fn, vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, target_quantile=quantile))
+    state = vmapdp.init_train_state(params, optim.sgd(0.0), seed=0)
+    mask = torch.ones(N, dtype=torch.bool)
+    for _ in range(120):
+        state, metrics = step(state, x, mask)
+    assert abs(float(state.clip_norm) - (1 + 2 * quantile)) < 0.1
+    assert abs(float(metrics["unclipped_estimate"]) - quantile) < 0.05
+
+
+def test_the_step_clips_at_the_carried_threshold_with_the_split_noise():
+    """White box: update = -(sum_i min(1, C/||x_i||) x_i + N(0, (sigma_grad C)^2)) / m at the state's C;
+    the noise's variance passes a two-sided chi-square test at ALPHA over 200 seeds."""
+    params, x, loss_fn = linear_problem()
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=3.0)
+    sigma = 0.8
+    step = make(loss_fn, adaptive, noise=sigma, lr=1.0)
+    c = torch.tensor(1.7)
+    norms = x.norm(dim=1, keepdim=True)
+    clipped_sum = (torch.clamp(c / norms, max=1.0) * x).sum(0)
+    mask = torch.ones(N, dtype=torch.bool)
+    noise = []
+    for seed in range(200):
+        state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=seed)._replace(clip_norm=c)
+        new, metrics = step(state, x, mask)
+        assert float(metrics["clip_norm"]) == pytest.approx(1.7)
+        noise.append(-new.params["w"] * N - clipped_sum)
+    z = torch.cat(noise).double() / (adaptive.gradient_noise_multiplier(sigma) * 1.7)
+    k = z.numel()
+    chi2 = float((z**2).sum())
+    assert stats.chi2.ppf(ALPHA / 2, k) < chi2 < stats.chi2.ppf(1 - ALPHA / 2, k)
+    assert abs(float(z.mean())) < stats.norm.ppf(1 - ALPHA / 2) / math.sqrt(k)
+
+
+def test_the_ledger_records_the_step_at_the_effective_noise_multiplier():
+    params, x, loss_fn = linear_problem()
+    step = make(loss_fn, vmapdp.AdaptiveClipping(count_noise_multiplier=4.0), noise=1.1)
+    state = vmapdp.init_train_state(params, optim.sgd(0.0), seed=0)
+    for _ in range(3):
+        state, _ = step(state, x, torch.ones(N, dtype=torch.bool))
+    assert state.ledger == Ledger((PoissonGaussianEvent(noise_multiplier=1.1, sample_rate=1.0, count=3),))
+
+
+def test_the_threshold_is_traced_in_the_compiled_step_and_checked_like_any_clip_norm():
+    """Compiled, a changing threshold reuses the graph (no recompile after the first step) and gives
+    the eager step's result; a non-finite threshold in the state is refused before anything runs."""
+    params, x, loss_fn = linear_problem()
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=2.0)
+    eager, compiled = make(loss_fn, adaptive, lr=0.1), make(loss_fn, adaptive, lr=0.1, compile=True)
+    mask = torch.ones(N, dtype=torch.bool)
+    a = b = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    a, _ = eager(a, x, mask)
+    b, _ = compiled(b, x, mask)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        a, _ = eager(a, x, mask)
+        b, _ = compiled(b, x, mask)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert float(b.clip_norm) != 1.0
+    assert torch.allclose(a.params["w"], b.params["w"], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(a.clip_norm, b.clip_norm, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"step\(state, batch, mask\): state.clip_norm=tensor\(nan\) must be finite and > 0"):
+        eager(a._replace(clip_norm=torch.tensor(math.nan)), x, mask)
+
+
+def test_adaptive_clipping_refuses_what_it_does_not_support(tmp_path):
+    _, _, loss_fn = linear_problem()
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=2.0)
+    with pytest.raises(ValueError, match=r"adaptive clipping supports rule='clip'"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=10.0, sample_rate=0.1, rule="normalize", adaptive_clipping=adaptive)
+    with pytest.raises(TypeError, match=r"adaptive_clipping must be a vmapdp.AdaptiveClipping"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=10.0, sample_rate=0.1, adaptive_clipping=0.5)
+
+
+def test_the_threshold_survives_a_checkpoint(tmp_path):
+    params, x, loss_fn = linear_problem()
+    step = make(loss_fn, vmapdp.AdaptiveClipping(count_noise_multiplier=2.0))
+    state, _ = step(vmapdp.init_train_state(params, optim.sgd(0.0), seed=0), x, torch.ones(N, dtype=torch.bool))
+    vmapdp.save_state(tmp_path / "s.pt", state)
+    loaded = vmapdp.load_state(tmp_path / "s.pt", like=state)
+    assert torch.equal(loaded.clip_norm, state.clip_norm)

@@ -1,0 +1,158 @@
+"""make_train_step(sampler=): every step records exactly the event of the batch scheme that ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from vmapdp import accounting, optim
+from vmapdp.accounting import (
+    EpochGaussianEvent,
+    FixedSizeGaussianEvent,
+    Ledger,
+    PoissonGaussianEvent,
+    TruncatedPoissonGaussianEvent,
+)
+from vmapdp.data import BallsInBinsSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler, gather
+from vmapdp.train import PrivacyBudgetExceeded
+
+N, NOISE = 24, 1.3
+
+
+def problem():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    apply, params, buffers = vmapdp.functionalize(model)
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(N, 3, generator=g), torch.randint(0, 2, (N,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return params, buffers, data, loss_fn
+
+
+def samplers():
+    g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    return {
+        "poisson": PoissonSampler(N, 0.25, steps=5, generator=g()),
+        "fixed": FixedSizeSampler(N, 6, steps=5, generator=g()),
+        "shuffle": ShuffledSampler(N, 8, epochs=2, generator=g()),
+        "balls_in_bins": BallsInBinsSampler(N, 4, epochs=2, generator=g()),
+        "truncated": TruncatedPoissonSampler(N, 0.25, steps=5, generator=g(), max_batch_size=24),
+    }
+
+
+def expected_ledger(name, steps):
+    """The ledger each scheme implies, written from the scheme's definition (not from the sampler)."""
+    if name == "poisson":
+        return Ledger((PoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, count=steps),))
+    if name == "fixed":
+        return Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=steps),))
+    if name == "truncated":
+        return Ledger((TruncatedPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, max_batch_size=24, num_samples=N, count=steps),))
+    spe = 3 if name == "shuffle" else 4  # ceil(24 / 8) steps, or 4 bins; two epochs opened
+    return Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=spe, scheme=name, count=steps, epochs=2),))
+
+
+@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "balls_in_bins", "truncated"])
+def test_the_ledger_records_exactly_the_sampler_and_mechanism_that_ran(name):
+    params, buffers, data, loss_fn = problem()
+    sampler = samplers()[name]
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, physical_batch_size=sampler.capacity, compile=False)
+    state = before = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    assert state.ledger == expected_ledger(name, sampler.steps)
+    report = vmapdp.testing.check_ledger(before, state, steps=sampler.steps, noise_multiplier=NOISE, sampler=sampler, raise_on_failure=False)
+    assert report.passed, report.message
+
+
+def test_an_epoch_is_charged_on_the_step_that_opens_it():
+    """Step by step: the epoch counter moves only on the first step of each epoch."""
+    params, buffers, data, loss_fn = problem()
+    sampler = ShuffledSampler(N, 8, epochs=2, generator=torch.Generator().manual_seed(3))
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    epochs = []
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+        epochs.append(state.ledger.events[-1].epochs)
+    assert epochs == [1, 1, 1, 2, 2, 2]
+
+
+def test_sample_rate_alone_keeps_meaning_poisson_and_a_poisson_sampler_binds_the_same_noise():
+    params, buffers, data, loss_fn = problem()
+    sampler = PoissonSampler(N, 0.25, steps=1, generator=torch.Generator().manual_seed(4))
+    indices, mask = sampler.sample()
+    kw = dict(l2_clip_norm=1.0, noise_multiplier=NOISE, expected_batch_size=6.0, compile=False, method="vmap")
+    a = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.25, **kw)
+    b = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=sampler, **kw)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    sa, _ = a(state, gather(data, indices), mask, buffers)
+    sb, _ = b(state, gather(data, indices), mask, buffers)
+    assert sa.ledger == sb.ledger == Ledger((PoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25),))
+    for k in sa.params:
+        assert torch.equal(sa.params[k], sb.params[k])
+
+
+def test_ambiguous_or_missing_schemes_are_refused():
+    _, _, _, loss_fn = problem()
+    kw = dict(l2_clip_norm=1.0, noise_multiplier=NOISE, expected_batch_size=6.0, compile=False)
+    fixed = FixedSizeSampler(N, 6, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"make_train_step\(loss_fn, optimizer\): sample_rate=0.5 disagrees with the sampler's rate 0.25 \(FixedSizeSampler\)"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.5, sampler=fixed, **kw)
+    with pytest.raises(ValueError, match=r"got neither sample_rate= nor sampler="):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), **kw)
+    with pytest.raises(TypeError, match=r"sampler must be a sampler from vmapdp.data .*got list"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=[1, 2], **kw)
+    # agreeing rates are accepted, and the sampler's events are what is recorded
+    vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.25, sampler=fixed, **kw)
+
+
+def test_a_budget_stops_a_fixed_size_run_where_rdp_says():
+    """Fixed-size batches have only the RDP bound: the default ("pld") budget is enforced by it,
+    and the run stops at exactly the first step whose RDP epsilon is past the budget."""
+    params, buffers, data, loss_fn = problem()
+    sampler = FixedSizeSampler(N, 6, steps=40, generator=torch.Generator().manual_seed(5))
+    budget, delta = 10.0, 1e-5
+    eps = [accounting.epsilon(Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=k),)), delta=delta, accountant="rdp") for k in range(1, 41)]
+    last_ok = max(k for k, e in zip(range(1, 41), eps) if e <= budget)
+    assert 1 < last_ok < 40  # the run crosses the budget
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, budget=(budget, delta), compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    with pytest.raises(PrivacyBudgetExceeded, match=rf"step {last_ok + 1} would spend epsilon="):
+        for indices, mask in sampler:
+            state, _ = step(state, gather(data, indices), mask, buffers)
+    assert state.step == last_ok and state.ledger.steps == last_ok
+
+
+def test_a_budget_stops_a_shuffled_run_at_the_epoch_that_would_cross_it():
+    """Epochs are charged whole: one epoch of sigma=1.3 fits a budget of 3 (mu = 2/1.3), two do not."""
+    params, buffers, data, loss_fn = problem()
+    sampler = ShuffledSampler(N, 8, epochs=2, generator=torch.Generator().manual_seed(6))
+    delta = 1e-5
+    one = accounting.epsilon(Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=3, scheme="shuffle", count=3, epochs=1),)), delta=delta)
+    two = accounting.epsilon(Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=3, scheme="shuffle", count=4, epochs=2),)), delta=delta)
+    budget = (one + two) / 2
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, budget=(budget, delta), compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    with pytest.raises(PrivacyBudgetExceeded, match=r"step 4 would spend"):
+        for indices, mask in sampler:
+            state, _ = step(state, gather(data, indices), mask, buffers)
+    assert state.step == 3
+
+
+def test_within_budget_decides_replace_one_ledgers_the_pld_accountant_cannot_bound():
+    """Poisson steps followed by fixed-size steps: 'pld' refuses the mixed replace-one ledger, so
+    the budget is kept by RDP's bound: within exactly when RDP's epsilon is."""
+    delta = 1e-5
+    for count in (1, 3, 10, 30):
+        ledger = Ledger((PoissonGaussianEvent(noise_multiplier=2.0, sample_rate=0.1, count=10), FixedSizeGaussianEvent(noise_multiplier=2.0, batch_size=10, num_samples=100, count=count)))
+        rdp = accounting.epsilon(ledger, delta=delta, accountant="rdp")
+        for budget in (rdp * 0.99, rdp * 1.01):
+            assert accounting.within_budget(ledger, epsilon=budget, delta=delta) == (rdp <= budget)
