@@ -109,3 +109,12 @@ def test_adapters_quick_run(capsys):
         assert "vmapdp_compiled" not in row["ms"]
     out = capsys.readouterr().out
     assert "| LoRA adapters | 2,216 | 8 |" in out and "| full fine-tuning | 19,594 | 8 |" in out
+
+
+def test_noise_benchmark_quick_run(capsys):
+    rows = _load("noise").main(["--quick"])
+    assert [r["n"] for r in rows] == [1000, 100_000]
+    for row in rows:
+        assert set(row["ms"]) == {"shake_old", "chacha20_f32", "chacha20_f64", "randn", "randn_gen"}
+        assert all(v > 0 for v in row["ms"].values()) and row["ratio_to_randn"]["randn"] == 1.0
+    assert "| 100,000 |" in capsys.readouterr().out

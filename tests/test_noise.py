@@ -160,3 +160,142 @@ def test_gaussian_privatizer_is_add_noise_under_the_steps_key():
         secure.privatize(tree, (), b"step-key")
     with pytest.raises(ValueError, match=r"std"):
         vmapdp.noise.gaussian_privatizer(-1.0)
+
+
+# --- keyed noise: the ChaCha20 stream and its Box-Muller transform (vmapdp.noise.keyed_normal) ---
+
+from vmapdp.noise import gaussian as _g  # noqa: E402
+from vmapdp.noise import keyed_normal  # noqa: E402
+
+Z_CRIT = stats.norm.ppf(1 - ALPHA / 2)  # two-sided, at the false-alarm rate ALPHA
+KEY = b"test-key-0123456789"
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_pass_ks_and_a_10_percent_std_error_fails(dtype):
+    z = keyed_normal((200_000,), KEY, leaf=2, dtype=dtype).double().numpy()
+    assert stats.kstest(z, "norm").pvalue > ALPHA
+    for wrong in (0.9, 1.1):  # negative controls: the same test rejects a std 10% off
+        assert stats.kstest(z, "norm", args=(0.0, wrong)).pvalue < ALPHA
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_first_four_moments(dtype):
+    z = keyed_normal((400_000,), KEY, leaf=5, dtype=dtype).double().numpy()
+    n = z.size
+    # each statistic against N(0, 1)'s value, in standard errors: mean 1/sqrt(n), variance sqrt(2/n),
+    # skewness sqrt(6/n), excess kurtosis sqrt(24/n) (asymptotic, fine at n = 4e5)
+    moments = [z.mean(), z.var() - 1, stats.skew(z), stats.kurtosis(z)]
+    errors = [1 / n**0.5, (2 / n) ** 0.5, (6 / n) ** 0.5, (24 / n) ** 0.5]
+    for m, se in zip(moments, errors):
+        assert abs(m) / se < Z_CRIT, (moments, errors)
+    # negative control: a uniform of variance 1 has the right mean and variance, not the kurtosis (-1.2)
+    u = (torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64).numpy() - 0.5) * 12**0.5
+    assert abs(stats.kurtosis(u)) / errors[3] > Z_CRIT
+    assert abs((1.1 * z).var() - 1) / errors[1] > Z_CRIT  # and a std 10% off fails the variance
+
+
+def _corr_z(a, b):
+    """The sample correlation of a and b in standard errors (1/sqrt(n) under independence)."""
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).mean() / (a.std() * b.std())) * a.numel() ** 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_are_uncorrelated_across_keys_leaves_and_elements(dtype):
+    n = 100_000
+    step1 = keyed_normal((n,), b"seed:1", dtype=dtype)
+    pairs = {
+        "steps": (step1, keyed_normal((n,), b"seed:2", dtype=dtype)),
+        "leaves": (step1, keyed_normal((n,), b"seed:1", leaf=1, dtype=dtype)),
+        "precisions": (keyed_normal((n,), b"seed:1", dtype=torch.float32), keyed_normal((n,), b"seed:1", dtype=torch.float64)),
+        "adjacent": (step1[:-1], step1[1:]),
+    }
+    per_group = 2 * _g._LAYOUT[_g._FP64 if dtype == torch.float64 else _g._FP32][1]
+    k = per_group // 2  # an element and its Box-Muller partner (same radius): independent, so their squares are uncorrelated
+    pairs["partner squares"] = (step1.view(-1, 2, k)[:, 0].reshape(-1) ** 2, step1.view(-1, 2, k)[:, 1].reshape(-1) ** 2) if n % per_group == 0 else None
+    for name, (a, b) in ((k_, v) for k_, v in pairs.items() if v is not None):
+        assert abs(_corr_z(a, b)) < Z_CRIT, name
+    # negative control: 5% of one stream mixed into another is detected
+    a, b = pairs["steps"]
+    assert abs(_corr_z(a, b + 0.05 * a)) > Z_CRIT
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_any_element_range_regenerates_the_slice_of_the_whole(dtype):
+    whole = keyed_normal((5000,), KEY, leaf=7, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    ranges = [(0, 1), (0, 5000), (31, 2), (32, 32), (33, 100), (4999, 1), (8, 4)]
+    ranges += [tuple(int(x) for x in (o, torch.randint(1, 5000 - o + 1, (1,), generator=g))) for o in torch.randint(0, 4999, (20,), generator=g)]
+    for offset, n in ranges:
+        part = keyed_normal((n,), KEY, leaf=7, offset=offset, dtype=dtype)
+        assert torch.equal(part, whole[offset : offset + n]), (offset, n)
+    # shapes are the flattened range reshaped; a range past the first chunk of keystream too
+    assert torch.equal(keyed_normal((3, 4), KEY, leaf=7, offset=100, dtype=dtype).reshape(-1), whole[100:112])
+    big = keyed_normal((300_000,), KEY, dtype=dtype)
+    assert torch.equal(keyed_normal((1000,), KEY, offset=262_000, dtype=dtype), big[262_000:263_000])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_same_on_the_torch_backend(dtype):
+    a = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, backend="auto")
+    b = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, backend="torch")
+    assert torch.equal(a, b)
+    eager = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, fused=False)
+    torch.testing.assert_close(eager, a, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+
+
+def test_same_key_same_bits_different_keys_different_bits():
+    a = keyed_normal((64,), KEY)
+    assert torch.equal(a, keyed_normal((64,), KEY))
+    assert torch.equal(keyed_normal((8,), 12345), keyed_normal((8,), "12345"))  # int and str keys are their decimal bytes
+    for other in (KEY + b"x", KEY[:-1], b"", 0):
+        b = keyed_normal((64,), other)
+        assert not (a == b).any(), other  # a different key: no element in common
+    assert not (keyed_normal((64,), KEY, leaf=1) == a).any()
+    assert keyed_normal((0,), KEY).shape == (0,)
+    with pytest.raises(ValueError, match=r"offset=-1 must be an int >= 0"):
+        keyed_normal((2,), KEY, offset=-1)
+    with pytest.raises(ValueError, match=r"leaf=-1 must be an int"):
+        keyed_normal((2,), KEY, leaf=-1)
+
+
+def test_the_stream_is_versioned_and_not_the_old_shake_stream():
+    import hashlib
+
+    # the ChaCha20 key is SHA-256 of a versioned label and the key, never the key's bare hash
+    assert _g.stream_key(KEY) == hashlib.sha256(b"vmapdp/keyed-normal/chacha20/v1\x00" + KEY).digest()
+    assert _g.stream_key(KEY) != hashlib.sha256(KEY).digest()
+    # the former SHAKE-256 stream of the same key (bytes 8..15 of each pair's 16 were its first uniforms' words)
+    old = torch.frombuffer(bytearray(hashlib.shake_256(b"vmapdp-keyed-normal:" + KEY + b":leaf:0").digest(64 * 8)), dtype=torch.int64)
+    raw = torch.frombuffer(bytearray(bytes(chacha_bytes(KEY, 8))), dtype=torch.int64)
+    assert not (old == raw).any()
+
+
+def chacha_bytes(key, nblocks):
+    from vmapdp.noise import chacha
+
+    return chacha.keystream(_g.stream_key(key), _g._nonce(0, _g._FP32), 0, nblocks).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transform_known_answers_and_the_open_interval(dtype):
+    """Crafted words: the radius word 0 gives the largest radius sqrt(128 ln 2), never inf; the word
+    -2**63 (|w| = 2**63) gives u < 1, so a radius > 0, never NaN; an angle word 0 gives (r, 0)."""
+    precision = _g._FP64 if dtype == torch.float64 else _g._FP32
+    blocks, pairs = _g._LAYOUT[precision]
+    words = torch.zeros(1, 8 * blocks, dtype=torch.int64)
+    words[0, 1] = -(2**63)
+    words[0, 2] = 2**62  # u = 1/2: r = sqrt(2 ln 2)
+    for fused in (False, True):
+        out = torch.empty(1, 2, pairs, dtype=dtype)
+        _g._normals_into(words.view(torch.uint8).reshape(-1), precision, fused, out)
+        cos, sin = out[0, 0], out[0, 1]
+        assert torch.isfinite(out).all()
+        assert float(cos[0]) == pytest.approx((128 * math.log(2)) ** 0.5, rel=1e-6) and float(sin[0]) == 0.0
+        assert 0 < float(cos[1]) < 1e-3  # u just below 1
+        assert float(cos[2]) == pytest.approx((2 * math.log(2)) ** 0.5, rel=1e-6)
+    # the largest |z| over many draws stays below the bound
+    assert float(keyed_normal((200_000,), KEY, dtype=dtype).abs().max()) < (128 * math.log(2)) ** 0.5

@@ -6,9 +6,11 @@ the sum is returned in that dtype: a half-precision gradient is never noised in 
 
 Sources, exactly one per call:
 
-* ``key=`` (bytes or int): reproducible noise that only the key's holder can predict: each leaf
-  is drawn (Box-Muller, float64) from the SHAKE-256 stream of ``(key, leaf index)``
-  (:func:`keyed_normal`). ``make_train_step`` uses ``key = (secret seed, step)``. torch's
+* ``key=`` (bytes, int or str): reproducible noise that only the key's holder can predict: leaf
+  ``i`` is drawn (Box-Muller, 63-bit radius uniforms, :func:`keyed_normal`) from the ChaCha20
+  stream (RFC 8439; OpenSSL's, or a torch twin with the same bits) keyed by ``SHA-256(label ||
+  key)`` with nonce ``(precision, i)``: counter-based, so any element range can be regenerated.
+  ``make_train_step`` uses ``key = (secret seed, step, run, configuration)``. torch's
   generators cannot play this role: the CPU one keeps only 32 bits of a seed (a brute-forceable
   search, and streams of different steps collide by the birthday bound within ~10**5 steps), and
   Mersenne Twister's output is linear in its state, which can be solved for from outputs.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+import struct
+import threading
 from typing import Any
 
 import optree
@@ -34,8 +38,9 @@ from torch import Tensor
 
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype
+from vmapdp.noise import chacha
 
-__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes"]
+__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "stream_key"]
 
 
 def key_bytes(key: bytes | int | str, *, call: str = "noise") -> bytes:
@@ -47,46 +52,227 @@ def key_bytes(key: bytes | int | str, *, call: str = "noise") -> bytes:
     raise TypeError(f"{call}: key must be bytes, int or str, got {type(key).__name__}.")
 
 
-def keyed_normal(shape: tuple[int, ...], key: bytes | int | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
-    """Standard normal samples determined by ``key`` (same key, same samples).
+_KDF_LABEL = b"vmapdp/keyed-normal/chacha20/v1\x00"  # the version tag: a new stream gets a new label
+_FP32, _FP64 = 32, 64  # precision tags, in the nonce
+# (ChaCha20 blocks per group, normal pairs per group): a float64 pair takes two 64-bit words (radius,
+# angle); a float32 pair a 64-bit radius word and a 32-bit angle word: 3 blocks = 16 int64 + 16 int32
+_LAYOUT = {_FP64: (1, 4), _FP32: (3, 16)}
+_CHUNK_GROUPS = 4096  # groups of keystream per piece: 768 KiB (float32), 256 KiB (float64), within a core's L2
 
-    The random bits are the output of SHAKE-256 (an extendable-output hash, used as a keyed
-    stream) on ``key``; Box-Muller turns them into normals in float64. Predicting them without the
-    key means breaking SHAKE-256. (torch's own generators are no substitute: the CPU generator
-    keeps 32 bits of a seed, and Mersenne Twister output is linear in its state, so its state can
-    be solved for from enough outputs.)
+
+def stream_key(key: bytes | int | str) -> bytes:
+    """The 256-bit ChaCha20 key of a noise key: ``SHA-256(version label || key)``.
+
+    The label carries a version (``v1``), so a later change of the stream or of the transform
+    gets new keys, and its streams never coincide with this one's.
+    """
+    return hashlib.sha256(_KDF_LABEL + key_bytes(key)).digest()
+
+
+def _nonce(leaf: int, precision: int) -> bytes:
+    """RFC 8439's 96-bit nonce of one leaf's stream: (precision tag: uint32, leaf index: uint64), little-endian."""
+    return struct.pack("<IQ", precision, leaf)
+
+
+def keyed_normal(
+    shape: tuple[int, ...],
+    key: bytes | int | str,
+    *,
+    leaf: int = 0,
+    offset: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+    fused: bool | None = None,
+) -> Tensor:
+    """Standard normal samples determined by ``key`` (same key, same samples): a ChaCha20 stream.
+
+    Element ``i`` (flattened) of leaf ``leaf``'s noise is a function of ``(key, leaf, i, precision)``
+    only: ``keyed_normal((n,), key, leaf=l, offset=o)`` is elements ``[o, o + n)`` of that stream,
+    equal bit for bit to the same slice of a longer draw (so a shard can regenerate its part).
+
+    Args:
+        shape: the output shape; ``prod(shape)`` elements from ``offset`` on.
+        key: the secret noise key (bytes, int or str); the ChaCha20 key is :func:`stream_key`.
+        leaf: the stream's index (``add_noise`` uses the leaf's position in the flattened tree).
+        offset: the first element.
+        dtype: the output dtype. float64 is computed in float64; every other dtype in float32
+            and cast (half precision never draws noise in half precision).
+        backend: ``"openssl"``, ``"torch"`` or ``"auto"`` (see :func:`vmapdp.noise.chacha.keystream`;
+            the same bits either way).
+        fused: transform with the Inductor-compiled kernel (one pass over each cache-sized piece of
+            keystream) or op by op in eager torch. ``None``: fused where Inductor can compile (a
+            C++ compiler is present). The two agree within a few ulps, not bitwise: a run is
+            reproducible on one setting.
+
+    How the bits become normals (Box-Muller, ``z = sqrt(-2 ln u) * (cos, sin)(theta)``), in the
+    working precision (float64 for float64, else float32):
+
+    * the radius from a 64-bit word ``w`` read as a signed integer: ``u = |w| / 2**63``, whose 63
+      random bits are rounded to the working precision (53 or 24 significant bits, so small ``u``,
+      the tails, keep full relative precision) and clamped into ``[2**-64, 1 - ulp]``: inside the
+      open interval ``(0, 1)``, never ``log 0``.
+    * the angle ``theta = w' * pi / 2**63`` from another 64-bit word (float64), or
+      ``w' * pi / 2**31`` from a 32-bit word (float32): uniform on ``[-pi, pi]`` to the working
+      precision.
+    * element layout: a group of ChaCha20 blocks (1 for float64, 3 for float32) gives ``k`` pairs
+      (4; 16), written as ``k`` cosines then ``k`` sines, so element ``i`` lives in group ``i // 2k``.
+
+    Guarantees:
+        Same ``(key, leaf, element, dtype)``, same bits, on either backend and for any element
+        range (for one ``fused`` setting). The radius comes from a 63-bit uniform, so the tails
+        reach ``sqrt(128 ln 2) = 9.42`` standard deviations in both precisions. A 24-bit uniform
+        in ``(0, 1)`` would stop them at ``sqrt(50 ln 2) = 5.89`` (``P(|Z| > 5.89) = 4e-9`` per
+        coordinate): a shift of the sum by the sensitivity then moves mass to where the unshifted
+        noise has none, an unaccounted delta of about ``P(Z > 5.89 - 1/sigma)`` per step
+        (``5e-7`` at noise multiplier 1). At 9.42 it is ``P(Z > 9.42 - 1/sigma)``: ``2e-17`` at
+        noise multiplier 1, ``6e-14`` at 0.5.
+
+    What is and is not defended (floating-point attacks: Mironov 2012; Jin et al. 2022):
+    textbook samplers draw ``u`` as a float in ``[0, 1)`` (``log 0`` possible; few random bits
+    near 0, so a truncated and gappy tail) and add noise whose rounding reveals the input. The
+    first is defended here (open interval, 63 random bits, full relative precision near 0). The
+    second is NOT: the noisy sum is rounded to the leaf's float type, the set of floats reachable
+    from ``x + noise`` depends on ``x``, and a released value can rule inputs out (Mironov's attack
+    on the least significant bits). That needs the snapping mechanism (Mironov 2012) or a discrete
+    Gaussian (Canonne, Kamath, Steinke 2020); neither is implemented.
+
+    References:
+        RFC 8439 (ChaCha20). C. Canonne, G. Kamath, T. Steinke, "The discrete Gaussian for
+        differential privacy", NeurIPS 2020. G. E. P. Box, M. E. Muller, "A note on the generation of random normal
+        deviates" (1958). I. Mironov, "On significance of the least significant bits for
+        differential privacy", CCS 2012. J. Jin, E. McMurtry, B. Rubinstein, O. Ohrimenko, "Are
+        we there yet? Timing and floating-point attacks on differential privacy systems", IEEE S&P 2022.
     """
     n = math.prod(shape)
+    if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < 1 << 64:
+        raise ValueError(f"keyed_normal: leaf={leaf!r} must be an int in [0, 2**64).")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"keyed_normal: offset={offset!r} must be an int >= 0.")
     if n == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    stream = hashlib.shake_256(b"vmapdp-keyed-normal:" + key_bytes(key)).digest(16 * ((n + 1) // 2))
-    raw = torch.frombuffer(bytearray(stream), dtype=torch.int64)
-    return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
+    precision = _FP64 if dtype == torch.float64 else _FP32
+    blocks, pairs = _LAYOUT[precision]
+    per_group = 2 * pairs
+    g0, g1 = offset // per_group, -(-(offset + n) // per_group)
+    out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32)
+    chunks = chacha.keystream_chunks(stream_key(key), _nonce(leaf, precision), g0 * blocks, (g1 - g0) * blocks, chunk_blocks=blocks * _CHUNK_GROUPS, backend=backend)
+    for start, raw in chunks:  # keystream a cache-sized piece at a time, transformed at once
+        _normals_into(raw, precision, fused, out[start // blocks : start // blocks + raw.numel() // (64 * blocks)])
+    z = out.reshape(-1)[offset - g0 * per_group : offset - g0 * per_group + n]
+    return z.reshape(shape).to(dtype=dtype, device=device)
 
 
-def _box_muller(bits: Tensor, n: int) -> Tensor:
-    """``n`` standard normals (float64) from an even number of random int64 words (53 bits each used)."""
-    u = ((bits.reshape(2, -1) & ((1 << 53) - 1)).to(torch.float64) + 0.5) / float(1 << 53)  # in (0, 1)
-    r = torch.sqrt(-2.0 * torch.log(u[0]))
-    return torch.cat([r * torch.cos(2 * math.pi * u[1]), r * torch.sin(2 * math.pi * u[1])])[:n]
+def _words(raw: Tensor, precision: int) -> Tensor:
+    """Keystream (or CSPRNG) bytes as int64 words, one row per group (a view, no copy)."""
+    blocks, _ = _LAYOUT[precision]
+    return raw.view(torch.int64).view(-1, 8 * blocks)
+
+
+def _radius(words: Tensor, dtype: torch.dtype) -> Tensor:
+    """``sqrt(-2 ln u)`` with ``u = |w| / 2**63`` (``w``: a word as a signed int64) in ``[2**-64, 1 - ulp]``."""
+    top = 2.0**63 * (1.0 - torch.finfo(dtype).eps / 2)  # the largest float below 2**63: u < 1
+    u = words.to(dtype).abs().clamp(0.5, top) * 2.0**-63
+    return torch.sqrt(-2.0 * torch.log(u))
+
+
+def _transform32(w: Tensor) -> Tensor:
+    """int64 ``[G, 24]`` (16 radius words, then 16 int32 angle words in pairs) -> float32 ``[G, 2, 16]``."""
+    r = _radius(w[:, :16], torch.float32)
+    a = w[:, 16:]  # each int64 holds two int32 angle words: low half first (little-endian)
+    angle = torch.stack([(a << 32) >> 32, a >> 32], dim=-1).reshape(-1, 16).to(torch.float32) * (math.pi / 2**31)
+    return torch.stack([r * torch.cos(angle), r * torch.sin(angle)], dim=1)
+
+
+def _transform64(w: Tensor) -> Tensor:
+    """int64 ``[G, 8]`` (4 radius words, 4 angle words) -> float64 ``[G, 2, 4]``."""
+    r = _radius(w[:, :4], torch.float64)
+    angle = w[:, 4:].to(torch.float64) * (math.pi / 2**63)
+    return torch.stack([r * torch.cos(angle), r * torch.sin(angle)], dim=1)
+
+
+def _into32(words: Tensor, out: Tensor):  # unannotated: a (string) annotation would be a global of the traced graph, which Inductor cannot key its cache on
+    out.copy_(_transform32(words))  # written in place: no temporary of the whole output
+    return ()
+
+
+def _into64(words: Tensor, out: Tensor):
+    out.copy_(_transform64(words))
+    return ()
+
+
+_EAGER = {_FP32: _transform32, _FP64: _transform64}
+_INTO = {_FP32: _into32, _FP64: _into64}
+_FUSED: dict[int, Any] = {}
+_fused_ok: bool | None = None  # None: not tried yet
+_LOCK = threading.Lock()
+
+
+def _fused(precision: int) -> Any:
+    """The transform compiled by Inductor into one loop (once per process and precision).
+
+    ``standalone_compile`` of a symbolically traced graph: one kernel for every size, outside
+    dynamo (so no guards, no recompiles, nothing in ``torch._dynamo``'s caches or counters, and
+    ``torch._dynamo.reset()`` leaves it alone).
+    """
+    with _LOCK:
+        if precision not in _FUSED:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            blocks, pairs = _LAYOUT[precision]
+            example = torch.zeros(997, 8 * blocks, dtype=torch.int64)  # 997: no size shared with another dim (or 0, 1)
+            out = torch.empty(997, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32)
+            graph = make_fx(_INTO[precision], tracing_mode="symbolic")(example, out)
+            # one thread: a call transforms one cache-sized piece (an OpenMP team per piece costs more than it gives,
+            # and much more when other processes hold the cores)
+            with torch._inductor.config.patch({"cpp.threads": 1}):
+                _FUSED[precision] = torch._inductor.standalone_compile(graph, [example, out])
+        return _FUSED[precision]
+
+
+def _normals_into(raw: Tensor, precision: int, fused: bool | None, out: Tensor) -> None:
+    """Box-Muller on keystream (or CSPRNG) bytes, written into ``out`` (``[groups, 2, pairs]``, float32 or float64)."""
+    global _fused_ok
+    words = _words(raw, precision)
+    if fused is False or (fused is None and _fused_ok is False):
+        out.copy_(_EAGER[precision](words))
+        return
+    try:
+        # pure in its own inputs: run outside any vmap/grad the caller is under (nothing here is batched)
+        with torch._C._DisableFuncTorch():
+            _fused(precision)(words, out)
+    except Exception:
+        if fused or _fused_ok:
+            raise
+        _fused_ok = False  # Inductor cannot compile here (no C++ compiler): eager from now on, a few ulps apart
+        out.copy_(_EAGER[precision](words))
+        return
+    _fused_ok = True
 
 
 def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
     """Standard normal samples from the operating system's CSPRNG (``secrets``), via Box-Muller.
+
+    The same transform as :func:`keyed_normal` (63-bit radius, float32 unless ``dtype`` is
+    float64) on bytes from ``secrets.token_bytes`` instead of a keystream.
 
     What this defends against: an adversary who knows or guesses the seed of a pseudo-random
     generator (torch's generators are not cryptographic; their output can be predicted from a
     seed or from enough past output). What it does NOT defend against: attacks on the floating-
     point representation of Gaussian samples (Mironov 2012; Jin et al. 2022, "Are We There Yet?
     Timing and Floating-Point Attacks on Differential Privacy Systems"; Haney et al. 2022), which
-    need a discrete or snapped mechanism that vmapdp does not implement. Samples are computed in
-    float64 from 53-bit uniforms and then cast.
+    need a discrete or snapped mechanism that vmapdp does not implement (see :func:`keyed_normal`).
     """
     n = math.prod(shape)
     if n == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.frombuffer(bytearray(secrets.token_bytes(16 * ((n + 1) // 2))), dtype=torch.int64)
-    return _box_muller(raw, n).reshape(shape).to(dtype=dtype, device=device)
+    precision = _FP64 if dtype == torch.float64 else _FP32
+    blocks, pairs = _LAYOUT[precision]
+    groups = -(-n // (2 * pairs))
+    raw = torch.frombuffer(bytearray(secrets.token_bytes(64 * blocks * groups)), dtype=torch.uint8)
+    out = torch.empty(groups, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32)
+    _normals_into(raw, precision, None, out)
+    return out.reshape(-1)[:n].reshape(shape).to(dtype=dtype, device=device)
 
 
 def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu") -> torch.Generator:
@@ -94,7 +280,7 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
 
     Torch's CPU generator keeps only 32 bits of its seed, so noise drawn from it can be recovered
     by a 2**32 search: use it for tests and reproducible experiments; for noise that protects
-    data use ``add_noise(..., key=secret)`` (a SHAKE-256 stream) or ``secure=True``.
+    data use ``add_noise(..., key=secret)`` (a ChaCha20 stream) or ``secure=True``.
     """
     if seed is None:
         seed = secrets.randbits(63)
@@ -116,7 +302,7 @@ def add_noise(
             l2_clip_norm``, before dividing by the batch size).
         generator: a ``torch.Generator`` to draw from (its state advances); see the module
             docstring for why a ``key`` is the better choice for real releases.
-        key: draw reproducibly from this secret key (a SHAKE-256 stream, :func:`keyed_normal`).
+        key: draw reproducibly from this secret key (a ChaCha20 stream, :func:`keyed_normal`).
         secure: draw from the OS CSPRNG (:func:`secure_normal`).
         With none of the three, a fresh random key from OS entropy is used.
 
@@ -157,7 +343,7 @@ def add_noise(
         return optree.tree_unflatten(
             spec,
             [
-                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base + b":leaf:" + str(i).encode(), dtype=_dt(leaf), device=leaf.device) * std
+                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base, leaf=i, dtype=_dt(leaf), device=leaf.device) * std
                 for i, leaf in enumerate(leaves)
             ],
         )
