@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from vmapdp import _checks
+from vmapdp.accounting._special import kl_bernoulli
 from vmapdp.noise import key_bytes
 
 __all__ = [
@@ -50,14 +51,17 @@ def _os_u53(n: int) -> Tensor:
 
 
 
-def _kl_bernoulli(a: float, q: float) -> float:
-    """KL(Bernoulli(a) || Bernoulli(q)) in nats, for 0 <= a <= 1, 0 < q < 1."""
-    out = 0.0
-    if a > 0:
-        out += a * math.log(a / q)
-    if a < 1:
-        out += (1 - a) * math.log((1 - a) / (1 - q))
-    return out
+def _check_source(call: str, generator: Any, key: Any, secure: Any) -> None:
+    """A sampler's source of randomness: at most one of ``generator=``, ``key=``, ``secure=True``."""
+    if secure and generator is not None:
+        raise ValueError(
+            f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
+            "generator; pass generator=None (a seeded generator makes the batches predictable)."
+        )
+    if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
+        raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
 
 
 def default_capacity(num_samples: int, sample_rate: float, overflow_probability: float = 1e-6) -> int:
@@ -72,7 +76,7 @@ def default_capacity(num_samples: int, sample_rate: float, overflow_probability:
     mean = n * q
     lo = max(1, math.ceil(mean))
     for k in range(lo, n + 1):  # first k with P(X >= k) small enough; capacity k - 1
-        if k > mean and -n * _kl_bernoulli(k / n, q) <= math.log(overflow_probability):
+        if k > mean and -n * kl_bernoulli(k / n, q) <= math.log(overflow_probability):
             return max(1, k - 1)
     return n
 
@@ -133,15 +137,7 @@ class PoissonSampler:
         if capacity is None:
             capacity = default_capacity(num_samples, sample_rate, overflow_probability)
         capacity = _checks.positive_int(call, "capacity", capacity, meaning="capacity is the physical batch size")
-        if secure and generator is not None:
-            raise ValueError(
-                f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
-                "generator; pass generator=None (a seeded generator makes the batches predictable)."
-            )
-        if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
-            raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        _check_source(call, generator, key, secure)
         self.num_samples = num_samples
         self.sample_rate = float(sample_rate)
         self.steps = steps
@@ -175,14 +171,7 @@ class PoissonSampler:
 
     def sample(self) -> tuple[Tensor, Tensor]:
         """One step: ``(indices, mask)`` padded to a multiple of ``capacity``."""
-        idx = self._draw()
-        k = idx.numel()
-        m = max(1, math.ceil(k / self.capacity))
-        indices = torch.zeros(m * self.capacity, dtype=torch.int64)
-        mask = torch.zeros(m * self.capacity, dtype=torch.bool)
-        indices[:k] = idx
-        mask[:k] = True
-        return indices, mask
+        return _pad(self._draw(), self.capacity, chunks=True)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for _ in range(self.steps):
@@ -271,15 +260,7 @@ class _KeyedSampler:
     _LABEL = b"vmapdp-sampler:"
 
     def _init_source(self, call, generator, key, secure) -> None:
-        if secure and generator is not None:
-            raise ValueError(
-                f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
-                "generator; pass generator=None (a seeded generator makes the batches predictable)."
-            )
-        if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
-            raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
+        _check_source(call, generator, key, secure)
         if not isinstance(secure, bool):
             raise TypeError(f"{call}: secure must be a bool, got {type(secure).__name__} ({secure!r}).")
         self.secure = secure

@@ -29,3 +29,13 @@ def logaddexp(a: float, b: float) -> float:
         return a
     m = max(a, b)
     return m + math.log1p(math.exp(-abs(a - b)))
+
+
+def kl_bernoulli(a: float, q: float) -> float:
+    """KL(Bernoulli(a) || Bernoulli(q)) in nats, for 0 <= a <= 1, 0 < q < 1 (Chernoff bounds)."""
+    out = 0.0
+    if a > 0:
+        out += a * math.log(a / q)
+    if a < 1:
+        out += (1 - a) * math.log((1 - a) / (1 - q))
+    return out

@@ -31,6 +31,7 @@ from typing import ClassVar, Iterable, Union
 
 from vmapdp import _checks as _shared_checks
 from vmapdp.accounting import _checks
+from vmapdp.accounting._special import kl_bernoulli
 
 __all__ = [
     "ADD_REMOVE",
@@ -306,15 +307,6 @@ class EpochGaussianEvent:
         }
 
 
-def _kl_bernoulli(a: float, q: float) -> float:
-    out = 0.0
-    if a > 0:
-        out += a * math.log(a / q)
-    if a < 1:
-        out += (1 - a) * math.log((1 - a) / (1 - q))
-    return out
-
-
 def binomial_tail_bound(n: int, q: float, k: int) -> float:
     """An upper bound on ``P(Binomial(n, q) >= k)``: the Chernoff bound ``exp(-n KL(k/n || q))``
     for ``k > n q`` (1 otherwise, 0 for ``k > n``)."""
@@ -322,7 +314,7 @@ def binomial_tail_bound(n: int, q: float, k: int) -> float:
         return 0.0
     if q >= 1.0 or k <= n * q:
         return 1.0
-    return math.exp(-n * _kl_bernoulli(k / n, q))
+    return math.exp(-n * kl_bernoulli(k / n, q))
 
 
 @dataclasses.dataclass(frozen=True)
