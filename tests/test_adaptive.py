@@ -134,3 +134,18 @@ def test_the_threshold_survives_a_checkpoint(tmp_path):
     vmapdp.save_state(tmp_path / "s.pt", state)
     loaded = vmapdp.load_state(tmp_path / "s.pt", like=state)
     assert torch.equal(loaded.clip_norm, state.clip_norm)
+
+
+def test_the_threshold_stays_within_its_public_range():
+    """A run whose samples all have zero gradients (every count 'unclipped') shrank the threshold
+    to a subnormal float32, and a huge negative noisy count grew it to inf (adversarial review):
+    the update is clamped to clip_norm_range (post-processing, no privacy cost)."""
+    ada = vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, clip_norm_range=(1e-3, 10.0))
+    c = torch.tensor(1.0)
+    for _ in range(500):  # every sample unclipped, step after step
+        c, _ = ada.next_clip_norm(c, torch.tensor(8.0 - 4.0), expected_batch_size=8.0)
+    assert c.item() == pytest.approx(1e-3)
+    c, _ = ada.next_clip_norm(torch.tensor(1.0), torch.tensor(-1e9), expected_batch_size=1.0)  # a huge noisy count
+    assert c.item() == pytest.approx(10.0) and math.isfinite(c.item())
+    with pytest.raises(ValueError, match=r"clip_norm_range=\(2.0, 1.0\) must have lo < hi"):
+        vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, clip_norm_range=(2.0, 1.0))

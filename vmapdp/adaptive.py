@@ -51,6 +51,10 @@ class AdaptiveClipping:
       target_quantile: ``gamma`` in (0, 1): the fraction of samples to leave unclipped (0.5: the
         median norm).
       learning_rate: ``eta`` > 0 of the geometric update (0.2 in the paper).
+      clip_norm_range: ``(lo, hi)``, public bounds the threshold is clamped to after each update
+        (post-processing: no privacy cost). Without them a run whose samples all have zero
+        gradients drove the threshold to a subnormal float32, and a huge noisy count to ``inf``,
+        which stalled or stopped training.
 
     Raises:
       TypeError / ValueError: an argument out of range.
@@ -69,6 +73,7 @@ class AdaptiveClipping:
     count_noise_multiplier: float
     target_quantile: float = 0.5
     learning_rate: float = 0.2
+    clip_norm_range: tuple[float, float] = (1e-6, 1e6)
 
     def __post_init__(self):
         call = "AdaptiveClipping"
@@ -79,6 +84,14 @@ class AdaptiveClipping:
             self, "target_quantile", _checks.probability(call, "target_quantile", self.target_quantile, allow_zero=False, allow_one=False, meaning="it is the fraction of samples to leave unclipped")
         )
         object.__setattr__(self, "learning_rate", _checks.positive(call, "learning_rate", self.learning_rate, meaning="it is the step size of the geometric clip-norm update"))
+        bounds = self.clip_norm_range
+        if not (isinstance(bounds, tuple) and len(bounds) == 2):
+            raise TypeError(f"{call}: clip_norm_range must be a tuple (lo, hi), got {bounds!r}.")
+        lo = _checks.positive(call, "clip_norm_range[0]", bounds[0], meaning="it is the smallest threshold the update may reach")
+        hi = _checks.positive(call, "clip_norm_range[1]", bounds[1], meaning="it is the largest threshold the update may reach")
+        if not lo < hi:
+            raise ValueError(f"{call}: clip_norm_range={bounds!r} must have lo < hi.")
+        object.__setattr__(self, "clip_norm_range", (lo, hi))
 
     def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
         """``(sigma^-2 - (2 sigma_b)^-2)^(-1/2)``: the gradient's share of a step at ``noise_multiplier``.
@@ -99,12 +112,15 @@ class AdaptiveClipping:
 
     def config(self) -> str:
         """The release-defining configuration (bound into the noise key)."""
-        return repr(("adaptive", float(self.count_noise_multiplier).hex(), float(self.target_quantile).hex(), float(self.learning_rate).hex()))
+        lo, hi = self.clip_norm_range
+        return repr(("adaptive", float(self.count_noise_multiplier).hex(), float(self.target_quantile).hex(), float(self.learning_rate).hex(), lo.hex(), hi.hex()))
 
     def next_clip_norm(self, clip_norm: Tensor, noisy_count: Tensor, expected_batch_size: float) -> tuple[Tensor, Tensor]:
         """``(C_t+1, b~)`` from ``noisy_count = sum_i (b_i - 1/2) + N(0, sigma_b^2)`` (post-processing)."""
         estimate = noisy_count / expected_batch_size + 0.5
-        return clip_norm * torch.exp(-self.learning_rate * (estimate - self.target_quantile)), estimate
+        lo, hi = self.clip_norm_range
+        updated = clip_norm * torch.exp(-self.learning_rate * (estimate - self.target_quantile))
+        return updated.clamp(lo, hi), estimate
 
 
 def initial_clip_norm(l2_clip_norm: float, device: torch.device) -> Tensor:

@@ -407,7 +407,9 @@ def make_train_step(
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
             not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
         sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
-            it means Poisson sampling.
+            it means Poisson sampling. Batches from anything else (fixed-size, shuffled, a
+            DataLoader) with ``sample_rate=`` get a Poisson epsilon that is too small: pass
+            ``sampler=`` instead.
         sampler: the :mod:`vmapdp.data` sampler the batches come from (``PoissonSampler``,
             ``FixedSizeSampler``, ``ShuffledSampler``, ``BallsInBinsSampler``,
             ``TruncatedPoissonSampler``): each step records ``sampler.event(noise_multiplier)``,
