@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from vmapdp import _checks
+from vmapdp.noise import add_noise
 
 __all__ = ["AdaptiveClipping"]
 
@@ -114,6 +116,31 @@ class AdaptiveClipping:
         """The release-defining configuration (bound into the noise key)."""
         lo, hi = self.clip_norm_range
         return repr(("adaptive", float(self.count_noise_multiplier).hex(), float(self.target_quantile).hex(), float(self.learning_rate).hex(), lo.hex(), hi.hex()))
+
+    def check_step(self, call: str, *, noise_multiplier: float, l2_clip_norm: float, rule: str, privatizer: Any, distributed: bool) -> None:
+        """Refuse a step this adaptive clipping cannot serve (checked at ``make_train_step``)."""
+        if noise_multiplier == 0 or math.isinf(l2_clip_norm):
+            raise ValueError(
+                f"{call}: adaptive clipping needs noise_multiplier > 0 and a finite initial l2_clip_norm (got {noise_multiplier!r}, "
+                f"{l2_clip_norm!r}); its count is a private release. Drop adaptive_clipping= for a non-private run."
+            )
+        if rule != "clip" or privatizer is not None or distributed:
+            raise ValueError(
+                f"{call}: adaptive clipping supports rule='clip' with the default Gaussian privatizer on one process; got rule={rule!r}, "
+                f"privatizer={'given' if privatizer is not None else None}, distributed={distributed}. Drop adaptive_clipping= or those arguments."
+            )
+        self.gradient_noise_multiplier(noise_multiplier)  # raises if the count would spend it all
+
+    def release(self, summed: dict, stats: Any, clip_norm: Tensor, key: bytes | None, *, noise_multiplier: float, secure: bool) -> tuple[dict, Tensor]:
+        """The step's two releases, from independent streams: the gradient sum noised with std
+        ``gradient_noise_multiplier(noise_multiplier) * C_t``, and ``sum_i (b_i - 1/2)`` over the
+        real rows (``b_i = 1`` for an unclipped sample; sensitivity 1/2) noised with std
+        ``count_noise_multiplier``."""
+        half_count = 0.5 * stats.rows - stats.clipped - stats.nonfinite
+        std = self.gradient_noise_multiplier(noise_multiplier) * clip_norm
+        if secure:
+            return add_noise(summed, std, secure=True), add_noise(half_count, self.count_noise_multiplier, secure=True)
+        return add_noise(summed, std, key=key), add_noise(half_count, self.count_noise_multiplier, key=key + b":adaptive-count")
 
     def next_clip_norm(self, clip_norm: Tensor, noisy_count: Tensor, expected_batch_size: float) -> tuple[Tensor, Tensor]:
         """``(C_t+1, b~)`` from ``noisy_count = sum_i (b_i - 1/2) + N(0, sigma_b^2)`` (post-processing)."""

@@ -46,7 +46,7 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
-from vmapdp.noise import Privatizer, add_noise, gaussian_privatizer
+from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
 
 __all__ = ["TrainState", "StepStats", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
@@ -351,7 +351,6 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     return ledger, budgets
 
 
-_COUNT = "\x00adaptive-count"  # the noisy count's slot in the release (no param is named so)
 
 
 def _shape_digest(key: tuple) -> str:
@@ -367,6 +366,24 @@ def _fresh_function(fn: Callable) -> Callable:
     limit. A fresh code object gives each step its own cache.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, compile: bool) -> Callable:
+    """``chunk_sums(params, mask, shared, chunk) -> (clipped sum, StepStats)`` of one physical
+    chunk: pure tensor work, compiled (``fullgraph``, static shapes) when ``compile``. With
+    ``adaptive`` the threshold is ``shared[0]``, a traced tensor, and ``sum_fn`` clips ``loss / C``
+    to 1 (so the sum is scaled back by ``C``)."""
+
+    def chunk_sums(params, mask, shared, chunk):
+        summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
+        if not adaptive:
+            return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
+        c = shared[0]  # the traced threshold; an invalid one (unchecked while tracing) releases NaN, nothing
+        ok = _checks.clip_norm_ok(c)
+        summed = {k: torch.where(ok, v * c, torch.full_like(v, math.nan)) for k, v in summed.items()}
+        return summed, StepStats.of_chunk(mask, norms * c, losses * c, c)
+
+    return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
 
 
 def make_train_step(
@@ -500,19 +517,10 @@ def make_train_step(
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
-    grad_sigma = None
     if adaptive_clipping is not None:
         if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
-        why = "adaptive clipping"
-        if noise_multiplier == 0 or math.isinf(l2_clip_norm):
-            raise ValueError(f"{call}: {why} needs noise_multiplier > 0 and a finite initial l2_clip_norm (got {noise_multiplier!r}, {l2_clip_norm!r}); its count is a private release. Drop adaptive_clipping= for a non-private run.")
-        if rule != "clip" or privatizer is not None or distributed:
-            raise ValueError(
-                f"{call}: {why} supports rule='clip' with the default Gaussian privatizer on one process; got rule={rule!r}, "
-                f"privatizer={'given' if privatizer is not None else None}, distributed={distributed}. Drop adaptive_clipping= or those arguments."
-            )
-        grad_sigma = adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
+        adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule, privatizer=privatizer, distributed=distributed)
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
@@ -551,19 +559,7 @@ def make_train_step(
     if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
         privatizer = _dist.privatized_on_rank0(privatizer)
 
-    def chunk_fn(sum_fn: Callable) -> Callable:
-        def chunk_sums(params, mask, shared, chunk):
-            """Clipped sum and telemetry of one physical chunk; pure tensor work (compiled)."""
-            summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
-            if adaptive_clipping is None:
-                return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
-            c = shared[0]  # the traced threshold; an invalid one (unchecked while tracing) releases NaN, nothing
-            ok = _checks.clip_norm_ok(c)
-            summed = {k: torch.where(ok, v * c, torch.full_like(v, math.nan)) for k, v in summed.items()}
-            return summed, StepStats.of_chunk(mask, norms * c, losses * c, c)
-
-        return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
-
+    chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, compile=compile)
     run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
     # "auto"'s method per chunk shape; distributed, every rank runs rank 0's choice (each timed its own rows)
     chooser = AutoChooser(agree=(lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None)
@@ -633,30 +629,18 @@ def make_train_step(
         if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
-        new_clip, extra = state.clip_norm, {}
+        new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
             noisy, noise_state = privatizer.privatize(summed, state.noise_state, key)
         else:
-            noisy, noise_state = _adaptive_release(summed, stats, clip, key, state.noise_state)
-            new_clip, estimate = adaptive_clipping.next_clip_norm(clip, noisy.pop(_COUNT), expected_batch_size)
+            noisy, count = adaptive_clipping.release(summed, stats, clip, key, noise_multiplier=noise_multiplier, secure=secure)
+            new_clip, estimate = adaptive_clipping.next_clip_norm(clip, count, expected_batch_size)
             extra = {"clip_norm": clip, "unclipped_estimate": estimate}
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
         new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
         return new_state, {**stats.metrics(), **extra}
 
-    def _adaptive_release(summed: dict, stats: StepStats, clip: Tensor, key: bytes | None, noise_state: Any) -> tuple[dict, Any]:
-        """The noisy gradient sum (std ``grad_sigma * C_t``) and, under ``_COUNT``, the noisy
-        ``sum_i (b_i - 1/2)`` (std ``count_noise_multiplier``), from independent streams."""
-        half_count = 0.5 * stats.rows - stats.clipped - stats.nonfinite  # sum over real rows of (b_i - 1/2)
-        sb = adaptive_clipping.count_noise_multiplier
-        if secure:
-            noisy = add_noise(summed, grad_sigma * clip, secure=True)
-            count = add_noise(half_count, sb, secure=True)
-        else:
-            noisy = add_noise(summed, grad_sigma * clip, key=key)
-            count = add_noise(half_count, sb, key=key + b":adaptive-count")
-        return {**noisy, _COUNT: count}, noise_state
 
     step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
     return step
