@@ -10,13 +10,14 @@ from torch import nn
 import vmapdp
 from vmapdp import accounting, optim
 from vmapdp.accounting import (
+    CyclicPoissonGaussianEvent,
     EpochGaussianEvent,
     FixedSizeGaussianEvent,
     Ledger,
     PoissonGaussianEvent,
     TruncatedPoissonGaussianEvent,
 )
-from vmapdp.data import BallsInBinsSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler, gather
+from vmapdp.data import BallsInBinsSampler, CyclicPoissonSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler, gather
 from vmapdp.train import PrivacyBudgetExceeded
 
 N, NOISE = 24, 1.3
@@ -44,6 +45,7 @@ def samplers():
         "shuffle": ShuffledSampler(N, 8, epochs=2, generator=g()),
         "balls_in_bins": BallsInBinsSampler(N, 4, epochs=2, generator=g()),
         "truncated": TruncatedPoissonSampler(N, 0.25, steps=5, generator=g(), max_batch_size=24),
+        "cyclic": CyclicPoissonSampler(N, 0.25, 3, steps=7, generator=g()),
     }
 
 
@@ -55,11 +57,13 @@ def expected_ledger(name, steps):
         return Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=steps),))
     if name == "truncated":
         return Ledger((TruncatedPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, max_batch_size=24, num_samples=N, count=steps),))
+    if name == "cyclic":  # 3 groups of 8: any example in at most ceil(7 / 3) = 3 Poisson steps
+        return Ledger((CyclicPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, cycle=3, count=steps),))
     spe = 3 if name == "shuffle" else 4  # ceil(24 / 8) steps, or 4 bins; two epochs opened
     return Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=spe, scheme=name, count=steps, epochs=2),))
 
 
-@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "balls_in_bins", "truncated"])
+@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "balls_in_bins", "truncated", "cyclic"])
 def test_the_ledger_records_exactly_the_sampler_and_mechanism_that_ran(name):
     params, buffers, data, loss_fn = problem()
     sampler = samplers()[name]
