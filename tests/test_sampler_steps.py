@@ -160,3 +160,16 @@ def test_within_budget_decides_replace_one_ledgers_the_pld_accountant_cannot_bou
         rdp = accounting.epsilon(ledger, delta=delta, accountant="rdp")
         for budget in (rdp * 0.99, rdp * 1.01):
             assert accounting.within_budget(ledger, epsilon=budget, delta=delta) == (rdp <= budget)
+
+
+def test_a_cyclic_run_divides_by_the_group_expectation_and_costs_ceil_steps_over_cycle():
+    params, buffers, data, loss_fn = problem()
+    sampler = CyclicPoissonSampler(N, 0.25, 3, steps=7, generator=torch.Generator().manual_seed(7))
+    assert sampler.expected_batch_size == 0.25 * N / 3  # 2.0: the public divisor, one group's expectation
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    for accountant in ("pld", "rdp"):
+        want = accounting.epsilon(noise_multiplier=NOISE, sample_rate=0.25, steps=3, delta=1e-5, accountant=accountant)
+        assert accounting.epsilon(state.ledger, delta=1e-5, accountant=accountant) == pytest.approx(want, rel=1e-12)
