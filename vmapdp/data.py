@@ -567,10 +567,9 @@ class TruncatedPoissonSampler(PoissonSampler):
 
 
 class CyclicPoissonSampler(_KeyedSampler):
-    """Cyclic Poisson sampling: the data is split ONCE into ``cycle`` disjoint groups of balanced
-    sizes (by a keyed random permutation: example at position ``j`` goes to group ``j mod
-    cycle``); step ``t`` draws a Poisson sample at rate ``sample_rate`` from group ``t mod cycle``
-    only. Every example can be used only in the steps of its own group, i.e. at most once every
+    """Cyclic Poisson sampling: the data is split ONCE into ``cycle`` disjoint groups, each example
+    assigned to a uniformly random group independently of the others (keyed); step ``t`` draws a
+    Poisson sample at rate ``sample_rate`` from group ``t mod cycle`` only. Every example can be used only in the steps of its own group, i.e. at most once every
     ``cycle`` steps (the participation pattern of banded matrix-factorization mechanisms,
     Choquette-Choo et al. 2023). ``cycle=1`` is plain Poisson sampling.
 
@@ -580,15 +579,19 @@ class CyclicPoissonSampler(_KeyedSampler):
     Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.CyclicPoissonGaussianEvent`
     (add/remove): ``count`` consecutive steps touch any one example in at most ``ceil(count /
     cycle)`` Poisson-subsampled Gaussian steps, and in no other step (with independent noise,
-    i.e. the identity strategy of matrix factorization). The groups depend only on the sampler's
-    randomness and ``num_samples`` (never on the data's values); the analysis holds given them.
+    i.e. the identity strategy of matrix factorization). The assignment is independent per
+    example, so adding or removing one example leaves the others' groups distributed exactly as
+    before (the first ``n`` assignments of ``n + 1`` examples are those of ``n``): the coupling
+    the add/remove analysis needs. (A balanced partition, by a permutation, would move other
+    examples between groups when one is added; it is not used for that reason.) Group sizes are
+    therefore random; each step's batch is ``Binomial(num_samples, sample_rate / cycle)``.
 
     Args:
       num_samples: dataset size ``n``. sample_rate: the Poisson rate ``q`` within a group, in
         (0, 1]. cycle: the number of groups ``b``, an int in [1, n]. steps: steps to yield
         (default ``round(cycle / sample_rate)``: each example expected once).
-      capacity / overflow_probability: as in :class:`PoissonSampler` (for a group of
-        ``ceil(n / cycle)`` examples). generator / key / secure: as in :class:`PoissonSampler`.
+      capacity / overflow_probability: as in :class:`PoissonSampler` (for batches of
+        ``Binomial(n, sample_rate / cycle)``). generator / key / secure: as in :class:`PoissonSampler`.
 
     Example:
       >>> s = CyclicPoissonSampler(1000, 0.05, cycle=4, steps=8, key=b"secret")
@@ -613,27 +616,26 @@ class CyclicPoissonSampler(_KeyedSampler):
         self.steps = _checks.positive_int(call, "steps", steps, minimum=0, meaning="steps is how many batches to yield")
         _checks.probability(call, "overflow_probability", overflow_probability, allow_one=False, meaning="it sets the default capacity")
         if capacity is None:
-            capacity = default_capacity(math.ceil(self.num_samples / self.cycle), self.sample_rate, overflow_probability)
+            capacity = default_capacity(self.num_samples, self.sample_rate / self.cycle, overflow_probability)
         self.capacity = _checks.positive_int(call, "capacity", capacity, meaning="capacity is the physical batch size")
         self._assignment: Tensor | None = None  # the group of every example, drawn on the first step
         self._init_source(call, generator, key, secure)
 
     @property
     def expected_batch_size(self) -> float:
-        """``sample_rate * num_samples / cycle``: the divisor DP-SGD uses (public; the groups'
-        sizes differ by at most one)."""
+        """``sample_rate * num_samples / cycle``: the divisor DP-SGD uses (public: the expected
+        size of every step's batch)."""
         return self.sample_rate * self.num_samples / self.cycle
 
     def _params(self):
         return {"num_samples": self.num_samples, "sample_rate": self.sample_rate, "cycle": self.cycle}
 
     def groups(self) -> Tensor:
-        """The group (int64 in ``[0, cycle)``) of every example; drawn once, on first use."""
+        """The group (int64 in ``[0, cycle)``) of every example, each uniform and independent;
+        drawn once, on first use (53-bit uniforms: exact in float64, so ``floor(u * cycle)``)."""
         if self._assignment is None:
-            perm = self._permutation(self.num_samples)
-            assignment = torch.empty(self.num_samples, dtype=torch.int64)
-            assignment[perm] = torch.arange(self.num_samples, dtype=torch.int64) % self.cycle
-            self._assignment = assignment
+            u = self._u53(self.num_samples).to(torch.float64) / float(1 << 53)
+            self._assignment = (u * self.cycle).floor().to(torch.int64)
         return self._assignment
 
     def sample(self) -> tuple[Tensor, Tensor]:
