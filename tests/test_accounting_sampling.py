@@ -15,6 +15,7 @@ from scipy import stats
 
 from vmapdp import accounting as acc
 from vmapdp.accounting import (
+    CyclicPoissonGaussianEvent,
     EpochGaussianEvent,
     FixedSizeGaussianEvent,
     Ledger,
@@ -134,6 +135,7 @@ def test_mixed_ledger_reports_replace_one_by_rdp():
         FixedSizeGaussianEvent(noise_multiplier=1.25, batch_size=64, num_samples=1000, count=7),
         EpochGaussianEvent(noise_multiplier=0.7, steps_per_epoch=12, scheme="balls_in_bins", count=30, epochs=3),
         TruncatedPoissonGaussianEvent(noise_multiplier=1.1, sample_rate=0.003, max_batch_size=40, num_samples=5000, count=9),
+        CyclicPoissonGaussianEvent(noise_multiplier=0.9, sample_rate=0.02, cycle=5, count=11),
     ],
     ids=lambda e: type(e).__name__,
 )
@@ -157,3 +159,33 @@ def test_new_events_check_their_arguments():
         TruncatedPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, max_batch_size=0, num_samples=10)
     with pytest.raises(ValueError, match=r"epsilon_bounds: the certified bracket covers Poisson-subsampled events only"):
         acc.epsilon_bounds(Ledger((FixedSizeGaussianEvent(1.0, 5, 10),)), delta=1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+@pytest.mark.parametrize("count", [1, 4, 5, 8, 9, 1000])
+def test_cyclic_poisson_is_poisson_with_ceil_count_over_cycle_steps(accountant, count):
+    """Any one example is in at most ceil(T / b) of T consecutive steps, each Poisson at rate q:
+    the event's epsilon is exactly the Poisson epsilon of that many steps, for both accountants."""
+    cycle, sigma, q, delta = 4, 1.1, 0.05, 1e-5
+    ledger = Ledger((CyclicPoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, cycle=cycle, count=count),))
+    assert ledger.adjacency == "add_remove" and ledger.events[0].charged_steps == math.ceil(count / cycle)
+    want = acc.epsilon(noise_multiplier=sigma, sample_rate=q, steps=math.ceil(count / cycle), delta=delta, accountant=accountant)
+    assert acc.epsilon(ledger, delta=delta, accountant=accountant) == pytest.approx(want, rel=1e-12)
+    if accountant == "pld":  # the certified bracket covers it too (it is Poisson)
+        assert acc.epsilon_bounds(ledger, delta=delta).upper == pytest.approx(want, rel=1e-12)
+    # cycle=1 is plain Poisson sampling; a larger cycle never costs more
+    one = Ledger((CyclicPoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, cycle=1, count=count),))
+    assert acc.epsilon(one, delta=delta, accountant=accountant) == pytest.approx(acc.epsilon(noise_multiplier=sigma, sample_rate=q, steps=count, delta=delta, accountant=accountant), rel=1e-12)
+
+
+def test_cyclic_events_merge_by_count_and_check_their_arguments():
+    e = CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=3)
+    ledger = Ledger()
+    for _ in range(7):
+        ledger = ledger.append(e)
+    assert ledger.events == (CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=3, count=7),)
+    assert ledger.events[0].charged_steps == 3
+    with pytest.raises(ValueError, match=r"CyclicPoissonGaussianEvent: cycle=0 must be an int >= 1"):
+        CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=0)
+    with pytest.raises(TypeError, match=r"CyclicPoissonGaussianEvent: cycle must be an int >= 1, got float"):
+        CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=2.0)

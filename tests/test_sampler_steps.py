@@ -10,13 +10,14 @@ from torch import nn
 import vmapdp
 from vmapdp import accounting, optim
 from vmapdp.accounting import (
+    CyclicPoissonGaussianEvent,
     EpochGaussianEvent,
     FixedSizeGaussianEvent,
     Ledger,
     PoissonGaussianEvent,
     TruncatedPoissonGaussianEvent,
 )
-from vmapdp.data import BallsInBinsSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler, gather
+from vmapdp.data import BallsInBinsSampler, CyclicPoissonSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler, gather
 from vmapdp.train import PrivacyBudgetExceeded
 
 N, NOISE = 24, 1.3
@@ -44,6 +45,7 @@ def samplers():
         "shuffle": ShuffledSampler(N, 8, epochs=2, generator=g()),
         "balls_in_bins": BallsInBinsSampler(N, 4, epochs=2, generator=g()),
         "truncated": TruncatedPoissonSampler(N, 0.25, steps=5, generator=g(), max_batch_size=24),
+        "cyclic": CyclicPoissonSampler(N, 0.25, 3, steps=7, generator=g()),
     }
 
 
@@ -55,11 +57,13 @@ def expected_ledger(name, steps):
         return Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=steps),))
     if name == "truncated":
         return Ledger((TruncatedPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, max_batch_size=24, num_samples=N, count=steps),))
+    if name == "cyclic":  # 3 groups of 8: any example in at most ceil(7 / 3) = 3 Poisson steps
+        return Ledger((CyclicPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, cycle=3, count=steps),))
     spe = 3 if name == "shuffle" else 4  # ceil(24 / 8) steps, or 4 bins; two epochs opened
     return Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=spe, scheme=name, count=steps, epochs=2),))
 
 
-@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "balls_in_bins", "truncated"])
+@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "balls_in_bins", "truncated", "cyclic"])
 def test_the_ledger_records_exactly_the_sampler_and_mechanism_that_ran(name):
     params, buffers, data, loss_fn = problem()
     sampler = samplers()[name]
@@ -156,3 +160,16 @@ def test_within_budget_decides_replace_one_ledgers_the_pld_accountant_cannot_bou
         rdp = accounting.epsilon(ledger, delta=delta, accountant="rdp")
         for budget in (rdp * 0.99, rdp * 1.01):
             assert accounting.within_budget(ledger, epsilon=budget, delta=delta) == (rdp <= budget)
+
+
+def test_a_cyclic_run_divides_by_the_group_expectation_and_costs_ceil_steps_over_cycle():
+    params, buffers, data, loss_fn = problem()
+    sampler = CyclicPoissonSampler(N, 0.25, 3, steps=7, generator=torch.Generator().manual_seed(7))
+    assert sampler.expected_batch_size == 0.25 * N / 3  # 2.0: the public divisor, one group's expectation
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    for indices, mask in sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    for accountant in ("pld", "rdp"):
+        want = accounting.epsilon(noise_multiplier=NOISE, sample_rate=0.25, steps=3, delta=1e-5, accountant=accountant)
+        assert accounting.epsilon(state.ledger, delta=1e-5, accountant=accountant) == pytest.approx(want, rel=1e-12)

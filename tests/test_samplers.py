@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 from vmapdp import accounting as acc
-from vmapdp.data import BallsInBinsSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler
+from vmapdp.data import BallsInBinsSampler, CyclicPoissonSampler, FixedSizeSampler, PoissonSampler, ShuffledSampler, TruncatedPoissonSampler
 
 KEY = b"test-key-not-secret"
 
@@ -118,8 +118,9 @@ def test_steps_are_independent_for_fixed_size():
         lambda **kw: ShuffledSampler(30, 7, epochs=3, **kw),
         lambda **kw: BallsInBinsSampler(30, 4, epochs=3, **kw),
         lambda **kw: TruncatedPoissonSampler(30, 0.3, 9, max_batch_size=8, **kw),
+        lambda **kw: CyclicPoissonSampler(30, 0.3, 4, 11, **kw),
     ],
-    ids=["fixed", "shuffle", "balls_in_bins", "truncated"],
+    ids=["fixed", "shuffle", "balls_in_bins", "truncated", "cyclic"],
 )
 @pytest.mark.parametrize("source", ["key", "generator"])
 def test_resume_from_state_dict_is_bitwise(make, source):
@@ -156,6 +157,7 @@ def test_sampler_events_give_the_ledger_each_scheme_needs():
         (ShuffledSampler(100, 10, epochs=2, key=KEY), acc.EpochGaussianEvent, "replace_one"),
         (BallsInBinsSampler(100, 10, epochs=2, key=KEY), acc.EpochGaussianEvent, "replace_one"),
         (TruncatedPoissonSampler(100, 0.1, 20, key=KEY), acc.TruncatedPoissonGaussianEvent, "add_remove"),
+        (CyclicPoissonSampler(100, 0.1, 4, 20, key=KEY), acc.CyclicPoissonGaussianEvent, "add_remove"),
     ]:
         ledger = acc.Ledger()
         for _ in sampler:
@@ -178,3 +180,42 @@ def test_sampler_arguments_are_checked():
         BallsInBinsSampler(10, 2, key=KEY, generator=torch.Generator())
     with pytest.raises(ValueError, match=r"TruncatedPoissonSampler: max_batch_size=0 must be an int >= 1"):
         TruncatedPoissonSampler(10, 0.5, max_batch_size=0)
+
+
+def test_cyclic_poisson_groups_are_uniform_and_steps_sample_only_their_group():
+    n, q, b, steps = 62, 0.3, 4, 400
+    s = CyclicPoissonSampler(n, q, b, steps, key=KEY)
+    assert s.expected_batch_size == q * n / b and s.capacity >= n * q / b
+    rows = _rows(s)
+    groups = s.groups()
+    # one group per example, each uniform: chi-square of the group sizes (false-alarm rate 1e-3)
+    assert groups.shape == (n,) and int(groups.min()) >= 0 and int(groups.max()) <= b - 1
+    assert stats.chisquare(torch.bincount(groups, minlength=b).numpy()).pvalue > 1e-3
+    # independent per example: one more example leaves the others' groups as they were (the
+    # add/remove coupling; a balanced permutation would move other examples between groups)
+    assert torch.equal(CyclicPoissonSampler(n + 1, q, b, steps, key=KEY).groups()[:n], groups)
+    hits = torch.zeros(b, dtype=torch.int64)
+    for t, (i, m) in enumerate(rows):
+        used = i[m]
+        assert used.unique().numel() == used.numel()
+        assert bool((groups[used] == t % b).all())  # exact: only the step's own group (b-min-separation)
+        hits[t % b] += used.numel()
+    # within its group every example is in with probability q: per group, the inclusions are
+    # Binomial(visits * group size, q); two-sided binomial tests at alpha = 1e-3 / b each
+    # (false-alarm rate <= 1e-3 for a correct sampler; the key is fixed)
+    for g in range(b):
+        trials = (steps // b) * int((groups == g).sum())
+        assert stats.binomtest(int(hits[g]), trials, q).pvalue > 1e-3 / b
+    # the partition is drawn once: the same on every step, and another key gives another one
+    assert torch.equal(s.groups(), groups)
+    assert not torch.equal(CyclicPoissonSampler(n, q, b, key=b"other").groups(), groups)
+
+
+def test_cyclic_poisson_refuses_nonsense():
+    with pytest.raises(ValueError, match=r"CyclicPoissonSampler: cycle=31 must be in \[1, num_samples=30\]"):
+        CyclicPoissonSampler(30, 0.1, 31)
+    with pytest.raises(ValueError, match=r"CyclicPoissonSampler: cycle=0 must be an int >= 1"):
+        CyclicPoissonSampler(30, 0.1, 0)
+    with pytest.raises(ValueError, match=r"CyclicPoissonSampler.load_state_dict\(state\): the state has cycle=3, this sampler has cycle=4"):
+        CyclicPoissonSampler(30, 0.1, 4, key=KEY).load_state_dict(CyclicPoissonSampler(30, 0.1, 3, key=KEY).state_dict())
+    assert len(CyclicPoissonSampler(30, 0.1, 3, key=KEY)) == 30  # default: round(cycle / sample_rate) steps

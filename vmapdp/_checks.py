@@ -285,7 +285,7 @@ def batch_scheme(call: str, rate: Any, sampler: Any) -> tuple[float, Any]:
         return sample_rate(call, rate), None
     if not callable(getattr(sampler, "event", None)) or getattr(sampler, "sample_rate", None) is None:
         raise _type_error(
-            call, "sampler", sampler, "a sampler from vmapdp.data (PoissonSampler, FixedSizeSampler, ShuffledSampler, BallsInBinsSampler, TruncatedPoissonSampler)",
+            call, "sampler", sampler, "a sampler from vmapdp.data (PoissonSampler, FixedSizeSampler, ShuffledSampler, BallsInBinsSampler, TruncatedPoissonSampler, CyclicPoissonSampler)",
             "Its event(noise_multiplier) is what the ledger records for each step.",
         )
     theirs = float(sampler.sample_rate)

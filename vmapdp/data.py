@@ -31,6 +31,7 @@ __all__ = [
     "ShuffledSampler",
     "BallsInBinsSampler",
     "TruncatedPoissonSampler",
+    "CyclicPoissonSampler",
     "default_capacity",
     "gather",
     "gather_dataset",
@@ -563,6 +564,97 @@ class TruncatedPoissonSampler(PoissonSampler):
         from vmapdp.accounting import TruncatedPoissonGaussianEvent
 
         return TruncatedPoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate, max_batch_size=self.max_batch_size, num_samples=self.num_samples)
+
+
+class CyclicPoissonSampler(_KeyedSampler):
+    """Cyclic Poisson sampling: the data is split ONCE into ``cycle`` disjoint groups, each example
+    assigned to a uniformly random group independently of the others (keyed); step ``t`` draws a
+    Poisson sample at rate ``sample_rate`` from group ``t mod cycle`` only. Every example can be used only in the steps of its own group, i.e. at most once every
+    ``cycle`` steps (the participation pattern of banded matrix-factorization mechanisms,
+    Choquette-Choo et al. 2023). ``cycle=1`` is plain Poisson sampling.
+
+    Yields ``(indices, mask)`` padded to ``capacity`` like :class:`PoissonSampler` (a step with
+    more than ``capacity`` examples spans extra chunks; nothing is dropped or resampled).
+
+    Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.CyclicPoissonGaussianEvent`
+    (add/remove): ``count`` consecutive steps touch any one example in at most ``ceil(count /
+    cycle)`` Poisson-subsampled Gaussian steps, and in no other step (with independent noise,
+    i.e. the identity strategy of matrix factorization). The assignment is independent per
+    example, so adding or removing one example leaves the others' groups distributed exactly as
+    before (the first ``n`` assignments of ``n + 1`` examples are those of ``n``): the coupling
+    the add/remove analysis needs. (A balanced partition, by a permutation, would move other
+    examples between groups when one is added; it is not used for that reason.) Group sizes are
+    therefore random; each step's batch is ``Binomial(num_samples, sample_rate / cycle)``.
+
+    Args:
+      num_samples: dataset size ``n``. sample_rate: the Poisson rate ``q`` within a group, in
+        (0, 1]. cycle: the number of groups ``b``, an int in [1, n]. steps: steps to yield
+        (default ``round(cycle / sample_rate)``: each example expected once).
+      capacity / overflow_probability: as in :class:`PoissonSampler` (for batches of
+        ``Binomial(n, sample_rate / cycle)``). generator / key / secure: as in :class:`PoissonSampler`.
+
+    Example:
+      >>> s = CyclicPoissonSampler(1000, 0.05, cycle=4, steps=8, key=b"secret")
+      >>> s.expected_batch_size   # 0.05 * 1000 / 4
+      12.5
+    """
+
+    _LABEL = b"vmapdp-cyclic-poisson:"
+
+    def __init__(self, num_samples: int, sample_rate: float, cycle: int, steps: int | None = None, generator: torch.Generator | None = None, *, key=None, capacity: int | None = None, overflow_probability: float = 1e-6, secure: bool = False):
+        call = "CyclicPoissonSampler"
+        self.num_samples = _checks.positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset size")
+        self.sample_rate = float(_checks.sample_rate(call, sample_rate))
+        self.cycle = _checks.positive_int(call, "cycle", cycle, meaning="cycle is the number of disjoint groups the steps go through in turn")
+        if self.cycle > self.num_samples:
+            raise ValueError(
+                f"{call}: cycle={cycle} must be in [1, num_samples={num_samples}]; with more groups than examples some "
+                "groups would be empty. Pass cycle <= num_samples."
+            )
+        if steps is None:
+            steps = max(1, round(self.cycle / self.sample_rate))
+        self.steps = _checks.positive_int(call, "steps", steps, minimum=0, meaning="steps is how many batches to yield")
+        _checks.probability(call, "overflow_probability", overflow_probability, allow_one=False, meaning="it sets the default capacity")
+        if capacity is None:
+            capacity = default_capacity(self.num_samples, self.sample_rate / self.cycle, overflow_probability)
+        self.capacity = _checks.positive_int(call, "capacity", capacity, meaning="capacity is the physical batch size")
+        self._assignment: Tensor | None = None  # the group of every example, drawn on the first step
+        self._init_source(call, generator, key, secure)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``sample_rate * num_samples / cycle``: the divisor DP-SGD uses (public: the expected
+        size of every step's batch)."""
+        return self.sample_rate * self.num_samples / self.cycle
+
+    def _params(self):
+        return {"num_samples": self.num_samples, "sample_rate": self.sample_rate, "cycle": self.cycle}
+
+    def groups(self) -> Tensor:
+        """The group (int64 in ``[0, cycle)``) of every example, each uniform and independent;
+        drawn once, on first use (53-bit uniforms: exact in float64, so ``floor(u * cycle)``)."""
+        if self._assignment is None:
+            u = self._u53(self.num_samples).to(torch.float64) / float(1 << 53)
+            self._assignment = (u * self.cycle).floor().to(torch.int64)
+        return self._assignment
+
+    def sample(self) -> tuple[Tensor, Tensor]:
+        members = (self.groups() == self._step % self.cycle).nonzero().flatten()
+        idx = members[self._u53(members.numel()) < int(self.sample_rate * (1 << 53))]
+        self._step += 1
+        return _pad(idx, self.capacity, chunks=True)
+
+    def event(self, noise_multiplier: float):
+        """The accounting event of one step at ``noise_multiplier``."""
+        from vmapdp.accounting import CyclicPoissonGaussianEvent
+
+        return CyclicPoissonGaussianEvent(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate, cycle=self.cycle)
+
+    def _extra_state(self):
+        return {"assignment": self._assignment}
+
+    def _load_extra(self, state):
+        self._assignment = state.get("assignment")
 
 
 def gather(data: Any, indices: Tensor) -> Any:

@@ -263,7 +263,7 @@ def scheme_description(sampler: Any) -> str:
 
     if sampler is None or type(sampler) is PoissonSampler:
         return ""
-    names = ("num_samples", "sample_rate", "batch_size", "steps_per_epoch", "max_batch_size")
+    names = ("num_samples", "sample_rate", "batch_size", "steps_per_epoch", "max_batch_size", "cycle")
     return repr((type(sampler).__name__, tuple((k, getattr(sampler, k)) for k in names if hasattr(sampler, k))))
 
 
@@ -429,7 +429,7 @@ def make_train_step(
             ``sampler=`` instead.
         sampler: the :mod:`vmapdp.data` sampler the batches come from (``PoissonSampler``,
             ``FixedSizeSampler``, ``ShuffledSampler``, ``BallsInBinsSampler``,
-            ``TruncatedPoissonSampler``): each step records ``sampler.event(noise_multiplier)``,
+            ``TruncatedPoissonSampler``, ``CyclicPoissonSampler``): each step records ``sampler.event(noise_multiplier)``,
             the event of the batch the sampler drew last, before anything is computed. So call
             the step on each batch as it is drawn (iterate the sampler; do not draw ahead): an
             epoch sampler's event says whether its last batch opened an epoch. Given with

@@ -14,6 +14,7 @@ from vmapdp.accounting.events import (
     FixedSizeGaussianEvent,
     Ledger,
     NonPrivateEvent,
+    CyclicPoissonGaussianEvent,
     PoissonGaussianEvent,
     TruncatedPoissonGaussianEvent,
 )
@@ -73,7 +74,7 @@ class _Plan(NamedTuple):
     """What the accountants need from a ledger, grouped by analysis."""
 
     non_private: bool = False
-    poisson: tuple = ()  # (noise_multiplier, sample_rate, count): add/remove Poisson steps (truncated ones too)
+    poisson: tuple = ()  # (noise_multiplier, sample_rate, count): add/remove Poisson steps (truncated and cyclic ones too)
     fixed: tuple = ()  # (noise_multiplier, sample_rate, count): replace-one, without replacement
     epochs: tuple = ()  # (noise_multiplier, charged epochs): replace-one Gaussian mechanisms, sensitivity 2
     fail: float = 0.0  # probability that the truncated run differs from the Poisson run
@@ -99,6 +100,8 @@ def _plan(ledger: Ledger) -> _Plan:
         elif isinstance(e, TruncatedPoissonGaussianEvent):
             poisson.append((e.noise_multiplier, e.sample_rate, e.count))
             fail += e.truncation_probability
+        elif isinstance(e, CyclicPoissonGaussianEvent):  # any one example: ceil(count / cycle) Poisson steps
+            poisson.append((e.noise_multiplier, e.sample_rate, e.charged_steps))
         elif isinstance(e, FixedSizeGaussianEvent):
             fixed.append((e.noise_multiplier, e.sample_rate, e.count))
         elif isinstance(e, EpochGaussianEvent):

@@ -9,8 +9,8 @@ and friends) are pure functions of a ledger.
 Neighbouring relation (``event.adjacency``, explicit per event type):
 
 * ``"add_remove"``: the neighbouring dataset has one example more or one fewer. Poisson
-  subsampling (:class:`PoissonGaussianEvent`, :class:`TruncatedPoissonGaussianEvent`) is
-  analysed under it; every accountant reports the worse of the two directions.
+  subsampling (:class:`PoissonGaussianEvent`, :class:`TruncatedPoissonGaussianEvent`,
+  :class:`CyclicPoissonGaussianEvent`) is analysed under it; every accountant reports the worse of the two directions.
 * ``"replace_one"``: the neighbouring dataset has the same size and one example replaced.
   Schemes whose batch size or epoch structure depends on the dataset size (fixed-size
   batches without replacement, shuffled epochs, balls-in-bins) are analysed under it. One
@@ -40,6 +40,7 @@ __all__ = [
     "FixedSizeGaussianEvent",
     "EpochGaussianEvent",
     "TruncatedPoissonGaussianEvent",
+    "CyclicPoissonGaussianEvent",
     "NonPrivateEvent",
     "Event",
     "Ledger",
@@ -393,13 +394,88 @@ class TruncatedPoissonGaussianEvent:
         }
 
 
-Event = Union[PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, NonPrivateEvent]
-_EVENT_TYPES = (PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, NonPrivateEvent)
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonGaussianEvent:
+    """``count`` consecutive steps of cyclic Poisson sampling with the Gaussian mechanism: the data
+    is split once into ``cycle`` disjoint groups, step ``t`` samples group ``t mod cycle`` at rate
+    ``sample_rate`` (Poisson), and each step adds independent N(0, (noise_multiplier *
+    l2_clip_norm)^2) noise (:class:`vmapdp.data.CyclicPoissonSampler`).
+
+    Neighbouring relation: ``"add_remove"`` (as for Poisson sampling).
+
+    Guarantees:
+      An example can be used only in the steps of its own group, and ``count`` consecutive steps
+      visit any one group at most ``ceil(count / cycle)`` times (:attr:`charged_steps`); the
+      other steps do not depend on it (post-processing, given the groups, which do not depend on
+      the data's values). So the accountants charge ``charged_steps`` Poisson-subsampled Gaussian
+      steps at ``sample_rate`` (PLD and RDP, exactly as :class:`PoissonGaussianEvent`): the
+      identity-strategy case of Choquette-Choo et al. (2023), tight for the worst-case example.
+      Merging adds the counts; an event split by other events is charged each part's ceiling
+      (an upper bound).
+
+    Args:
+      noise_multiplier: noise std / l2_clip_norm; finite and > 0.
+      sample_rate: the Poisson rate within a group, in [0, 1].
+      cycle: the number of groups, an int >= 1 (1 is plain Poisson sampling).
+      count: steps, an int >= 1.
+
+    References:
+      Choquette-Choo, Ganesh, Steinke, Thakurta. "Privacy Amplification for Matrix Mechanisms."
+      ICLR 2024. Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu. "(Amplified)
+      Banded Matrix Factorization: A unified approach to private training." NeurIPS 2023.
+
+    Example:
+      >>> CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=4, count=10).charged_steps
+      3
+    """
+
+    noise_multiplier: float
+    sample_rate: float
+    cycle: int
+    count: int = 1
+    adjacency: ClassVar[str] = ADD_REMOVE
+
+    def __post_init__(self):
+        where = "CyclicPoissonGaussianEvent"
+        object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
+        object.__setattr__(self, "sample_rate", _checks.check_sample_rate(where, self.sample_rate))
+        object.__setattr__(
+            self,
+            "cycle",
+            _shared_checks.positive_int(where, "cycle", self.cycle, meaning="cycle is the number of disjoint groups the steps go through in turn"),
+        )
+        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
+
+    @property
+    def charged_steps(self) -> int:
+        """``ceil(count / cycle)``: the most steps of these that any one example can be in."""
+        return math.ceil(self.count / self.cycle)
+
+    def _key(self):
+        return ("cyclic_poisson_gaussian", self.noise_multiplier, self.sample_rate, self.cycle)
+
+    def _with_count(self, count: int) -> "CyclicPoissonGaussianEvent":
+        return dataclasses.replace(self, count=count)
+
+    def to_dict(self) -> dict:
+        return {
+            "type": "cyclic_poisson_gaussian",
+            "adjacency": self.adjacency,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "cycle": self.cycle,
+            "count": self.count,
+        }
+
+
+Event = Union[PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, CyclicPoissonGaussianEvent, NonPrivateEvent]
+_EVENT_TYPES = (PoissonGaussianEvent, FixedSizeGaussianEvent, EpochGaussianEvent, TruncatedPoissonGaussianEvent, CyclicPoissonGaussianEvent, NonPrivateEvent)
 _BY_TYPE = {
     "poisson_gaussian": PoissonGaussianEvent,
     "fixed_size_gaussian": FixedSizeGaussianEvent,
     "epoch_gaussian": EpochGaussianEvent,
     "truncated_poisson_gaussian": TruncatedPoissonGaussianEvent,
+    "cyclic_poisson_gaussian": CyclicPoissonGaussianEvent,
     "non_private": NonPrivateEvent,
 }
 _NAMES = ", ".join(t.__name__ for t in _EVENT_TYPES)
