@@ -7,7 +7,7 @@ cell prints one JSON line of key results, which the checks below read back. A no
 stay warning-clean (nothing on stderr) and within its wall-clock budget.
 
 Needs the ``notebooks`` extra (nbclient, nbformat, ipykernel, matplotlib); Opacus is optional
-for notebook 06.
+for notebook 06; notebook 07 needs transformers (the ``hf`` extra) and is skipped without it.
 """
 
 from __future__ import annotations
@@ -149,6 +149,27 @@ def check_06(nb, r):
     assert _images(nb) >= 1
 
 
+def check_07(nb, r):
+    lm, eps = r["lm"], r["epsilons"]
+    assert len(eps) >= 2
+    for kind in ("full", "lora"):
+        for e in eps:
+            run = lm[kind][str(e)]
+            assert run["epsilon"] <= e  # calibrated with PLD: never above the target
+            assert run["perplexity"] < r["vocab_size"] / 2  # far below the uniform-vocabulary perplexity
+        assert lm[kind]["None"]["perplexity"] < lm[kind][str(min(eps))]["perplexity"]  # privacy costs something
+    assert lm["full"]["None"]["perplexity"] < r["pretrained_perplexity"]  # fine-tuning helps without noise
+    assert lm["full"][str(max(eps))]["perplexity"] < r["pretrained_perplexity"]  # and with DP at the largest epsilon
+    assert r["trainable"]["lora"] * 3 < r["trainable"]["full"]
+    cls = r["classifier"]
+    for e in eps:
+        assert cls[str(e)]["epsilon"] <= e
+    assert cls["None"]["accuracy"] > 0.8  # balanced classes: chance is 0.5
+    assert cls[str(max(eps))]["accuracy"] > 0.6
+    assert cls["None"]["accuracy"] > cls[str(min(eps))]["accuracy"]
+    assert _images(nb) >= 2
+
+
 CHECKS = {
     "01_per_sample_gradients.ipynb": check_01,
     "02_dp_sgd_digits.ipynb": check_02,
@@ -156,7 +177,11 @@ CHECKS = {
     "04_curvature.ipynb": check_04,
     "05_dp_lora_finetuning.ipynb": check_05,
     "06_migrating_from_opacus.ipynb": check_06,
+    "07_dp_transformer_finetuning.ipynb": check_07,
 }
+
+
+NEEDS_TRANSFORMERS = {"07_dp_transformer_finetuning.ipynb"}
 
 
 def test_every_notebook_is_checked_and_committed_clean():
@@ -173,5 +198,7 @@ def test_every_notebook_is_checked_and_committed_clean():
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_notebook_runs(name, monkeypatch):
+    if name in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers", reason=f"{name} needs transformers (the [hf] extra)")
     nb, results = _run(name, monkeypatch)
     CHECKS[name](nb, results)

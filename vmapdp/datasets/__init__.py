@@ -2,7 +2,10 @@
 
 ``load_digits()``: the UCI "Optical Recognition of Handwritten Digits" test set (1,797 images of
 8x8 pixels, values 0..16, 10 classes; E. Alpaydin and C. Kaynak, 1998; CC BY 4.0), the same file
-scikit-learn ships. See ``vmapdp/datasets/README.md``.
+scikit-learn ships.
+
+``load_tinyshakespeare()``: Andrej Karpathy's "tiny shakespeare" (1,115,394 characters of
+Shakespeare's plays, public domain), the corpus of char-rnn. See ``vmapdp/datasets/README.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["load_digits", "Split"]
+__all__ = ["load_digits", "load_tinyshakespeare", "Split"]
 
 
 class Split(NamedTuple):
@@ -55,3 +58,17 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> Split:
     n_test = round(images.shape[0] * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
     return Split(images[train], labels[train], images[test], labels[test])
+
+
+def load_tinyshakespeare() -> str:
+    """The tiny-shakespeare text (public domain; from karpathy/char-rnn), as one string.
+
+    1,115,394 characters (65 distinct), speeches separated by blank lines, each starting with
+    the speaker's name and a colon (``"ROMEO:\\n..."``).
+    """
+    with resources.files("vmapdp.datasets").joinpath("tinyshakespeare.txt.gz").open("rb") as raw:
+        with gzip.open(raw, "rt", encoding="utf-8") as text:
+            data = text.read()
+    if len(data) != 1115394:
+        raise RuntimeError(f"load_tinyshakespeare: the shipped file is damaged ({len(data)} characters, expected 1115394); reinstall vmapdp.")
+    return data
