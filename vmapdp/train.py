@@ -131,6 +131,11 @@ def accountant_epsilon(ledger: Ledger, delta: float, accountant: str) -> float:
     return float(accounting.epsilon(ledger, delta=delta, accountant=accountant))
 
 
+def _budget_accountant(call: str, accountant: Any) -> str:
+    """The accountant a budget is enforced with: an upper bound (``"rdp"``, ``"pld"``/``"prv"``)."""
+    return _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
+
+
 def _check_budget(call: str, budget: Any, accountant: str) -> tuple[float, float, str] | None:
     """``budget=(epsilon, delta)`` checked, as the state records it: ``(epsilon, delta, accountant)``."""
     if budget is None:
@@ -139,7 +144,7 @@ def _check_budget(call: str, budget: Any, accountant: str) -> tuple[float, float
         raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
     eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
     _checks.delta(call, budget[1], name="budget delta")
-    accountant = _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
+    accountant = _budget_accountant(call, accountant)
     return (eps, float(budget[1]), accountant)
 
 
@@ -524,7 +529,7 @@ def make_train_step(
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
-    _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
+    _budget_accountant(call, accountant)
     event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
     config = step_config(
         l2_clip_norm=l2_clip_norm,
