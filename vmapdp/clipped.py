@@ -24,12 +24,12 @@ from torch import Tensor
 
 from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask
-from vmapdp.clipping import _check_clip_norm, _check_rule, _keep, clip_and_sum, clip_factors
+from vmapdp.clipping import check_rule, clip_and_sum, clip_factors, released_rows
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
 from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
-from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
+from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 from vmapdp.precision import full_float32
 
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key"]
@@ -190,8 +190,8 @@ def clipped_grad_sum(
     if not callable(loss_fn):
         raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
     _checks.choice(call, "method", method, METHODS)
-    _check_rule(call, rule, stability, nonfinite)
-    _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
+    check_rule(call, rule, stability, nonfinite)
+    _checks.clip_norm(call, "l2_clip_norm", l2_clip_norm)
     _checks.optional_positive_int(call, "norm_chunk_size", norm_chunk_size)
     return ClippedGradSum(loss_fn, l2_clip_norm, method, rule, stability, nonfinite, randomness, norm_chunk_size)
 
@@ -281,7 +281,7 @@ class ClippedGradSum:
             try:
                 plan = probe(self._ghost_form[1], {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], self.randomness)
             except RuntimeError as err:
-                raise _explain_runtime_error(_CALL, err) from err
+                raise explain_runtime_error(_CALL, err) from err
             self._plans[key] = plan
         return key, plan
 
@@ -325,7 +325,7 @@ class ClippedGradSum:
             del g, part  # one chunk's per-sample grads at a time
         norms_t = torch.cat(norms)
         if self.nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
-            _keep(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)
+            released_rows(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)
         return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
 
     def _by_ghost(self, params, shared, batch, mask, plan):
@@ -339,9 +339,9 @@ class ClippedGradSum:
                 )
                 norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
         except RuntimeError as err:
-            raise _explain_runtime_error(_CALL, err) from err
+            raise explain_runtime_error(_CALL, err) from err
         if self.nonfinite == "raise":
-            _keep(norms, mask, self.nonfinite, _CALL)
+            released_rows(norms, mask, self.nonfinite, _CALL)
         return summed, norms, losses
 
     @property

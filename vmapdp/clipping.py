@@ -100,13 +100,7 @@ def _check_shapes(call: str, grads: Any, params: Any, b: int) -> None:
         )
 
 
-def _check_clip_norm(call: str, name: str, value: Any) -> float | Tensor:
-    """The clipping bound: :func:`vmapdp._checks.clip_norm` (numbers, and 0-dim tensors read on the
-    host when not tracing; :func:`clip_factors` makes an unchecked tensor safe)."""
-    return _checks.clip_norm(call, name, value)
-
-
-def _check_rule(call: str, rule: str, stability: float, nonfinite: str) -> None:
+def check_rule(call: str, rule: str, stability: float, nonfinite: str) -> None:
     _checks.choice(call, "rule", rule, ("clip", "normalize"), why="'clip' is flat clipping, 'normalize' automatic clipping")
     _checks.positive(call, "stability", stability, meaning="it is added to the norm by rule='normalize'")
     _checks.choice(call, "nonfinite", nonfinite, ("zero", "raise"), why="a non-finite sample is dropped ('zero') or raises ('raise')")
@@ -118,8 +112,8 @@ def clip_factors(norms: Tensor, l2_clip_norm: float | Tensor, *, rule: Rule = "c
     ``"clip"``: ``min(1, C / norm)``, exactly 1 for a zero norm (and for ``C = inf``).
     ``"normalize"``: ``C / (norm + stability)``.
     """
-    _check_rule("clip_factors", rule, stability, "zero")
-    _check_clip_norm("clip_factors", "l2_clip_norm", l2_clip_norm)
+    check_rule("clip_factors", rule, stability, "zero")
+    _checks.clip_norm("clip_factors", "l2_clip_norm", l2_clip_norm)
     if rule == "normalize":
         factors = l2_clip_norm / (norms + stability)
     else:
@@ -132,7 +126,7 @@ def clip_factors(norms: Tensor, l2_clip_norm: float | Tensor, *, rule: Rule = "c
     return factors
 
 
-def _keep(norms: Tensor, mask: Tensor | None, nonfinite: str, call: str) -> Tensor:
+def released_rows(norms: Tensor, mask: Tensor | None, nonfinite: str, call: str) -> Tensor:
     """Which rows are released: finite and (if a mask is given) real."""
     finite = torch.isfinite(norms)
     keep = finite if mask is None else finite & mask
@@ -148,7 +142,7 @@ def _keep(norms: Tensor, mask: Tensor | None, nonfinite: str, call: str) -> Tens
     return keep
 
 
-def _weighted_sum(grads: Any, weights: Tensor) -> Any:
+def weighted_sum(grads: Any, weights: Tensor) -> Any:
     """``sum_i weights[i] * grads[i]`` per leaf, accumulated in float32 or wider."""
 
     def one(g: Tensor) -> Tensor:
@@ -197,11 +191,11 @@ def clip_per_sample(
         clipping once.
     """
     call = "clip_per_sample(grads, l2_clip_norm)"
-    _check_rule(call, rule, stability, nonfinite)
-    _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
+    check_rule(call, rule, stability, nonfinite)
+    _checks.clip_norm(call, "l2_clip_norm", l2_clip_norm)
     _prepare(call, grads, None, params)
     norms = grad_norms(grads)
-    keep = _keep(norms, None, nonfinite, call)
+    keep = released_rows(norms, None, nonfinite, call)
     factors = clip_factors(norms, l2_clip_norm, rule=rule, stability=stability)
 
     def one(g: Tensor) -> Tensor:
@@ -248,13 +242,13 @@ def clip_and_sum(
         (tensor([0.9000, 1.2000]), tensor([5.0000, 0.5000]))
     """
     call = "clip_and_sum(grads, l2_clip_norm)"
-    _check_rule(call, rule, stability, nonfinite)
-    _check_clip_norm(call, "l2_clip_norm", l2_clip_norm)
+    check_rule(call, rule, stability, nonfinite)
+    _checks.clip_norm(call, "l2_clip_norm", l2_clip_norm)
     mask = _prepare(call, grads, mask, params)
     norms = grad_norms(grads)
-    keep = _keep(norms, mask, nonfinite, call)
+    keep = released_rows(norms, mask, nonfinite, call)
     weights = torch.where(keep, clip_factors(norms, l2_clip_norm, rule=rule, stability=stability), 0.0)
-    summed = _weighted_sum(zero_rows(grads, keep), weights)
+    summed = weighted_sum(zero_rows(grads, keep), weights)
     if mask is not None:
         norms = torch.where(mask, norms, 0.0)
     return summed, norms
@@ -286,7 +280,7 @@ def _groups_of(call: str, grads: Mapping[str, Tensor], l2_clip_norms: Any, group
     if extra:
         raise ValueError(f"{call}: l2_clip_norms names groups {extra} that hold no key of grads.")
     for g in members:
-        _check_clip_norm(call, f"l2_clip_norms[{g!r}]", l2_clip_norms[g])
+        _checks.clip_norm(call, f"l2_clip_norms[{g!r}]", l2_clip_norms[g])
     return members
 
 
@@ -328,16 +322,16 @@ def clip_and_sum_per_layer(
         left unclipped).
     """
     call = "clip_and_sum_per_layer(grads, l2_clip_norms)"
-    _check_rule(call, "clip", 0.01, nonfinite)
+    check_rule(call, "clip", 0.01, nonfinite)
     members = _groups_of(call, grads, l2_clip_norms, groups)
     mask = _prepare(call, grads, mask)
     norms = {g: grad_norms({k: grads[k] for k in keys}) for g, keys in members.items()}
     finite = torch.stack([n for n in norms.values()]).isfinite().all(0)
-    keep = _keep(torch.where(finite, 0.0, math.nan), mask, nonfinite, call)
+    keep = released_rows(torch.where(finite, 0.0, math.nan), mask, nonfinite, call)
     summed: dict[str, Tensor] = {}
     for g, keys in members.items():
         weights = torch.where(keep, clip_factors(norms[g], l2_clip_norms[g]), 0.0)
-        summed.update(_weighted_sum(zero_rows({k: grads[k] for k in keys}, keep), weights))
+        summed.update(weighted_sum(zero_rows({k: grads[k] for k in keys}, keep), weights))
     if mask is not None:
         norms = {g: torch.where(mask, n, 0.0) for g, n in norms.items()}
     return {k: summed[k] for k in grads}, norms

@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
 from vmapdp._tree import acc_dtype, batch_size, check_chunk_size, check_mask, leaves_with_paths
-from vmapdp.per_sample import _explain_runtime_error, per_sample_grads
+from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 
 __all__ = [
     "per_sample_hessian",
@@ -153,7 +153,7 @@ def _mapped(call: str, fn: Callable[..., Any], args: tuple, in_dims: tuple, chun
         msg = str(err)
         if "randomness" in msg and "vmap" in msg:
             raise RuntimeError(f"{call}: {_RANDOM_HELP}") from err
-        explained = _explain_runtime_error(call, err)
+        explained = explain_runtime_error(call, err)
         if explained is err:
             raise
         raise explained from err

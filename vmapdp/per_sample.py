@@ -86,7 +86,7 @@ def _mapped(
         try:
             grads, value = mapped(*args)
         except (RuntimeError, ValueError) as err:
-            raise _explain_runtime_error(call, err) from err
+            raise explain_runtime_error(call, err) from err
         if has_aux:
             losses, aux = value
         else:
@@ -102,7 +102,7 @@ def _mapped(
     return run
 
 
-def _explain_runtime_error(call: str, err: Exception) -> Exception:
+def explain_runtime_error(call: str, err: Exception) -> Exception:
     known = explain_torch_error(call, err)
     if known is not None:
         return known

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.func import vjp, vmap
 
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
-from vmapdp.clipping import _weighted_sum
+from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
 from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
 from vmapdp.ghost.rules import RULES
@@ -252,7 +252,7 @@ def _clipped_sum(
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
     # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
     per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
-    summed = _weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
+    summed = weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
     for key, p in params.items():
         if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
             continue
@@ -261,7 +261,7 @@ def _clipped_sum(
         total = torch.zeros(p.shape, dtype=wide, device=w.device)
         if key in other_grads:
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
-            total = total + _weighted_sum({key: other[key].to(wide)}, w)[key]
+            total = total + weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
             total = total + _weighted(use, w, zero, wide)
         summed[key] = total.to(dtype)
