@@ -575,3 +575,25 @@ def test_step_stats_sum_leaf_wise_and_name_the_metrics():
     assert isinstance(both, StepStats) and [float(v) for v in both] == [0.0] * 5
     m = one.metrics()
     assert m["batch_size"] == 3 and m["loss"] == 4.0 / 3 and m["clip_fraction"] == 1.0 / 3 and m["mean_grad_norm"] == 2.5 / 3 and m["nonfinite"] == 1
+
+
+def test_the_run_id_needs_no_numpy(monkeypatch):
+    """numpy is not a dependency: the README's plain install has none, and the demo failed there
+    ('Numpy is not available') when the run id was hashed through .numpy()."""
+    params = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(0)}
+    expected = vmapdp.train.params_digest(params)
+
+    def no_numpy(self, *a, **k):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    assert vmapdp.init_train_state(params, optim.sgd(0.1), seed=0).run_id == expected
+    import hashlib
+    import struct
+
+    # a known answer: the digest is over the names, dtypes, shapes and raw little-endian bytes
+    h = hashlib.sha256(b"vmapdp-params:")
+    h.update(repr(("b", "torch.float32", (0,))).encode())
+    h.update(repr(("w", "torch.float32", (2, 3))).encode())
+    h.update(struct.pack("<6f", *range(6)))
+    assert expected == h.hexdigest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import optree
@@ -101,3 +102,10 @@ def check_chunk_size(call: str, chunk_size: Any, name: str = "chunk_size") -> No
     """``chunk_size`` (vmap's) is None or a positive int."""
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"{call}: {name} must be a positive int or None, got {chunk_size!r}.")
+
+
+def tensor_bytes(x: Tensor) -> bytes:
+    """The raw bytes of a tensor's elements (row-major, on the CPU), for hashing. Read straight
+    from memory: numpy is not a dependency of vmapdp, so ``.numpy()`` is not available everywhere."""
+    x = x.detach().cpu().contiguous()
+    return ctypes.string_at(x.data_ptr(), x.numel() * x.element_size()) if x.numel() else b""

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from vmapdp._tree import tensor_bytes
 from vmapdp.noise import Privatizer
 
 __all__ = [
@@ -305,7 +306,7 @@ def _sampler_fingerprint(sampler: Any) -> tuple:
         sampler.steps,
         sampler.capacity,
         sampler.secure,
-        None if gen is None else hashlib.sha256(gen.numpy().tobytes()).hexdigest(),
+        None if gen is None else hashlib.sha256(tensor_bytes(gen)).hexdigest(),
         state.get("key"),
         state.get("draws"),
     )

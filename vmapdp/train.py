@@ -43,7 +43,7 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
-from vmapdp._tree import batch_size, check_mask
+from vmapdp._tree import batch_size, check_mask, tensor_bytes
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
 from vmapdp.noise import Privatizer, gaussian_privatizer
@@ -162,7 +162,7 @@ def params_digest(params: dict[str, Tensor]) -> str:
     for k in sorted(params):
         v = params[k].detach()
         h.update(repr((k, str(v.dtype), tuple(v.shape))).encode())
-        h.update(v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+        h.update(tensor_bytes(v))
     return h.hexdigest()
 
 
