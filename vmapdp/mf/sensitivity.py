@@ -110,7 +110,7 @@ def _dense_sensitivity_squared(c: Tensor, sep: int, k: int) -> tuple[float, bool
     tol = 1e-12 * scale
     y = x.abs()
     viol_diag = float((y[1:, 1:] - y[:-1, :-1]).max()) if n > 1 else 0.0
-    row_step = (y[:, 1:] - y[:, :-1])[torch.triu(torch.ones(n, n - 1, dtype=torch.bool), 0)]
+    row_step = (y[:, 1:] - y[:, :-1])[torch.triu(torch.ones(n, n - 1, dtype=torch.bool), 1)]
     viol_row = float(row_step.max()) if row_step.numel() else 0.0
     viol = max(viol_diag, viol_row, 0.0)
     if float(x.min()) >= -tol and viol <= tol:  # rule 3 on |X|, with the rounding-size violations added back
