@@ -155,6 +155,25 @@ def test_signed_strategies_exact_where_columns_are_orthogonal_bounded_otherwise(
                 mf.sensitivity(strategy, n, min_separation=sep, max_participations=k, require_exact=True)
 
 
+def test_nonnegative_gram_without_structure_is_never_under_reported():
+    # C^T C >= 0, so the brute force is the truth; the earliest pattern is not always the worst here
+    n = 8
+    g = torch.Generator().manual_seed(4)
+    dense = torch.rand(n, n, generator=g, dtype=F64).tril() + torch.eye(n, dtype=F64)
+    rising = BandedToeplitz((1.0, 0.1, 0.1, 0.9))  # coefficients rise again after index 1
+    for strategy in (dense, rising):
+        for sep, k in ((1, None), (2, 3), (1, 2)):
+            truth = mf.brute_force_sensitivity(strategy, n, min_separation=sep, max_participations=k)
+            got = mf.sensitivity(strategy, n, min_separation=sep, max_participations=k)
+            assert got >= truth * (1 - 1e-12)
+            try:
+                exact = mf.sensitivity(strategy, n, min_separation=sep, max_participations=k, require_exact=True)
+            except ValueError:
+                continue
+            assert exact == pytest.approx(truth, rel=1e-12)
+    torch.testing.assert_close(mf.toeplitz_gram(rising.toeplitz_coeffs(n), n), rising.matrix(n).T @ rising.matrix(n), rtol=0, atol=1e-15)
+
+
 def test_sensitivity_large_n_is_structured_and_matches_dense():
     n = 200
     blt = BufferedToeplitz((0.99, 0.8), (0.1, 0.3))
