@@ -123,6 +123,21 @@ def _blt_coeffs(theta: Tensor, omega: Tensor, n: int) -> Tensor:
     return torch.cat([torch.ones(1, dtype=torch.float64), rest])[:n]
 
 
+def _merge_buffers(theta: Tensor, omega: Tensor, rtol: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Buffers whose ``theta`` agree to ``rtol`` merged into one (``omega`` summed, ``theta`` their
+    ``omega``-weighted mean): the optimum often lets buffers coincide when it needs fewer."""
+    order = torch.argsort(theta)
+    groups: list[list[int]] = []
+    for i in order.tolist():
+        if groups and abs(float(theta[i]) - float(theta[groups[-1][-1]])) <= rtol * float(theta[i]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    th = torch.stack([(theta[g] * omega[g]).sum() / omega[g].sum() for g in groups])
+    om = torch.stack([omega[g].sum() for g in groups])
+    return th, om
+
+
 def optimal_blt(
     n: int,
     buffers: int,
@@ -142,6 +157,11 @@ def optimal_blt(
     Starts from ``theta_i = 1 - n^(-(i+1)/buffers)`` with ``omega`` fitted by least squares to the
     coefficients of :func:`vmapdp.mf.sqrt_prefix`. ``workload``: an ``n x n`` tensor (None:
     prefix sums); ``kind``: ``"mean"`` or ``"max"`` error. ``buffers=0`` is :func:`identity`'s BLT.
+
+    ``buffers`` is the most buffers used: where the optimum lets several ``theta`` coincide (to
+    ``1e-6`` relative; common with several participations, where one buffer can be optimal),
+    they are merged into one buffer when that changes the loss by less than ``1e-9`` relative,
+    so the result may have fewer buffers (less streaming memory, a well-conditioned inverse).
     """
     call = "optimal_blt"
     n = _checks.positive_int(call, "n", n, meaning="n is the number of steps")
@@ -164,7 +184,11 @@ def optimal_blt(
         return torch.sigmoid(x[:buffers]), torch.nn.functional.softplus(x[buffers:])
 
     x = _lbfgs(x0, lambda x: loss(_blt_coeffs(*split(x), n))[0], iters)
-    theta, omega = split(x)
+    theta, omega = (t.detach() for t in split(x))
+    value = loss(_blt_coeffs(theta, omega, n))[0]
+    merged = _merge_buffers(theta, omega)
+    if merged[0].numel() < buffers and float(loss(_blt_coeffs(*merged, n))[0]) <= float(value) * (1 + 1e-9):
+        theta, omega = merged
     order = torch.argsort(theta, descending=True)
     blt = BufferedToeplitz(tuple(theta[order].tolist()), tuple(omega[order].tolist()))
     value, exact = loss(blt.toeplitz_coeffs(n))
