@@ -15,6 +15,15 @@ from vmapdp.mf import BandedToeplitz, BufferedToeplitz
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # small float64 problems: one thread is faster (much faster on a busy machine); results unchanged
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _lower_bound_signs(c, n, sep, k):
     """A lower bound on the true sensitivity: every pattern, scalar contributions g_t = +-1."""
     x = c.T @ c
@@ -253,6 +262,21 @@ def test_optimal_banded_beats_identity_and_sqrt():
     mf.sensitivity(opt, n, min_separation=2, max_participations=6, require_exact=True)
     e = mf.expected_error(opt, mf.momentum_prefix_sums(n, 0.5), n, min_separation=2, max_participations=6)
     assert e < mf.expected_error(mf.identity(), mf.momentum_prefix_sums(n, 0.5), n, min_separation=2, max_participations=6)
+
+
+def test_optimisers_on_a_learning_rate_schedule_and_max_error():
+    # momentum with a decaying learning rate: not Toeplitz, the O(n^2 log n) path
+    n = 48
+    a = mf.momentum_prefix_sums(n, 0.9, torch.linspace(1.0, 0.2, n))
+    blt = mf.optimal_blt(n, 2, workload=a, max_participations=1)
+    e = mf.expected_error(blt, a, n, max_participations=1)
+    assert e < mf.expected_error(mf.sqrt_prefix(n), a, n, max_participations=1)
+    assert e < 0.5 * mf.expected_error(mf.identity(), a, n, max_participations=1)
+    assert e == pytest.approx(mf.expected_error(blt.matrix(n), a, n, max_participations=1), rel=1e-10)
+    # max error, one participation: the band-n optimum is the square root (Dvijotham et al. 2024)
+    full = mf.optimal_banded(n, n, max_participations=1, kind="max")
+    sq = mf.expected_error(mf.sqrt_prefix(n), None, n, max_participations=1, kind="max")
+    assert mf.expected_error(full, None, n, max_participations=1, kind="max") == pytest.approx(sq, rel=1e-9)
 
 
 def test_optimal_banded_matches_jax_privacy_optimum():

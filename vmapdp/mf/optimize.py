@@ -7,11 +7,15 @@ the loss is the exact one of :func:`vmapdp.mf.toeplitz_sensitivity_squared`: the
 parameterisations keep the strategy inside a class where an exact rule applies, and the result
 is checked for it. Each evaluation costs ``O(n log n)`` (power-series inverse and products by FFT)
 for a Toeplitz workload (prefix sums, momentum with a constant learning rate), ``O(n^2 log n)``
-for another workload.
+for another workload. The optimisers run with one torch thread (the loss is a chain of small
+FFTs, where threads cost more than they save, ten times more on a busy machine) and restore the
+thread count when they return.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import torch
@@ -35,6 +39,25 @@ def _loss_fn(n: int, workload: Tensor, sep: int, k: int, kind: str):
         return s2 * (rows.mean() if kind == "mean" else rows.max()), exact
 
     return loss
+
+
+@contextlib.contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _single_threaded(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _one_thread():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 class _NonFinite(Exception):
@@ -74,6 +97,7 @@ def _inv_softplus(y: Tensor) -> Tensor:
     return torch.where(y > 20, y, torch.log(torch.expm1(y.clamp(min=1e-300))))
 
 
+@_single_threaded
 def optimal_banded(
     n: int,
     band: int,
@@ -159,6 +183,7 @@ def _merge_buffers(theta: Tensor, omega: Tensor, rtol: float = 1e-6) -> tuple[Te
     return th, om
 
 
+@_single_threaded
 def optimal_blt(
     n: int,
     buffers: int,

@@ -88,9 +88,9 @@ def toeplitz_sensitivity_squared(coeffs: Tensor, n: int, *, min_separation: int 
 
 
 def _best_pattern_sum(x: Tensor, sep: int, k: int) -> Tensor:
-    """``max_P sum_{t in P} x[..., t]`` over patterns of at most ``k`` steps ``sep`` apart (a
-    dynamic program over the last axis, batched over the others; ``x >= 0`` keeps every pattern
-    non-empty-worthy, and the empty pattern scores 0)."""
+    """``max_P sum_{t in P} x[..., t]`` over patterns of at most ``k`` steps ``sep`` apart, for
+    ``x >= 0`` (a dynamic program over the last axis, batched over the others; Choquette-Choo et
+    al. 2023, Algorithm 3)."""
     n = x.shape[-1]
     f = x.new_zeros(*x.shape[:-1], n + sep)
     for _ in range(k):  # f[t]: best with at most j picks among steps >= t
