@@ -25,8 +25,9 @@ returns less than the truth. The rules, in order:
    participation earlier never lowers a term, so the earliest pattern ``0, sep, .., (k-1) sep``
    is worst. A lower-triangular Toeplitz ``C`` whose coefficients are ``>= 0`` and non-increasing
    from index 1 on (every BLT with ``omega >= 0``, ``0 <= theta < 1``; the square root of prefix
-   sums) satisfies it (Kalinin and Lampert 2024, Theorem 2, state it for coefficients
-   non-increasing from index 0).
+   sums) satisfies it: ``X[s, t] = sum_{r=0}^{n-1-max(s,t)} c[r] c[r + |s-t|]``. (jax-privacy's
+   ``toeplitz.minsep_sensitivity_squared``, after Kalinin and Lampert 2024, arXiv:2405.13763,
+   Theorem 2, asks for coefficients non-increasing from index 0; from index 1 suffices.)
 4. Otherwise an upper bound: Algorithm 4 of Choquette-Choo et al. 2023 (the best pattern for
    each row of ``|X|``, then the best pattern over those row maxima); for a Toeplitz ``C`` also
    rule 3 applied to the smallest non-negative majorant of ``|c|`` that is non-increasing from
