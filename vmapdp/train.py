@@ -346,7 +346,7 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
                 eps = accountant_epsilon(ledger, b_delta, b_accountant)
-            except ValueError:  # an accountant that cannot bound this ledger (fixed-size batches): RDP decided
+            except ValueError:  # an accountant that cannot bound this ledger (Poisson steps made replace-one): RDP decided
                 eps, b_accountant = accountant_epsilon(ledger, b_delta, "rdp"), "rdp, the only bound for this ledger"
             whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
             raise PrivacyBudgetExceeded(
