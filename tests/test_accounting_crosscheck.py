@@ -41,10 +41,11 @@ def _opake_core():
 
 OPAKE = _opake_core()
 OPAKE_CFG = OPAKE.DiscretizationConfig(discretization=1e-4)
+OPAKE_COARSE = OPAKE.DiscretizationConfig(discretization=1e-3)  # the truncated PLDs: 10x faster, within 1e-3
 
 
-def _jax_privacy(noise, n, batch, steps, delta, *, rdp=False, **params):
-    config = accountants.RdpAccountantConfig() if rdp else accountants.PldAccountantConfig(value_discretization_interval=1e-4)
+def _jax_privacy(noise, n, batch, steps, delta, *, rdp=False, interval=1e-4, **params):
+    config = accountants.RdpAccountantConfig() if rdp else accountants.PldAccountantConfig(value_discretization_interval=interval)
     dp = analysis.DpParams(noise_multipliers=noise, num_samples=n, delta=delta, batch_size=batch, **params)
     return analysis.DpsgdTrainingAccountant(config).compute_epsilon(steps, dp)
 
@@ -55,7 +56,7 @@ def _brackets(ours, theirs, rel=0.012):
     assert theirs * (1 - 1e-3) <= ours <= theirs * (1 + rel), (ours, theirs)
 
 
-@pytest.mark.parametrize("noise, n, batch, steps, delta", [(1.0, 10_000, 100, 1000, 1e-5), (0.8, 50_000, 500, 500, 1e-6)])
+@pytest.mark.parametrize("noise, n, batch, steps, delta", [(1.0, 10_000, 100, 1000, 1e-5), (0.8, 50_000, 500, 300, 1e-6)])
 def test_poisson_against_jax_privacy_and_opake(noise, n, batch, steps, delta):
     ledger = Ledger((PoissonGaussianEvent(noise, batch / n, steps),))
     ours = acc.epsilon(ledger, delta=delta)
@@ -103,13 +104,13 @@ def test_truncated_poisson_against_jax_privacy_and_opake(cap, refused):
     truncated PLD is looser than both wherever we do not refuse (2.199 at cap 180 against the
     Poisson 1.83: it charges the truncated branch however unlikely it is)."""
     noise, n, batch, steps, delta = 1.0, 10_000, 100, 1000, 1e-5
-    jaxp = _jax_privacy(noise, n, batch, steps, delta, truncated_batch_size=cap)
-    opk = OPAKE.truncated_poisson_gaussian_pld(noise, batch / n, cap, n, OPAKE_CFG).self_compose(steps).epsilon_at(delta)
     ledger = Ledger((TruncatedPoissonGaussianEvent(noise, batch / n, cap, n, steps),))
     if refused:
         with pytest.raises(ValueError, match=r"truncate with probability up to"):
             acc.epsilon(ledger, delta=delta)
         return
+    jaxp = _jax_privacy(noise, n, batch, steps, delta, truncated_batch_size=cap, interval=1e-3)
+    opk = OPAKE.truncated_poisson_gaussian_pld(noise, batch / n, cap, n, OPAKE_COARSE).self_compose(steps).epsilon_at(delta)
     ours = acc.epsilon(ledger, delta=delta)
     plain = acc.epsilon(noise_multiplier=noise, sample_rate=batch / n, steps=steps, delta=delta)
     assert plain <= ours <= plain * (1 + 1e-3)  # P(batch > 180) ~ 1e-12 per step: close to nothing to pay
