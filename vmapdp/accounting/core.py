@@ -305,7 +305,8 @@ def epsilon(
 
     Returns:
       epsilon >= 0 (``inf`` if the ledger holds a non-private step). For ``"rdp"`` and
-      ``"pld"`` an upper bound on the true epsilon of the add/remove neighbouring relation.
+      ``"pld"`` an upper bound on the true epsilon under the ledger's neighbouring relation
+      (``Ledger.adjacency``: add/remove, or replace-one when it holds a replace-one event).
 
     Raises:
       ValueError: an argument is out of range, or both/neither of the two call forms.
