@@ -539,7 +539,10 @@ def pld_epsilon_bounds(
       then bounds it by the symmetric pair built from R (:func:`_symmetrised`). That pair
       dominates every ordered pair of neighbours at every ``a >= 0``, so its composition
       bounds the composed mechanism (Zhu, Dong, Wang 2022, Theorem 10); its discretisation is
-      connect-the-dots applied to R, which dominates R.
+      connect-the-dots applied to R, which dominates R. It is the smallest pair that dominates
+      both orders of R (its divergence is the larger of the two orders' at every ``a``), and
+      both orders occur as single steps (below), so no accountant that composes one dominating
+      pair per step can report less.
     * Lower bound. If every other example equals the replacement and the replaced example is
       its opposite (two unit vectors), the two outputs are exactly R's P and Q at every step,
       so the true epsilon is at least R's composed epsilon; ``lower`` is the dominated
