@@ -3,15 +3,22 @@ ledger, and the threshold as a traced value of the compiled step."""
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from scipy import stats
 
 import vmapdp
+from vmapdp import distributed as vdist
 from vmapdp import optim
 from vmapdp.accounting import Ledger, PoissonGaussianEvent
+from vmapdp.data import PoissonSampler, gather
+from vmapdp.noise import Privatizer, gaussian_privatizer
 
 ALPHA = 1e-3  # false-alarm rate of the statistical test (fixed seeds: deterministic)
 N, D = 200, 6
@@ -29,10 +36,10 @@ def linear_problem(seed=0):
     return {"w": torch.zeros(D)}, x, loss_fn
 
 
-def make(loss_fn, adaptive, *, noise=0.5, lr=0.0, clip=1.0, compile=False):
+def make(loss_fn, adaptive, *, noise=0.5, lr=0.0, clip=1.0, compile=False, privatizer=None):
     return vmapdp.make_train_step(
         loss_fn, optim.sgd(lr), l2_clip_norm=clip, noise_multiplier=noise, expected_batch_size=float(N), sample_rate=1.0,
-        adaptive_clipping=adaptive, compile=compile, method="vmap",
+        adaptive_clipping=adaptive, compile=compile, method="vmap", privatizer=privatizer,
     )
 
 
@@ -118,7 +125,7 @@ def test_the_threshold_is_traced_in_the_compiled_step_and_checked_like_any_clip_
         eager(a._replace(clip_norm=torch.tensor(math.nan)), x, mask)
 
 
-def test_adaptive_clipping_refuses_what_it_does_not_support(tmp_path):
+def test_adaptive_clipping_refuses_what_it_does_not_support():
     _, _, loss_fn = linear_problem()
     adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=2.0)
     with pytest.raises(ValueError, match=r"adaptive clipping supports rule='clip'"):
@@ -149,3 +156,83 @@ def test_the_threshold_stays_within_its_public_range():
     assert c.item() == pytest.approx(10.0) and math.isfinite(c.item())
     with pytest.raises(ValueError, match=r"clip_norm_range=\(2.0, 1.0\) must have lo < hi"):
         vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, clip_norm_range=(2.0, 1.0))
+
+
+def test_adaptive_clipping_releases_through_any_privatizer():
+    """The gradient's release goes through the privatizer seam: a stateful privatizer sees the
+    clipped sum in units of the threshold C_t (white box: a zero-noise one that keeps its input as
+    its state), its release is multiplied back by C_t, and its state is carried. A given Gaussian
+    privatizer at the gradient's share of the noise reproduces the default run bit for bit."""
+    params, x, loss_fn = linear_problem()
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=3.0)
+    mask = torch.ones(N, dtype=torch.bool)
+    c = torch.tensor(1.7)
+    clipped_sum = (torch.clamp(c / x.norm(dim=1, keepdim=True), max=1.0) * x).sum(0)
+
+    def privatize(summed, state, key):
+        assert isinstance(key, bytes)
+        return summed, {"seen": summed["w"].clone(), "calls": state["calls"] + 1}
+
+    keeper = Privatizer(lambda p: {"seen": torch.zeros(D), "calls": torch.tensor(0)}, privatize)
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=0, privatizer=keeper)._replace(clip_norm=c)
+    step = make(loss_fn, adaptive, noise=0.8, lr=1.0, privatizer=keeper)
+    new, metrics = step(state, x, mask)
+    assert int(new.noise_state["calls"]) == 1
+    torch.testing.assert_close(new.noise_state["seen"], clipped_sum / 1.7, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(-new.params["w"] * N, clipped_sum, rtol=1e-5, atol=1e-5)
+    assert float(metrics["clip_norm"]) == pytest.approx(1.7)
+    # the default is the Gaussian privatizer at sigma_grad * l2_sensitivity (1 in units of C_t)
+    given = gaussian_privatizer(adaptive.gradient_noise_multiplier(0.8))
+    a = b = vmapdp.init_train_state(params, optim.sgd(1.0), seed=3)
+    default_step, given_step = make(loss_fn, adaptive, noise=0.8, lr=1.0), make(loss_fn, adaptive, noise=0.8, lr=1.0, privatizer=given)
+    for _ in range(3):
+        a, _ = default_step(a, x, mask)
+        b, _ = given_step(b, x, mask)
+    assert torch.equal(a.params["w"], b.params["w"]) and torch.equal(a.clip_norm, b.clip_norm)
+
+
+WORLD, DN, DQ, DSTEPS, DCAP = 2, 40, 0.3, 4, 16
+DKEY = b"adaptive-distributed-sampler"
+
+
+def _adaptive_run(distributed, *, secure=False, steps=DSTEPS):
+    params, x, loss_fn = linear_problem()
+    x = x[:DN]
+    opt = optim.sgd(0.5)
+    step = vmapdp.make_train_step(
+        loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=DN * DQ, sample_rate=DQ,
+        physical_batch_size=vdist.local_capacity(DCAP) if distributed else DCAP, compile=False, method="vmap",
+        secure=secure, distributed=distributed, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, learning_rate=0.5),
+    )
+    state = vmapdp.init_train_state(params, opt, seed=None if secure else 7, secure=secure)
+    sampler = PoissonSampler(DN, DQ, steps, capacity=DCAP, **({"secure": True} if secure else {"key": DKEY}))
+    clips = []
+    for indices, mask in vdist.sharded(sampler) if distributed else sampler:
+        state, metrics = step(state, gather(x, indices), mask)
+        clips.append(float(metrics["clip_norm"]))
+    return state, clips
+
+
+def _adaptive_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        state, clips = _adaptive_run(True)
+        secure, _ = _adaptive_run(True, secure=True, steps=2)
+        res = {"w": state.params["w"], "clip": state.clip_norm, "clips": clips, "ledger": state.ledger.to_json(), "secure_w": secure.params["w"], "secure_clip": secure.clip_norm}
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def test_distributed_adaptive_clipping_equals_one_process(tmp_path):
+    """2 gloo ranks, each with its share of one Poisson batch: the count of unclipped samples is
+    summed over ranks with the clipped sums, so the thresholds, the params and the ledger equal one
+    process on all rows; with secure noise rank 0 draws both releases and every rank applies them."""
+    mp.spawn(_adaptive_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD))
+    single, clips = _adaptive_run(False)
+    assert torch.equal(r0["w"], r1["w"]) and torch.equal(r0["clip"], r1["clip"])
+    torch.testing.assert_close(r0["w"], single.params["w"], rtol=1e-6, atol=1e-6)
+    assert r0["clips"] == pytest.approx(clips, rel=1e-6) and len(set(clips)) > 1  # the threshold moved
+    assert r0["ledger"] == single.ledger.to_json()
+    assert torch.equal(r0["secure_w"], r1["secure_w"]) and torch.equal(r0["secure_clip"], r1["secure_clip"])

@@ -85,9 +85,13 @@ def test_tpr_bound_edges_and_argument_checks():
     assert torch.equal(accounting.tpr_bound(Ledger(), fpr=FPR), FPR)  # nothing released: guessing
     assert torch.equal(accounting.tpr_bound(Ledger((NonPrivateEvent(),)), fpr=FPR), torch.ones_like(FPR))
     fixed = Ledger((FixedSizeGaussianEvent(noise_multiplier=2.0, batch_size=10, num_samples=100, count=5),))
-    with pytest.raises(ValueError, match=r"accountant='pld' has no privacy loss distribution"):
-        accounting.tpr_bound(fixed, fpr=0.1)
-    assert 0.1 < float(accounting.tpr_bound(fixed, fpr=0.1, accountant="rdp")) <= 1.0
+    mixed = Ledger().record(noise_multiplier=2.0, sample_rate=0.1, count=5) + fixed  # Poisson converted to replace-one
+    with pytest.raises(ValueError, match=r"accountant='pld' has no privacy loss distribution for Poisson events"):
+        accounting.tpr_bound(mixed, fpr=0.1)
+    assert 0.1 < float(accounting.tpr_bound(mixed, fpr=0.1, accountant="rdp")) <= 1.0
+    # fixed-size batches have a PLD (replace-one): tighter than RDP, never below the remove pair it contains
+    tpr_pld, tpr_rdp = (float(accounting.tpr_bound(fixed, fpr=0.1, accountant=a)) for a in ("pld", "rdp"))
+    assert 0.1 < tpr_pld <= tpr_rdp <= 1.0
     with pytest.raises(ValueError, match=r"tpr_bound\(ledger, fpr\): fpr must be in \[0, 1\], got \[1.5\]"):
         accounting.tpr_bound(full_batch(1.0), fpr=[0.1, 1.5])
     with pytest.raises(ValueError, match=r"accountant='gdp' is a central-limit approximation, not a bound"):

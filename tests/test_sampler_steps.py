@@ -118,15 +118,24 @@ def test_ambiguous_or_missing_schemes_are_refused():
     vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.25, sampler=fixed, **kw)
 
 
-def test_a_budget_stops_a_fixed_size_run_where_rdp_says():
-    """Fixed-size batches have only the RDP bound: the default ("pld") budget is enforced by it,
-    and the run stops at exactly the first step whose RDP epsilon is past the budget."""
+def test_a_budget_stops_a_fixed_size_run_where_pld_says():
+    """Fixed-size batches have a PLD bound (replace-one): the default ("pld") budget is enforced
+    by it, and the run stops at exactly the first step whose PLD epsilon is past the budget,
+    later than RDP's bound would stop it."""
     params, buffers, data, loss_fn = problem()
     sampler = FixedSizeSampler(N, 6, steps=40, generator=torch.Generator().manual_seed(5))
     budget, delta = 10.0, 1e-5
-    eps = [accounting.epsilon(Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=k),)), delta=delta, accountant="rdp") for k in range(1, 41)]
-    last_ok = max(k for k, e in zip(range(1, 41), eps) if e <= budget)
-    assert 1 < last_ok < 40  # the run crosses the budget
+
+    def eps(k, accountant="pld"):
+        return accounting.epsilon(Ledger((FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=k),)), delta=delta, accountant=accountant)
+
+    lo, hi = 1, 40  # epsilon grows with the count: the last count within the budget, by bisection
+    assert eps(lo) <= budget < eps(hi)  # the run crosses the budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if eps(mid) <= budget else (lo, mid)
+    last_ok = lo
+    assert eps(last_ok, "rdp") > budget  # RDP alone would have stopped it earlier
     step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, budget=(budget, delta), compile=False)
     state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
     with pytest.raises(PrivacyBudgetExceeded, match=rf"step {last_ok + 1} would spend epsilon="):

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from vmapdp import _checks
-from vmapdp.noise import add_noise
+from vmapdp.noise import Privatizer, gaussian_privatizer
 
 __all__ = ["AdaptiveClipping"]
 
@@ -117,30 +117,45 @@ class AdaptiveClipping:
         lo, hi = self.clip_norm_range
         return repr(("adaptive", float(self.count_noise_multiplier).hex(), float(self.target_quantile).hex(), float(self.learning_rate).hex(), lo.hex(), hi.hex()))
 
-    def check_step(self, call: str, *, noise_multiplier: float, l2_clip_norm: float, rule: str, privatizer: Any, distributed: bool) -> None:
+    def check_step(self, call: str, *, noise_multiplier: float, l2_clip_norm: float, rule: str) -> None:
         """Refuse a step this adaptive clipping cannot serve (checked at ``make_train_step``)."""
         if noise_multiplier == 0 or math.isinf(l2_clip_norm):
             raise ValueError(
                 f"{call}: adaptive clipping needs noise_multiplier > 0 and a finite initial l2_clip_norm (got {noise_multiplier!r}, "
                 f"{l2_clip_norm!r}); its count is a private release. Drop adaptive_clipping= for a non-private run."
             )
-        if rule != "clip" or privatizer is not None or distributed:
+        if rule != "clip":
             raise ValueError(
-                f"{call}: adaptive clipping supports rule='clip' with the default Gaussian privatizer on one process; got rule={rule!r}, "
-                f"privatizer={'given' if privatizer is not None else None}, distributed={distributed}. Drop adaptive_clipping= or those arguments."
+                f"{call}: adaptive clipping supports rule='clip' (one flat threshold); got rule={rule!r}. Drop adaptive_clipping= or rule=."
             )
         self.gradient_noise_multiplier(noise_multiplier)  # raises if the count would spend it all
 
-    def release(self, summed: dict, stats: Any, clip_norm: Tensor, key: bytes | None, *, noise_multiplier: float, secure: bool) -> tuple[dict, Tensor]:
-        """The step's two releases, from independent streams: the gradient sum noised with std
-        ``gradient_noise_multiplier(noise_multiplier) * C_t``, and ``sum_i (b_i - 1/2)`` over the
-        real rows (``b_i = 1`` for an unclipped sample; sensitivity 1/2) noised with std
-        ``count_noise_multiplier``."""
+    def count_privatizer(self, *, secure: bool) -> Privatizer:
+        """The count's release: ``N(0, count_noise_multiplier^2)`` on ``sum_i (b_i - 1/2)``, a
+        privatizer of the same seam as the gradient's (the step draws it from its own key)."""
+        return gaussian_privatizer(self.count_noise_multiplier, secure=secure)
+
+    def release(self, summed: dict, stats: Any, clip_norm: Tensor, key: bytes | None, noise_state: Any, *, privatizer: Privatizer, count_privatizer: Privatizer) -> tuple[dict, Tensor, Any]:
+        """The step's two releases, each through a privatizer, from independent streams.
+
+        The gradient: ``privatizer`` gets the clipped sum in units of ``C_t`` (``summed / C_t``,
+        recovered exactly: the chunk computed it in those units and multiplied by ``C_t``; the
+        division is done in float64 and rounds back to the same float32), so its fixed noise std
+        (``gradient_noise_multiplier(sigma) * l2_sensitivity`` for the default) scales with the
+        threshold; its release is multiplied back by ``C_t`` (post-processing). The count:
+        ``sum_i (b_i - 1/2)`` over the real rows (``b_i = 1`` for an unclipped sample; sensitivity
+        1/2), from ``stats`` (summed over ranks with the gradients when distributed), released by
+        ``count_privatizer`` with the key ``key + b":adaptive-count"``.
+
+        Returns:
+          ``(noisy sum, noisy half count, the privatizer's next state)``.
+        """
+        c64 = clip_norm.double()
+        unit = {k: (v.double() / c64).to(v.dtype) for k, v in summed.items()}
+        noisy, noise_state = privatizer.privatize(unit, noise_state, key)
         half_count = 0.5 * stats.rows - stats.clipped - stats.nonfinite
-        std = self.gradient_noise_multiplier(noise_multiplier) * clip_norm
-        if secure:
-            return add_noise(summed, std, secure=True), add_noise(half_count, self.count_noise_multiplier, secure=True)
-        return add_noise(summed, std, key=key), add_noise(half_count, self.count_noise_multiplier, key=key + b":adaptive-count")
+        count, _ = count_privatizer.privatize(half_count, (), None if key is None else key + b":adaptive-count")
+        return {k: v * clip_norm for k, v in noisy.items()}, count, noise_state
 
     def next_clip_norm(self, clip_norm: Tensor, noisy_count: Tensor, expected_batch_size: float) -> tuple[Tensor, Tensor]:
         """``(C_t+1, b~)`` from ``noisy_count = sum_i (b_i - 1/2) + N(0, sigma_b^2)`` (post-processing)."""

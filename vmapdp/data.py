@@ -350,7 +350,7 @@ class FixedSizeSampler(_KeyedSampler):
 
     Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.FixedSizeGaussianEvent`, analysed
     under the REPLACE-ONE neighbouring relation (the batch size reveals the dataset size, so
-    add/remove does not apply) by ``accountant="rdp"``.
+    add/remove does not apply) by ``accountant="pld"`` (default) or ``"rdp"``.
 
     Args:
       num_samples: dataset size n. batch_size: b in [1, n]. steps: steps to yield (default one

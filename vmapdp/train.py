@@ -346,7 +346,7 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
                 eps = accountant_epsilon(ledger, b_delta, b_accountant)
-            except ValueError:  # an accountant that cannot bound this ledger (fixed-size batches): RDP decided
+            except ValueError:  # an accountant that cannot bound this ledger (Poisson steps made replace-one): RDP decided
                 eps, b_accountant = accountant_epsilon(ledger, b_delta, "rdp"), "rdp, the only bound for this ledger"
             whose = "given to this step" if own_budget is not None and (b_eps, b_delta, b_accountant) == own_budget else "recorded in the state"
             raise PrivacyBudgetExceeded(
@@ -493,7 +493,12 @@ def make_train_step(
             released with its own noise ``count_noise_multiplier``; the gradient noise uses the
             paper's split ``sigma_grad = (noise_multiplier^-2 - (2 count_noise_multiplier)^-2)^(-1/2)``,
             so the step as a whole is the Gaussian mechanism at ``noise_multiplier`` that the ledger
-            records. ``rule="clip"`` only, with the default privatizer, not ``distributed``.
+            records. Both releases go through the privatizer seam: ``privatizer`` gets the clipped
+            sum in units of ``C_t`` (its default noise std is ``sigma_grad * l2_sensitivity``; a
+            given one must give at least that privacy) and its release is multiplied by ``C_t``;
+            the count is a second privatizer (:meth:`AdaptiveClipping.count_privatizer`) drawn from
+            its own key. With ``distributed`` the count is summed over ranks with the clipped sums
+            (the same all_reduce). ``rule="clip"`` only.
             ``metrics`` then add ``clip_norm`` (the threshold used) and ``unclipped_estimate``
             (the private estimate of the unclipped fraction; both public).
 
@@ -525,7 +530,7 @@ def make_train_step(
     if adaptive_clipping is not None:
         if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
-        adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule, privatizer=privatizer, distributed=distributed)
+        adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule)
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
@@ -559,10 +564,14 @@ def make_train_step(
         for m in methods
     }
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
+    # with adaptive clipping the privatizer sees the sum in units of the threshold, and the gradient's share of the noise
+    grad_noise = noise_multiplier if adaptive_clipping is None else adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
     if privatizer is None:
-        privatizer = gaussian_privatizer(noise_multiplier * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
+        privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
+    count_privatizer = None if adaptive_clipping is None else adaptive_clipping.count_privatizer(secure=secure)
     if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
         privatizer = _dist.privatized_on_rank0(privatizer)
+        count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)
 
     chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, compile=compile)
     run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
@@ -638,7 +647,7 @@ def make_train_step(
         if adaptive_clipping is None:
             noisy, noise_state = privatizer.privatize(summed, state.noise_state, key)
         else:
-            noisy, count = adaptive_clipping.release(summed, stats, clip, key, noise_multiplier=noise_multiplier, secure=secure)
+            noisy, count, noise_state = adaptive_clipping.release(summed, stats, clip, key, state.noise_state, privatizer=privatizer, count_privatizer=count_privatizer)
             new_clip, estimate = adaptive_clipping.next_clip_norm(clip, count, expected_batch_size)
             extra = {"clip_norm": clip, "unclipped_estimate": estimate}
         update = {k: v / expected_batch_size for k, v in noisy.items()}

@@ -164,17 +164,29 @@ def _plan_rdp(plan: _Plan, orders) -> torch.Tensor:
     return total
 
 
+def _pld_events(plan: _Plan):
+    """(events, relation) for the PLD accountant, or None where it has no PLD for the plan.
+
+    Add/remove: the Poisson triples. Replace-one without Poisson steps: fixed-size steps as
+    ``(noise / 2, batch_size / num_samples, count)`` and each charged epoch Gaussian as
+    ``(noise / 2, 1, epochs)`` (sensitivity 2 clip norms; see ``pld.pld_epsilon_bounds``).
+    """
+    if plan.adjacency == _events.ADD_REMOVE:
+        return plan.poisson, "add_remove"
+    if plan.poisson:
+        return None
+    events = [(s / 2.0, q, c) for s, q, c in plan.fixed] + [(s / 2.0, 1.0, e) for s, e in plan.epochs if e > 0]
+    return tuple(events), "replace_one"
+
+
 def _refuse(where, plan: _Plan, accountant: str) -> None:
     """The accountant cannot bound this plan: say why and which one can."""
-    if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and (plan.poisson or plan.fixed):
-        what = "fixed-size batches without replacement (FixedSizeGaussianEvent)" if plan.fixed else (
-            "Poisson events in a ledger that is replace-one because of other events"
-        )
+    if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and plan.poisson:
         raise ValueError(
-            f"{where}: accountant='pld' has no privacy loss distribution for {what} under the replace-one "
-            "neighbouring relation, so it cannot bound this ledger. Pass accountant='rdp' (Wang-Balle-"
-            "Kasiviswanathan for sampling without replacement; Poisson events converted by the weak triangle "
-            "inequality)."
+            f"{where}: accountant='pld' has no privacy loss distribution for Poisson events in a ledger that "
+            "is replace-one because of other events (fixed-size, shuffled or balls-in-bins steps), so it "
+            "cannot bound this ledger. Pass accountant='rdp' (Poisson events converted to replace-one by "
+            "the weak triangle inequality), or keep one sampler per ledger."
         )
     if accountant == "gdp" and (plan.fixed or plan.epochs or plan.fail > 0):
         raise ValueError(
@@ -188,10 +200,11 @@ def _core_epsilon(plan: _Plan, delta, accountant, orders, eps_error, h) -> float
     if accountant == "rdp":
         return float(_rdp.rdp_to_epsilon(_plan_rdp(plan, orders), orders, delta))
     if accountant == "pld":
-        if plan.adjacency == _events.REPLACE_ONE:  # only Gaussian epochs: exact (Balle and Wang 2018)
+        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed:  # only Gaussian epochs: exact (Balle and Wang 2018)
             return _gdp.gdp_epsilon(plan.mu_epochs, delta)
+        events, relation = _pld_events(plan)
         return _pld.pld_epsilon_bounds(
-            plan.poisson, delta=delta, eps_error=eps_error, value_discretization_interval=h
+            events, delta=delta, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
     return _gdp.gdp_epsilon(_gdp.gdp_mu(plan.poisson), delta)
 
@@ -200,10 +213,11 @@ def _core_delta(plan: _Plan, epsilon, accountant, orders, eps_error, h) -> float
     if accountant == "rdp":
         return float(_rdp.rdp_to_delta(_plan_rdp(plan, orders), orders, epsilon))
     if accountant == "pld":
-        if plan.adjacency == _events.REPLACE_ONE:
+        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed:
             return _gdp.gdp_delta(plan.mu_epochs, epsilon)
+        events, relation = _pld_events(plan)
         return _pld.pld_delta_bounds(
-            plan.poisson, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h
+            events, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
     return _gdp.gdp_delta(_gdp.gdp_mu(plan.poisson), epsilon)
 
@@ -291,7 +305,8 @@ def epsilon(
 
     Returns:
       epsilon >= 0 (``inf`` if the ledger holds a non-private step). For ``"rdp"`` and
-      ``"pld"`` an upper bound on the true epsilon of the add/remove neighbouring relation.
+      ``"pld"`` an upper bound on the true epsilon under the ledger's neighbouring relation
+      (``Ledger.adjacency``: add/remove, or replace-one when it holds a replace-one event).
 
     Raises:
       ValueError: an argument is out of range, or both/neither of the two call forms.
@@ -396,12 +411,16 @@ def epsilon_bounds(
     plan = _plan(ledger)
     if plan.non_private:
         return _pld.PLDBounds(math.inf, math.inf, h or 0.0)
-    if plan.fixed or plan.epochs or plan.fail > 0:
+    found = _pld_events(plan)
+    if found is None or plan.fail > 0 or (plan.epochs and not plan.fixed):
         raise ValueError(
-            f"{where}: the certified bracket covers Poisson-subsampled events only; this ledger holds "
-            "fixed-size, epoch or truncated events. Use epsilon(ledger, delta=...) for their upper bound."
+            f"{where}: the certified bracket covers Poisson-subsampled events (add/remove) and fixed-size "
+            "events (replace-one, possibly with epoch events); this ledger holds epoch events alone, "
+            "truncated events, or Poisson events next to replace-one ones. Use epsilon(ledger, delta=...) "
+            "for their upper bound."
         )
-    return _pld.pld_epsilon_bounds(plan.poisson, delta=delta, eps_error=eps_error, value_discretization_interval=h)
+    events, relation = found
+    return _pld.pld_epsilon_bounds(events, delta=delta, eps_error=eps_error, value_discretization_interval=h, relation=relation)
 
 
 def _as_list(where, name, value):
@@ -622,11 +641,12 @@ def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant
 
     * RDP first (microseconds): it is an upper bound on the true epsilon, so RDP within the
       budget means the ledger is within it, whatever ``accountant`` is asked.
-    * A replace-one ledger (fixed-size, shuffled or balls-in-bins batches): ``"pld"`` is the exact
-      closed form for Gaussian epochs; where it cannot bound the ledger (fixed-size batches,
-      Poisson steps converted to replace-one) RDP is the only bound, so when RDP is over the
-      budget the ledger is not within it (the step stops where RDP says).
-    * Else, for ``"pld"``: the largest count ``K`` of the ledger's last event that stays within
+    * A replace-one ledger of shuffled or balls-in-bins batches: ``"pld"`` is the exact closed
+      form for Gaussian epochs; where it cannot bound the ledger (Poisson steps converted to
+      replace-one) RDP is the only bound, so when RDP is over the budget the ledger is not
+      within it (the step stops where RDP says).
+    * Else (Poisson-type steps, or a fixed-size step last), for ``"pld"``: the largest count
+      ``K`` of the ledger's last event that stays within
       the budget is found once (galloping from the current count, then bisection; cached), and
       later calls compare counts. The true epsilon grows with the count, so a certified upper
       bound within the budget at ``K`` covers every count up to ``K``.
@@ -650,16 +670,20 @@ def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant
         rdp_bounded = False
     if accountant == "rdp":
         return False
-    if ledger.adjacency == _events.REPLACE_ONE:
+    *prefix, last = ledger.events
+    if ledger.adjacency == _events.REPLACE_ONE and not isinstance(last, FixedSizeGaussianEvent):
         # "pld" here is the closed form of the composed epoch Gaussians (cheap: no count search),
-        # or a refusal (fixed-size batches): then RDP, an upper bound, is the only bound and is over
+        # or a refusal (Poisson steps converted): then RDP, an upper bound, is the only bound and is over
         try:
             return _ledger_epsilon(ledger.events, delta, accountant) <= epsilon
-        except ValueError:  # refused (fixed-size, or Poisson converted): RDP's bound, over the budget, decides
+        except ValueError:  # refused: RDP's bound, over the budget, decides
             if rdp_bounded:
                 return False
             raise
-    *prefix, last = ledger.events
+    if ledger.adjacency == _events.REPLACE_ONE and _pld_events(_plan(ledger)) is None:
+        if rdp_bounded:  # fixed-size steps after Poisson ones: RDP's bound, over the budget, decides
+            return False
+        raise ValueError(f"{where}: no accountant bounds this ledger; see epsilon(ledger, delta=...).")
     return last.count <= _max_count(tuple(prefix), last._with_count(1), last.count, epsilon, delta, accountant)
 
 
