@@ -241,11 +241,13 @@ def step_config(
     optimizer: str = "",
     sampler: str = "",
     adaptive: str = "",
+    noise: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
     as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`;
     ``sampler`` the batch scheme other than Poisson (:func:`scheme_description`; ``""`` for
-    Poisson sampling, which ``sample_rate`` already says, and then left out)."""
+    Poisson sampling, which ``sample_rate`` already says, and then left out); ``noise`` a bound
+    privatizer's mechanism (correlated noise; ``""`` for the default, left out)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -257,7 +259,7 @@ def step_config(
         ("method", method),
         ("precision", str(precision)),
         ("optimizer", optimizer),
-    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ())
+    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ()) + ((("noise", noise),) if noise else ())
     return repr(fields)
 
 
@@ -530,21 +532,6 @@ def make_train_step(
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _budget_accountant(call, accountant)
-    event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
-    config = step_config(
-        l2_clip_norm=l2_clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        sample_rate=sample_rate,
-        rule=rule,
-        nonfinite=nonfinite,
-        randomness=randomness,
-        method=method,
-        precision=precision,
-        optimizer=getattr(optimizer, "config", ""),
-        sampler=scheme_description(sampler),
-        adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
-    )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
     sum_loss, sum_clip = loss_fn, l2_clip_norm
@@ -559,6 +546,28 @@ def make_train_step(
         for m in methods
     }
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
+    noise_config = ""
+    if privatizer is not None and getattr(privatizer, "bind", None) is not None:  # it decides its noise and the ledger's event
+        privatizer, event, noise_config = privatizer.bind(
+            call, noise_multiplier=noise_multiplier, l2_sensitivity=l2_sensitivity, sample_rate=sample_rate, sampler=sampler, secure=secure
+        )
+    else:
+        event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
+    config = step_config(
+        l2_clip_norm=l2_clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        rule=rule,
+        nonfinite=nonfinite,
+        randomness=randomness,
+        method=method,
+        precision=precision,
+        optimizer=getattr(optimizer, "config", ""),
+        sampler=scheme_description(sampler),
+        adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
+        noise=noise_config,
+    )
     if privatizer is None:
         privatizer = gaussian_privatizer(noise_multiplier * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
     if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
