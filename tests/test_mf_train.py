@@ -1,0 +1,270 @@
+"""Correlated noise in the train step (vmapdp.mf.correlated_noise), white-box.
+
+The released noise is read exactly: the loss has zero gradient (so the clipped sum is 0), the
+divisor is 1 and a recording optimizer keeps each step's update, which is then the noise itself.
+It is compared with ``std_z * C^{-1} Z`` computed densely in float64 from the same keyed draws
+(``keyed_normal`` under each step's key, rebuilt from the seed, the step and the configuration).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import scipy.stats
+import torch
+import torch.nn.functional as F
+
+import vmapdp
+from vmapdp import accounting, optim
+from vmapdp.accounting import CyclicPoissonGaussianEvent, Ledger
+from vmapdp.data import CyclicPoissonSampler, PoissonSampler, ShuffledSampler, gather
+from vmapdp.mf import BandedMFEvent, BandedToeplitz, BufferedToeplitz, MinSeparationMFEvent, calibrate_mf_noise, correlated_noise
+from vmapdp.mf.privatizer import describe
+from vmapdp.noise import keyed_normal
+from vmapdp.train import _step_key, noise_binding, scheme_description, step_config
+
+N_DATA, Q, CYCLE, STEPS, SEED = 40, 0.5, 4, 8, 7
+NM, CLIP = 1.3, 0.7
+BANDED = BandedToeplitz((1.0, 0.6, 0.25))
+BLT = BufferedToeplitz((0.9, 0.5), (-0.35, -0.1))
+IDENTITY = BandedToeplitz((1.0,))
+X = torch.randn(N_DATA, 3, generator=torch.Generator().manual_seed(0))
+Y = torch.randn(N_DATA, generator=torch.Generator().manual_seed(1))
+PARAMS = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
+
+
+def zero_loss(p, sample):
+    x, _ = sample
+    return (p["w"] @ x).sum() * 0.0 + p["b"].sum() * 0.0
+
+
+def recording_sgd(seen):
+    def init(params):
+        return ()
+
+    def update(grads, state, params):
+        seen.append({k: v.clone() for k, v in grads.items()})
+        return {k: params[k] - grads[k] for k in params}, state
+
+    return optim.Optimizer(init, update, "recording-sgd")
+
+
+def sampler(steps=STEPS, cycle=CYCLE):
+    return CyclicPoissonSampler(N_DATA, Q, cycle=cycle, steps=steps, key=b"mf-sampler")
+
+
+def make(strategy, s, opt, *, n=STEPS, loss_fn=zero_loss, ebs=1.0, **kw):
+    priv = correlated_noise(strategy, steps=n)
+    kw.setdefault("method", "vmap")
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, expected_batch_size=ebs, compile=False, privatizer=priv, **kw)
+    return priv, step
+
+
+def run(strategy, steps, *, state=None, s=None, seen=None, **kw):
+    seen = [] if seen is None else seen
+    s = sampler() if s is None else s
+    opt = recording_sgd(seen)
+    priv, step = make(strategy, s, opt, **kw)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=priv) if state is None else state
+    for _ in range(steps):
+        idx, mask = s.sample()
+        state, _ = step(state, gather((X, Y), idx), mask)
+    return state, seen, s
+
+
+def step_keys(strategy, state, s, n_steps, n=STEPS):
+    config = step_config(
+        l2_clip_norm=CLIP, noise_multiplier=NM, expected_batch_size=1.0, sample_rate=Q, method="vmap",
+        optimizer="recording-sgd", sampler=scheme_description(s), noise=describe(strategy, n),
+    )
+    binding = noise_binding(state.run_id, config)
+    return [_step_key(SEED, t, binding) for t in range(n_steps)]
+
+
+def sens_oracle(strategy, n=STEPS, cycle=CYCLE):
+    """float64: the largest column norm (banded, amplified) or the norm of the sum of the columns
+    of the earliest-start pattern 0, cycle, 2 cycle, ... and every other pattern (brute force)."""
+    C = strategy.matrix(n)
+    if isinstance(strategy, BandedToeplitz):
+        return float(C.norm(dim=0).max())
+    best = 0.0
+    for start in range(cycle):
+        cols = list(range(start, n, cycle))
+        for mask in range(1, 1 << len(cols)):
+            pick = [c for i, c in enumerate(cols) if mask >> i & 1]
+            best = max(best, float(C[:, pick].sum(1).norm()))
+    return best
+
+
+@pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY], ids=["banded", "blt", "identity"])
+def test_released_noise_is_std_times_C_inverse_Z_from_the_steps_keyed_draws(strategy):
+    if isinstance(strategy, BufferedToeplitz):
+        pytest.importorskip("vmapdp.mf.sensitivity")  # the min-separation sensitivity (helper r4-20a)
+    state, seen, s = run(strategy, STEPS)
+    keys = step_keys(strategy, state, s, STEPS)
+    std = NM * CLIP * sens_oracle(strategy)
+    for i, name in enumerate(seen[0]):  # the order of the sum's leaves: the leaf index of the draws
+        shape = PARAMS[name].shape
+        Z = torch.stack([keyed_normal(shape, k, leaf=i).reshape(-1) for k in keys]).double()
+        want = std * torch.linalg.solve_triangular(strategy.matrix(STEPS), Z, upper=False)
+        got = torch.stack([u[name].reshape(-1) for u in seen]).double()
+        if strategy is IDENTITY:  # plain DP-SGD: 0 + z * std in float32, bit for bit
+            assert torch.equal(got.float(), (Z.float() * (NM * CLIP)))
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * std)
+    assert int(state.noise_state["t"]) == STEPS and state.step == STEPS
+
+
+def test_identity_is_the_gaussian_privatizer_bit_for_bit():
+    priv = correlated_noise(IDENTITY, steps=4)
+    bound, event, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(steps=4), secure=False)
+    summed = {"b": torch.randn(2), "w": torch.randn(2, 3)}
+    a, state = bound.privatize(summed, priv.init(PARAMS), b"key")
+    b, _ = vmapdp.noise.gaussian_privatizer(NM * CLIP).privatize(summed, (), b"key")
+    assert all(torch.equal(a[k], b[k]) for k in summed) and int(state["t"]) == 1
+    assert event() == BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=1)
+
+
+def test_a_resume_from_a_checkpoint_continues_bit_for_bit(tmp_path):
+    straight, seen_a, _ = run(BANDED, STEPS)
+    half, seen_b, s = run(BANDED, STEPS // 2)
+    path = tmp_path / "ckpt.pt"
+    vmapdp.save_state(path, half, sampler=s)
+    s2 = sampler()
+    opt = recording_sgd(seen_b)
+    loaded = vmapdp.load_state(path, sampler=s2, like=vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=correlated_noise(BANDED, steps=STEPS)))
+    assert torch.equal(loaded.noise_state["buffers"]["w"], half.noise_state["buffers"]["w"])
+    resumed, _, _ = run(BANDED, STEPS - STEPS // 2, state=loaded, s=s2, seen=seen_b)
+    for a, b in zip(seen_a, seen_b):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for k in PARAMS:
+        assert torch.equal(straight.params[k], resumed.params[k])
+        assert torch.equal(straight.noise_state["buffers"][k], resumed.noise_state["buffers"][k])
+    assert resumed.ledger == straight.ledger
+
+
+def test_the_ledger_records_amplified_banded_mf_as_cyclic_poisson_dp_sgd():
+    state, _, s = run(BANDED, STEPS)
+    assert state.ledger == Ledger((BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=BANDED.band, count=STEPS),))
+    want = accounting.epsilon(noise_multiplier=NM, sample_rate=Q, steps=math.ceil(STEPS / CYCLE), delta=1e-5)
+    assert state.epsilon(1e-5) == want
+    assert accounting.epsilon(Ledger((CyclicPoissonGaussianEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, count=STEPS),)), delta=1e-5) == want
+    assert Ledger.from_json(state.ledger.to_json()) == state.ledger
+
+
+def gaussian_epsilon(mu, delta):
+    """The exact epsilon(delta) of the Gaussian mechanism (Balle and Wang 2018), by bisection."""
+    def d(eps):
+        return scipy.stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * scipy.stats.norm.cdf(-eps / mu - mu / 2)
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if d(mid) <= delta else (mid, hi)
+    return hi
+
+
+def test_the_min_separation_event_is_one_gaussian_mechanism_per_run():
+    e = MinSeparationMFEvent(noise_multiplier=NM, steps=STEPS, min_separation=CYCLE, max_participations=2, mechanism="blt", size=2, count=3)
+    exact = gaussian_epsilon(1.0 / NM, 1e-5)
+    for acc, slack in (("pld", 0.02), ("rdp", 0.5)):
+        eps = accounting.epsilon(Ledger((e,)), delta=1e-5, accountant=acc)
+        assert exact <= eps <= exact * (1 + slack), (acc, eps, exact)
+    two_runs = accounting.epsilon(Ledger((e._with_count(STEPS + 1),)), delta=1e-5)  # a second run: mu * sqrt(2)
+    assert gaussian_epsilon(math.sqrt(2) / NM, 1e-5) <= two_runs <= gaussian_epsilon(math.sqrt(2) / NM, 1e-5) * 1.02
+    assert Ledger.from_json(Ledger((e,)).to_json()) == Ledger((e,))
+
+
+@pytest.mark.parametrize("strategy", [BANDED, BLT], ids=["banded", "blt"])
+def test_calibration_never_overshoots_the_target(strategy):
+    if isinstance(strategy, BufferedToeplitz):
+        pytest.importorskip("vmapdp.mf.sensitivity")
+    s = sampler()
+    for target in (0.5, 2.0, 8.0):
+        nm = calibrate_mf_noise(strategy, sampler=s, steps=STEPS, target_epsilon=target, delta=1e-5)
+        priv = correlated_noise(strategy, steps=STEPS)
+        _, event, _ = priv.bind("t", noise_multiplier=nm, l2_sensitivity=1.0, sample_rate=Q, sampler=s, secure=False)
+        eps = accounting.epsilon(Ledger((event()._with_count(STEPS),)), delta=1e-5)
+        assert 0.99 * target <= eps <= target, (target, nm, eps)
+
+
+def test_refusals_name_the_fix():
+    opt = optim.sgd(0.1)
+    with pytest.raises(ValueError, match="cyclic Poisson sampling only"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=PoissonSampler(N_DATA, 0.1, 4, key=b"k"), privatizer=correlated_noise(BANDED, steps=4))
+    with pytest.raises(ValueError, match="cyclic Poisson sampling only"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=ShuffledSampler(N_DATA, 10, key=b"k"), privatizer=correlated_noise(BLT, steps=4))
+    with pytest.raises(ValueError, match="cycle >= 3"):
+        make(BANDED, sampler(cycle=2), opt)
+    with pytest.raises(ValueError, match="steps <= 8"):
+        make(BANDED, sampler(steps=9), opt)
+    with pytest.raises(ValueError, match="noise_multiplier > 0"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=0.0, sampler=sampler(), privatizer=correlated_noise(BANDED, steps=8))
+    with pytest.raises(TypeError, match="BandedToeplitz or BufferedToeplitz"):
+        correlated_noise(torch.eye(3), steps=3)
+    with pytest.raises(ValueError, match="cycle >= band"):
+        BandedMFEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=2, band=3)
+    with pytest.raises(ValueError, match="make_train_step"):
+        correlated_noise(BANDED, steps=8).privatize({"b": torch.zeros(1)}, (), b"k")
+    # a state without the buffers, and a step past the run: refused, nothing released
+    _, step = make(BANDED, sampler(), opt)
+    idx, mask = sampler().sample()
+    with pytest.raises(ValueError, match="init_train_state"):
+        step(vmapdp.init_train_state(PARAMS, opt, seed=1), gather((X, Y), idx), mask)
+    s = sampler(steps=2)
+    priv, step = make(BANDED, s, opt, n=2)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=priv)
+    for idx, mask in s:
+        state, _ = step(state, gather((X, Y), idx), mask)
+    with pytest.raises(ValueError, match="past steps=2"):
+        step(state, gather((X, Y), idx), mask)
+
+
+def mlp_loss(p, sample):
+    x, y = sample
+    return F.mse_loss(torch.tanh(F.linear(x[None], p["w"], p["b"])).sum(), y)
+
+
+def mlp_params():
+    return {"w": torch.randn(2, 3, generator=torch.Generator().manual_seed(3)), "b": torch.zeros(2)}
+
+
+@pytest.mark.parametrize("method,precision", [("vmap", None), ("ghost", None), ("two_pass", None), ("vmap", torch.bfloat16)])
+def test_the_noise_sits_after_every_clipping_method_and_mixed_precision(method, precision):
+    """released - clipped sum (recomputed by clipped_grad_sum, under the same precision) = the formula."""
+    seen, s = [], sampler()
+    opt = recording_sgd(seen)
+    priv, step = make(BANDED, s, opt, loss_fn=mlp_loss, method=method, precision=precision)
+    state = vmapdp.init_train_state(mlp_params(), opt, seed=SEED, privatizer=priv)
+    inputs = []
+    for _ in range(3):
+        idx, mask = s.sample()
+        inputs.append((state.params, gather((X, Y), idx), mask))
+        state, _ = step(state, inputs[-1][1], mask)
+    config = step_config(
+        l2_clip_norm=CLIP, noise_multiplier=NM, expected_batch_size=1.0, sample_rate=Q, method=method, precision=precision,
+        optimizer="recording-sgd", sampler=scheme_description(s), noise=describe(BANDED, STEPS),
+    )
+    keys = [_step_key(SEED, t, noise_binding(state.run_id, config)) for t in range(3)]
+    loss = mlp_loss if precision is None else vmapdp.mixed_precision(mlp_loss, precision)
+    sums = [vmapdp.clipped_grad_sum(loss, l2_clip_norm=CLIP, method="vmap")(p, b, mask=m)[0] for p, b, m in inputs]
+    std = NM * CLIP * sens_oracle(BANDED)
+    for i, name in enumerate(seen[0]):
+        Z = torch.stack([keyed_normal(PARAMS[name].shape, k, leaf=i).reshape(-1) for k in keys]).double()
+        want = std * torch.linalg.solve_triangular(BANDED.matrix(3), Z, upper=False)
+        got = torch.stack([(u[name] - sm[name]).reshape(-1) for u, sm in zip(seen, sums)]).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert state.ledger == Ledger((BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=3, count=3),))
+
+
+def test_the_sensitivity_self_check_holds_with_correlated_noise():
+    s = sampler()
+    priv, step = make(BANDED, s, optim.sgd(0.5), loss_fn=mlp_loss, ebs=s.expected_batch_size)
+    state = vmapdp.init_train_state(mlp_params(), optim.sgd(0.5), seed=SEED, privatizer=priv)
+    idx, mask = s.sample()
+    mask = torch.cat([mask, torch.zeros(1, dtype=torch.bool)])
+    idx = torch.cat([idx, idx[:1]])
+    batch = gather((X, Y), idx)
+    vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
+    # after a step the buffers are not zero; the noise still cancels between the two runs
+    state, _ = step(state, batch, mask)
+    vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
