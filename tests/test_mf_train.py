@@ -268,3 +268,58 @@ def test_the_sensitivity_self_check_holds_with_correlated_noise():
     # after a step the buffers are not zero; the noise still cancels between the two runs
     state, _ = step(state, batch, mask)
     vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
+
+
+def _distributed_run(distributed):
+    import vmapdp.distributed as vdist
+
+    s = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=4, key=b"mf-sampler", capacity=8)
+    opt = optim.sgd(0.5, momentum=0.9)
+    priv = correlated_noise(BLT if _HAVE_SENS else BANDED, steps=STEPS)
+    step = vmapdp.make_train_step(
+        mlp_loss, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, compile=False, method="vmap", privatizer=priv,
+        physical_batch_size=vdist.local_capacity(8) if distributed else 8, distributed=distributed,
+    )
+    state = vmapdp.init_train_state(mlp_params(), opt, seed=SEED, privatizer=priv)
+    for idx, mask in vdist.sharded(s) if distributed else s:
+        state, _ = step(state, gather((X, Y), idx), mask)
+    return {"params": state.params, "noise": state.noise_state["buffers"], "t": int(state.noise_state["t"]), "ledger": state.ledger.to_json()}
+
+
+def _worker(rank, world, init_file, out_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import vmapdp.distributed as vdist
+
+    vmapdp.noise.gaussian._fused_ok = False  # the eager Box-Muller: no Inductor compile per process (the parent does the same)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.save(_distributed_run(True), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+try:
+    import vmapdp.mf.sensitivity  # noqa: F401
+
+    _HAVE_SENS = True
+except ImportError:
+    _HAVE_SENS = False
+
+
+def test_two_ranks_carry_the_same_noise_state_and_equal_one_process(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(vmapdp.noise.gaussian, "_fused_ok", False)  # eager draws, as in the ranks: the same bits
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    one = _distributed_run(False)
+    for k in PARAMS:
+        assert torch.equal(ranks[0]["noise"][k], ranks[1]["noise"][k]) and torch.equal(ranks[0]["noise"][k], one["noise"][k])
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k])
+        torch.testing.assert_close(ranks[0]["params"][k], one["params"][k], rtol=1e-6, atol=1e-6)
+    assert ranks[0]["t"] == ranks[1]["t"] == one["t"] == 4
+    assert ranks[0]["ledger"] == ranks[1]["ledger"] == one["ledger"]
