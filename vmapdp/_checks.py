@@ -297,3 +297,77 @@ def batch_scheme(call: str, rate: Any, sampler: Any) -> tuple[float, Any]:
                 "the ledger would not know which one drew the batches. Pass sampler= alone (its events are recorded)."
             )
     return theirs, sampler
+
+
+# --- DP matrix factorization (vmapdp.mf) ---------------------------------------------------------
+
+MIN_SEPARATION_MEANING = (
+    "min_separation is the smallest number of steps between two participations of one example "
+    "(1: it may be in consecutive steps; b: at most once in any b consecutive steps)"
+)
+MAX_PARTICIPATIONS_MEANING = "max_participations is the most steps one example takes part in (None: as many as min_separation allows)"
+
+
+def momentum(call: str, value: Any) -> float:
+    """A momentum coefficient in ``[0, 1)``."""
+    return probability(call, "momentum", value, allow_zero=True, allow_one=False,
+                       meaning="momentum is the heavy-ball coefficient beta of m_t = beta m_(t-1) + g_t",
+                       fix="Pass e.g. momentum=0.9 (0: plain SGD).")
+
+
+def learning_rates(call: str, value: Any, n: int) -> torch.Tensor:
+    """None (all ones) or ``n`` finite learning rates, returned as a float64 tensor."""
+    if value is None:
+        return torch.ones(n, dtype=torch.float64)
+    try:
+        lr = torch.as_tensor(value, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise _type_error(call, "learning_rates", value, f"None or a sequence of {n} floats (one per step)") from None
+    if lr.numel() != n or not bool(torch.isfinite(lr).all()):
+        raise ValueError(
+            f"{call}: learning_rates must hold {n} finite floats (one per step), got {lr.numel()} values"
+            f"{'' if bool(torch.isfinite(lr).all()) else ' with NaN or inf among them'}. Pass one learning rate per step, or None for 1.0 throughout."
+        )
+    return lr
+
+
+def participation(call: str, n: int, min_separation: Any, max_participations: Any) -> tuple[int, int]:
+    """``(min_separation, k)``: ``k`` the most participations that fit in ``n`` steps (at most
+    ``max_participations``, at most ``ceil(n / min_separation)``)."""
+    sep = positive_int(call, "min_separation", min_separation, meaning=MIN_SEPARATION_MEANING)
+    cap = optional_positive_int(call, "max_participations", max_participations, meaning=MAX_PARTICIPATIONS_MEANING)
+    fit = -(-n // sep)
+    return sep, fit if cap is None else min(cap, fit)
+
+
+def mf_strategy(call: str, value: Any, n: Any) -> tuple[int, Any]:
+    """``(n, strategy)``: ``n`` an int >= 1 and the strategy either a Toeplitz strategy of
+    :mod:`vmapdp.mf` (anything with ``toeplitz_coeffs(n)``) or an ``n x n`` lower-triangular float
+    tensor with a nonzero diagonal (returned as float64)."""
+    n = positive_int(call, "n", n, meaning="n is the number of steps")
+    if callable(getattr(value, "toeplitz_coeffs", None)):
+        return n, value
+    if not isinstance(value, torch.Tensor):
+        raise _type_error(call, "strategy", value, "a vmapdp.mf strategy (BandedToeplitz, BufferedToeplitz) or an n x n tensor")
+    if value.shape != (n, n) or not value.is_floating_point():
+        raise ValueError(f"{call}: a strategy tensor must be a floating-point {n} x {n} matrix (n={n}), got {value.dtype} of shape {tuple(value.shape)}. Pass the n x n C, or n=C.shape[0].")
+    c = value.detach().to(torch.float64)
+    if not bool(torch.isfinite(c).all()):
+        raise ValueError(f"{call}: the strategy matrix has NaN or inf entries. Pass a finite C.")
+    if bool((c.triu(1) != 0).any()) or bool((c.diagonal() == 0).any()):
+        raise ValueError(
+            f"{call}: the strategy matrix must be lower-triangular with a nonzero diagonal; the noise C^(-1) z "
+            "of step t may only use the noise up to step t, and C must be invertible. Pass a lower-triangular C."
+        )
+    return n, c
+
+
+def workload(call: str, value: Any, n: int) -> torch.Tensor:
+    """None (prefix sums) or an ``n x n`` finite float tensor, returned as float64."""
+    if value is None:
+        return torch.ones(n, n, dtype=torch.float64).tril()
+    if not isinstance(value, torch.Tensor):
+        raise _type_error(call, "workload", value, "None (prefix sums) or an n x n tensor such as vmapdp.mf.momentum_prefix_sums(n, 0.9)")
+    if value.shape != (n, n) or not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{call}: workload must be a finite floating-point {n} x {n} matrix (n={n}), got {value.dtype} of shape {tuple(value.shape)}. Build it with vmapdp.mf.prefix_sums(n) or momentum_prefix_sums(n, ...).")
+    return value.detach().to(torch.float64)
