@@ -27,7 +27,7 @@ from vmapdp.train import _step_key, noise_binding, scheme_description, step_conf
 N_DATA, Q, CYCLE, STEPS, SEED = 40, 0.5, 4, 8, 7
 NM, CLIP = 1.3, 0.7
 BANDED = BandedToeplitz((1.0, 0.6, 0.25))
-BLT = BufferedToeplitz((0.9, 0.5), (-0.35, -0.1))
+BLT = BufferedToeplitz((0.9, 0.5), (0.3, 0.1))
 IDENTITY = BandedToeplitz((1.0,))
 X = torch.randn(N_DATA, 3, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(N_DATA, generator=torch.Generator().manual_seed(1))
@@ -99,8 +99,6 @@ def sens_oracle(strategy, n=STEPS, cycle=CYCLE):
 
 @pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY], ids=["banded", "blt", "identity"])
 def test_released_noise_is_std_times_C_inverse_Z_from_the_steps_keyed_draws(strategy):
-    if isinstance(strategy, BufferedToeplitz):
-        pytest.importorskip("vmapdp.mf.sensitivity")  # the min-separation sensitivity (helper r4-20a)
     state, seen, s = run(strategy, STEPS)
     keys = step_keys(strategy, state, s, STEPS)
     std = NM * CLIP * sens_oracle(strategy)
@@ -176,10 +174,8 @@ def test_the_min_separation_event_is_one_gaussian_mechanism_per_run():
 
 @pytest.mark.parametrize("strategy", [BANDED, BLT], ids=["banded", "blt"])
 def test_calibration_never_overshoots_the_target(strategy):
-    if isinstance(strategy, BufferedToeplitz):
-        pytest.importorskip("vmapdp.mf.sensitivity")
     s = sampler()
-    for target in (0.5, 2.0, 8.0):
+    for target in (0.5, 8.0):
         nm = calibrate_mf_noise(strategy, sampler=s, steps=STEPS, target_epsilon=target, delta=1e-5)
         priv = correlated_noise(strategy, steps=STEPS)
         _, event, _ = priv.bind("t", noise_multiplier=nm, l2_sensitivity=1.0, sample_rate=Q, sampler=s, secure=False)
@@ -275,7 +271,7 @@ def _distributed_run(distributed):
 
     s = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=4, key=b"mf-sampler", capacity=8)
     opt = optim.sgd(0.5, momentum=0.9)
-    priv = correlated_noise(BLT if _HAVE_SENS else BANDED, steps=STEPS)
+    priv = correlated_noise(BLT, steps=STEPS)
     step = vmapdp.make_train_step(
         mlp_loss, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, compile=False, method="vmap", privatizer=priv,
         physical_batch_size=vdist.local_capacity(8) if distributed else 8, distributed=distributed,
@@ -300,14 +296,6 @@ def _worker(rank, world, init_file, out_dir):
         torch.save(_distributed_run(True), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
-
-
-try:
-    import vmapdp.mf.sensitivity  # noqa: F401
-
-    _HAVE_SENS = True
-except ImportError:
-    _HAVE_SENS = False
 
 
 def test_two_ranks_carry_the_same_noise_state_and_equal_one_process(tmp_path, monkeypatch):
