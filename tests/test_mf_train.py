@@ -311,3 +311,28 @@ def test_two_ranks_carry_the_same_noise_state_and_equal_one_process(tmp_path, mo
         torch.testing.assert_close(ranks[0]["params"][k], one["params"][k], rtol=1e-6, atol=1e-6)
     assert ranks[0]["t"] == ranks[1]["t"] == one["t"] == 4
     assert ranks[0]["ledger"] == ranks[1]["ledger"] == one["ledger"]
+
+
+def test_the_noise_and_ledger_self_checks_cover_correlated_noise():
+    """check_noise_calibration at the fresh draw's std passes (and at DP-SGD's noise multiplier,
+    which the banded strategy's sens / c_0 = 1.19 exceeds, it fails: the check sees the
+    difference); check_ledger with the privatizer passes, and without it flags the ledger.
+    Each noise check runs at alpha = 1e-3 (its stated false-alarm rate)."""
+    s = sampler()
+    priv, step = make(BANDED, s, optim.sgd(0.5), loss_fn=mlp_loss, ebs=s.expected_batch_size)
+    wide = {"w": torch.randn(100, 3, generator=torch.Generator().manual_seed(3)), "b": torch.zeros(100)}  # 400 coordinates a pair
+    state = vmapdp.init_train_state(wide, optim.sgd(0.5), seed=SEED, privatizer=priv)
+    idx, mask = s.sample()
+    batch = gather((X, Y), idx)
+    after, _ = step(state, batch, mask)
+    fresh = vmapdp.mf.fresh_noise_multiplier(BANDED, noise_multiplier=NM, sampler=s, steps=STEPS)
+    assert fresh == pytest.approx(NM * math.sqrt(1 + 0.6**2 + 0.25**2))
+    kw = dict(lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size, min_samples=1200)
+    for st in (state, after):  # from zero buffers and from filled ones: the buffers' part cancels
+        vmapdp.testing.check_noise_calibration(step, st, batch, mask, noise_multiplier=fresh, **kw)
+    report = vmapdp.testing.check_noise_calibration(step, state, batch, mask, noise_multiplier=NM, raise_on_failure=False, **kw)
+    assert not report.passed and report.std_ratio == pytest.approx(fresh / NM, rel=0.05)
+    with pytest.raises(ValueError, match="fresh_noise_multiplier"):
+        vmapdp.testing.check_noise_calibration(step, state, batch, mask, **kw)
+    vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, privatizer=priv)
+    assert not vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, raise_on_failure=False).passed

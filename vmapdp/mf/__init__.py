@@ -14,7 +14,7 @@
 from vmapdp.mf.accounting import BandedMFEvent, MinSeparationMFEvent, calibrate_mf_noise
 from vmapdp.mf.error import expected_error, row_squared_errors
 from vmapdp.mf.optimize import optimal_banded, optimal_blt
-from vmapdp.mf.privatizer import correlated_noise
+from vmapdp.mf.privatizer import correlated_noise, fresh_noise_multiplier
 from vmapdp.mf.sensitivity import brute_force_sensitivity, participation_patterns, sensitivity, toeplitz_sensitivity_squared
 from vmapdp.mf.strategies import (
     BandedToeplitz,
@@ -37,6 +37,7 @@ __all__ = [
     "calibrate_mf_noise",
     "correlated_noise",
     "expected_error",
+    "fresh_noise_multiplier",
     "identity",
     "momentum_prefix_sums",
     "optimal_banded",

@@ -32,7 +32,7 @@ from vmapdp.mf.streaming import next_noise, state_rows
 from vmapdp.noise.gaussian import keyed_normal, secure_normal
 from vmapdp.noise.privatizers import Privatizer
 
-__all__ = ["correlated_noise", "describe"]
+__all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
 
 
 def describe(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> str:
@@ -127,3 +127,15 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
         return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "buffers": buffers}
 
     return privatize
+
+
+def fresh_noise_multiplier(strategy: BandedToeplitz | BufferedToeplitz, *, noise_multiplier: float, sampler: Any, steps: int) -> float:
+    """The std, over the clip norm, of the part of a step's release drawn at that step:
+    ``noise_multiplier * sens / C[0, 0]`` (``y_t = (z_t - ...) / c_0``; the rest is fixed by the
+    state). Two runs of one step from one state with different noise seeds differ by that much
+    noise: what :func:`vmapdp.testing.check_noise_calibration` measures.
+    """
+    call = "fresh_noise_multiplier(strategy)"
+    event = mf_event(call, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
+    c0 = strategy.coeffs[0] if isinstance(strategy, BandedToeplitz) else 1.0
+    return noise_multiplier * noise_sensitivity(strategy, event, steps) / c0
