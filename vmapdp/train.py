@@ -484,7 +484,10 @@ def make_train_step(
             ``privatize(summed, state.noise_state, key)``; its state is carried in
             ``state.noise_state`` (make the state with ``init_train_state(..., privatizer=)``).
             Default: ``gaussian_privatizer(noise_multiplier * l2_clip_norm, secure=secure)``, the
-            noise the ledger records; another one must give at least its privacy. With ``secure``
+            noise the ledger records; another one must give at least its privacy. A privatizer
+            with a ``bind`` hook (correlated noise, :func:`vmapdp.mf.correlated_noise`) is bound
+            here to ``noise_multiplier``, the clip norm and ``sampler``, and decides the event each
+            step records (it refuses a sampler it has no analysis for). With ``secure``
             and ``distributed``, rank 0 alone privatizes and broadcasts the release and the state
             (:func:`vmapdp.distributed.privatized_on_rank0`).
         adaptive_clipping: a :class:`vmapdp.AdaptiveClipping` (Andrew et al. 2021): the clip norm
