@@ -227,8 +227,8 @@ def noise_sensitivity(strategy: BandedToeplitz | BufferedToeplitz, event: Banded
     """``sens`` of the convention above for ``event``'s analysis (float64 math): the largest column
     norm of ``C`` (``n = steps``) for :class:`BandedMFEvent`; :func:`vmapdp.mf.sensitivity` with the
     event's separation and participations for :class:`MinSeparationMFEvent`."""
-    if isinstance(event, BandedMFEvent) or event.max_participations == 1:
-        return float(strategy.matrix(steps).norm(dim=0).max())  # one participation: a column
+    if isinstance(event, BandedMFEvent) or event.max_participations == 1:  # one participation: the largest column,
+        return float(strategy.toeplitz_coeffs(steps).norm())  # the first (the others are its truncations)
     from vmapdp.mf.sensitivity import sensitivity
 
     return float(sensitivity(strategy, steps, min_separation=event.min_separation, max_participations=event.max_participations))
