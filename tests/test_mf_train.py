@@ -206,6 +206,9 @@ def test_refusals_name_the_fix():
     idx, mask = sampler().sample()
     with pytest.raises(ValueError, match="init_train_state"):
         step(vmapdp.init_train_state(PARAMS, opt, seed=1), gather((X, Y), idx), mask)
+    other = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=correlated_noise(BandedToeplitz((1.0, 0.5, 0.2)), steps=STEPS))
+    with pytest.raises(ValueError, match="another correlated noise"):  # same buffer shapes, another strategy
+        step(other, gather((X, Y), idx), mask)
     s = sampler(steps=2)
     priv, step = make(BANDED, s, opt, n=2)
     state = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=priv)
@@ -357,3 +360,23 @@ def test_make_private_takes_a_strategy():
         trainer.fit(1)
     with pytest.raises(ValueError, match="needs cycle="):
         vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, noise_multiplier=1.0, epochs=1, batch_size=5, strategy=BLT)
+
+
+def test_secure_noise_carries_the_same_recursion():
+    """secure=True: the draws come from the OS CSPRNG (not reproducible), the recursion is the same:
+    with a zero clipped sum the release is std * y_t and the state keeps y_t (banded: row 0)."""
+    seen, s = [], sampler()
+    opt = recording_sgd(seen)
+    priv, step = make(BANDED, s, opt, secure=True)
+    state = vmapdp.init_train_state(PARAMS, opt, secure=True, privatizer=priv)
+    std = NM * CLIP * sens_oracle(BANDED)
+    previous = None
+    for _ in range(3):
+        idx, mask = s.sample()
+        state, _ = step(state, gather((X, Y), idx), mask)
+        for k in PARAMS:
+            torch.testing.assert_close(seen[-1][k] / std, state.noise_state["buffers"][k][0], rtol=1e-6, atol=1e-6)
+            if previous is not None:
+                assert torch.equal(state.noise_state["buffers"][k][1], previous[k])
+        previous = {k: state.noise_state["buffers"][k][0].clone() for k in PARAMS}
+    assert int(state.noise_state["t"]) == 3 and state.ledger.events[0].count == 3

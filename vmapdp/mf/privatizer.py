@@ -10,7 +10,8 @@ the strategy's sensitivity for the analysis the sampler allows (:mod:`vmapdp.mf.
 :func:`vmapdp.noise.gaussian_privatizer` under the same key.
 
 The state (``TrainState.noise_state``, made by ``init_train_state(..., privatizer=)``) is
-``{"t": int64 0-dim, "buffers": {name: [rows, *shape]}}``: the steps noised so far and, per leaf,
+``{"t": int64 0-dim, "strategy": uint8 [32], "buffers": {name: [rows, *shape]}}``: the steps
+noised so far, a SHA-256 of the mechanism (a state is refused by another one) and, per leaf,
 the last ``band - 1`` outputs (banded) or one buffer per ``theta`` (BLT), in the leaf's noise
 dtype (float32; float64 for float64 leaves). It is saved by checkpoints, so a resumed run
 continues bit for bit, and it is the same on every rank of a distributed run (the same key, the
@@ -19,6 +20,7 @@ same arithmetic).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import optree
@@ -40,6 +42,11 @@ def describe(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> str:
     if isinstance(strategy, BandedToeplitz):
         return repr(("banded", tuple(c.hex() for c in strategy.coeffs), steps))
     return repr(("blt", tuple(x.hex() for x in strategy.theta), tuple(x.hex() for x in strategy.omega), steps))
+
+
+def _fingerprint(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> torch.Tensor:
+    """SHA-256 of :func:`describe` as a uint8 tensor: the noise state names the mechanism it belongs to."""
+    return torch.tensor(list(hashlib.sha256(describe(strategy, steps).encode()).digest()), dtype=torch.uint8)
 
 
 def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int) -> Privatizer:
@@ -75,6 +82,7 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
     def init(params: Any) -> dict:
         return {
             "t": torch.zeros((), dtype=torch.int64),
+            "strategy": _fingerprint(strategy, steps),
             "buffers": {k: torch.zeros((rows, *v.shape), dtype=acc_dtype(v.dtype), device=v.device) for k, v in params.items()},
         }
 
@@ -97,14 +105,21 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
 def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: float, secure: bool) -> Callable:
     call = "step(state, batch, mask): correlated noise"
     rows = state_rows(strategy)
+    fingerprint = _fingerprint(strategy, steps)
 
     def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
         if secure != (key is None):
             raise ValueError(f"{call}: secure={secure} " + ("takes no key (its noise comes from the OS CSPRNG)." if secure else "needs the step's noise key, got None."))
-        if not (isinstance(state, dict) and set(state) == {"t", "buffers"} and isinstance(state["buffers"], dict)):
+        if not (isinstance(state, dict) and set(state) == {"t", "strategy", "buffers"} and isinstance(state["buffers"], dict)):
             raise ValueError(
                 f"{call}: the state's noise_state is not this privatizer's (got {type(state).__name__}); make the state with "
                 "init_train_state(..., privatizer=) and the same correlated_noise(...) as the step."
+            )
+        if not torch.equal(state["strategy"].cpu(), fingerprint):
+            raise ValueError(
+                f"{call}: the state's buffers were made for another correlated noise (another strategy or steps=); continuing "
+                "them under this one would release noise of neither. Use the same correlated_noise(...) in init_train_state "
+                "and make_train_step (and for a resumed run, the one it was saved with)."
             )
         t = int(state["t"])
         if t >= steps:
@@ -124,7 +139,7 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
             z = secure_normal(leaf.shape, dtype=dt, device=leaf.device) if secure else keyed_normal(leaf.shape, key, leaf=i, dtype=dt, device=leaf.device)
             y, buffers[name] = next_noise(strategy, z, buf.to(leaf.device))
             out.append(leaf.to(dt) + y * std)
-        return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "buffers": buffers}
+        return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
 
     return privatize
 
