@@ -15,7 +15,13 @@ from vmapdp.mf.accounting import BandedMFEvent, MinSeparationMFEvent, calibrate_
 from vmapdp.mf.error import expected_error, row_squared_errors
 from vmapdp.mf.optimize import optimal_banded, optimal_blt
 from vmapdp.mf.privatizer import correlated_noise, fresh_noise_multiplier
-from vmapdp.mf.sensitivity import brute_force_sensitivity, participation_patterns, sensitivity, toeplitz_sensitivity_squared
+from vmapdp.mf.sensitivity import (
+    brute_force_sensitivity,
+    participation_patterns,
+    sensitivity,
+    toeplitz_gram,
+    toeplitz_sensitivity_squared,
+)
 from vmapdp.mf.strategies import (
     BandedToeplitz,
     BufferedToeplitz,
@@ -51,5 +57,6 @@ __all__ = [
     "toeplitz_inverse",
     "toeplitz_matrix",
     "toeplitz_multiply",
+    "toeplitz_gram",
     "toeplitz_sensitivity_squared",
 ]

@@ -7,11 +7,15 @@ the loss is the exact one of :func:`vmapdp.mf.toeplitz_sensitivity_squared`: the
 parameterisations keep the strategy inside a class where an exact rule applies, and the result
 is checked for it. Each evaluation costs ``O(n log n)`` (power-series inverse and products by FFT)
 for a Toeplitz workload (prefix sums, momentum with a constant learning rate), ``O(n^2 log n)``
-for another workload.
+for another workload. The optimisers run with one torch thread (the loss is a chain of small
+FFTs, where threads cost more than they save, ten times more on a busy machine) and restore the
+thread count when they return.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import torch
@@ -37,8 +41,32 @@ def _loss_fn(n: int, workload: Tensor, sep: int, k: int, kind: str):
     return loss
 
 
+@contextlib.contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _single_threaded(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _one_thread():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _NonFinite(Exception):
+    pass
+
+
 def _lbfgs(param: Tensor, objective, iters: int) -> Tensor:
-    """Minimise ``objective(param)`` (a scalar tensor) from ``param``; returns the best point seen."""
+    """Minimise ``objective(param)`` (a scalar tensor) from ``param``; returns the best point seen
+    (the run stops at the first non-finite value, where torch's line search would fail)."""
     param = param.detach().clone().requires_grad_(True)
     scale = float(objective(param).detach())
     opt = torch.optim.LBFGS([param], lr=1.0, max_iter=iters, history_size=20, line_search_fn="strong_wolfe",
@@ -49,14 +77,19 @@ def _lbfgs(param: Tensor, objective, iters: int) -> Tensor:
         opt.zero_grad()
         value = objective(param) / scale
         if not torch.isfinite(value):
-            return value
+            raise _NonFinite
         value.backward()
+        if not bool(torch.isfinite(param.grad).all()):
+            raise _NonFinite
         v = float(value.detach()) * scale
         if v < best[0]:
             best[0], best[1] = v, param.detach().clone()
         return value
 
-    opt.step(closure)
+    try:
+        opt.step(closure)
+    except _NonFinite:
+        pass
     return best[1]
 
 
@@ -64,6 +97,7 @@ def _inv_softplus(y: Tensor) -> Tensor:
     return torch.where(y > 20, y, torch.log(torch.expm1(y.clamp(min=1e-300))))
 
 
+@_single_threaded
 def optimal_banded(
     n: int,
     band: int,
@@ -117,12 +151,39 @@ def optimal_banded(
     return BandedToeplitz(tuple((c / c.norm()).tolist()))
 
 
-def _blt_coeffs(theta: Tensor, omega: Tensor, n: int) -> Tensor:
+def _blt_coeffs(log_theta: Tensor, omega: Tensor, n: int) -> Tensor:
     k = torch.arange(max(n - 1, 0), dtype=torch.float64)
-    rest = (omega[:, None] * torch.exp(k[None, :] * torch.log(theta)[:, None])).sum(0)
+    rest = (omega[:, None] * torch.exp(k[None, :] * log_theta[:, None])).sum(0)
     return torch.cat([torch.ones(1, dtype=torch.float64), rest])[:n]
 
 
+def _initial_gaps(n: int, buffers: int) -> list[Tensor]:
+    """Starting points for ``1 - theta``: ``n^(-(i+1)/buffers)`` (slow decays, the square root's
+    tail), and geometric spreads from a fast decay of 1/2 to ``1/n`` and to ``1/sqrt(n)``."""
+    i = torch.arange(buffers, dtype=torch.float64)
+    starts = [float(n) ** (-(i + 1) / buffers)]
+    if buffers > 1:
+        starts.append(0.5 * (2.0 / n) ** (i / (buffers - 1)))
+        starts.append(0.5 * (2.0 / math.sqrt(n)) ** (i / (buffers - 1)))
+    return starts
+
+
+def _merge_buffers(theta: Tensor, omega: Tensor, rtol: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """Buffers whose ``theta`` agree to ``rtol`` merged into one (``omega`` summed, ``theta`` their
+    ``omega``-weighted mean): the optimum often lets buffers coincide when it needs fewer."""
+    order = torch.argsort(theta)
+    groups: list[list[int]] = []
+    for i in order.tolist():
+        if groups and abs(float(theta[i]) - float(theta[groups[-1][-1]])) <= rtol * float(theta[i]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    th = torch.stack([(theta[g] * omega[g]).sum() / omega[g].sum() for g in groups])
+    om = torch.stack([omega[g].sum() for g in groups])
+    return th, om
+
+
+@_single_threaded
 def optimal_blt(
     n: int,
     buffers: int,
@@ -139,9 +200,16 @@ def optimal_blt(
     Toeplitz coefficients are positive and non-increasing from index 1: the sensitivity is exact
     for every ``min_separation`` / ``max_participations`` (rule 3 of
     :mod:`vmapdp.mf.sensitivity`) and ``C^{-1}`` is a real BLT (:meth:`BufferedToeplitz.inverse`).
-    Starts from ``theta_i = 1 - n^(-(i+1)/buffers)`` with ``omega`` fitted by least squares to the
-    coefficients of :func:`vmapdp.mf.sqrt_prefix`. ``workload``: an ``n x n`` tensor (None:
-    prefix sums); ``kind``: ``"mean"`` or ``"max"`` error. ``buffers=0`` is :func:`identity`'s BLT.
+    Starts from three spreads of ``theta`` (``1 - n^(-(i+1)/buffers)``, and ``1 - theta``
+    geometric from ``1/2`` to ``1/n`` and to ``1/sqrt(n)``), each with ``omega`` fitted by least squares to the
+    coefficients of :func:`vmapdp.mf.sqrt_prefix`, and keeps the better local optimum.
+    ``workload``: an ``n x n`` tensor (None: prefix sums); ``kind``: ``"mean"`` or ``"max"``
+    error. ``buffers=0`` is :func:`identity`'s BLT.
+
+    ``buffers`` is the most buffers used: where the optimum lets several ``theta`` coincide (to
+    ``1e-6`` relative; common with several participations, where one buffer can be optimal),
+    they are merged into one buffer when that changes the loss by less than ``1e-9`` relative,
+    so the result may have fewer buffers (less streaming memory, a well-conditioned inverse).
     """
     call = "optimal_blt"
     n = _checks.positive_int(call, "n", n, meaning="n is the number of steps")
@@ -153,18 +221,31 @@ def optimal_blt(
     if buffers == 0 or n == 1:
         return BufferedToeplitz((), ())
     loss = _loss_fn(n, a, sep, k, kind)
-    theta0 = 1.0 - torch.tensor([float(n) ** (-(i + 1) / buffers) for i in range(buffers)], dtype=torch.float64)
-    theta0 = theta0.clamp(1e-3, 1 - 1e-9)
     target = sqrt_prefix(n).toeplitz_coeffs(n)[1:]
-    basis = torch.exp(torch.arange(n - 1, dtype=torch.float64)[:, None] * torch.log(theta0)[None, :])
-    omega0 = torch.linalg.lstsq(basis, target[:, None]).solution.flatten().clamp(min=1e-4)
-    x0 = torch.cat([torch.logit(theta0), _inv_softplus(omega0)])
+    lags = torch.arange(n - 1, dtype=torch.float64)
 
-    def split(x: Tensor) -> tuple[Tensor, Tensor]:
-        return torch.sigmoid(x[:buffers]), torch.nn.functional.softplus(x[buffers:])
+    def split(x: Tensor) -> tuple[Tensor, Tensor]:  # (log theta, omega), finite for every x
+        return torch.nn.functional.logsigmoid(x[:buffers]), torch.nn.functional.softplus(x[buffers:])
 
-    x = _lbfgs(x0, lambda x: loss(_blt_coeffs(*split(x), n))[0], iters)
-    theta, omega = split(x)
+    def objective(x: Tensor) -> Tensor:
+        return loss(_blt_coeffs(*split(x), n))[0]
+
+    best = None
+    for gap in _initial_gaps(n, buffers):  # 1 - theta, spread over three ranges: the best local optimum wins
+        theta0 = (1.0 - gap).clamp(1e-3, 1 - 1e-9)
+        basis = torch.exp(lags[:, None] * torch.log(theta0)[None, :])
+        omega0 = torch.linalg.lstsq(basis, target[:, None]).solution.flatten().clamp(min=1e-4)
+        x = _lbfgs(torch.cat([torch.logit(theta0), _inv_softplus(omega0)]), objective, iters)
+        value = float(objective(x).detach())
+        if best is None or value < best[0]:
+            best = (value, x)
+    x = best[1]
+    log_theta, omega = (t.detach() for t in split(x))
+    theta = log_theta.exp()
+    value = loss(_blt_coeffs(log_theta, omega, n))[0]
+    merged = _merge_buffers(theta, omega)
+    if merged[0].numel() < buffers and float(loss(_blt_coeffs(merged[0].log(), merged[1], n))[0]) <= float(value) * (1 + 1e-9):
+        theta, omega = merged
     order = torch.argsort(theta, descending=True)
     blt = BufferedToeplitz(tuple(theta[order].tolist()), tuple(omega[order].tolist()))
     value, exact = loss(blt.toeplitz_coeffs(n))

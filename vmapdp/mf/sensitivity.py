@@ -25,13 +25,14 @@ returns less than the truth. The rules, in order:
    participation earlier never lowers a term, so the earliest pattern ``0, sep, .., (k-1) sep``
    is worst. A lower-triangular Toeplitz ``C`` whose coefficients are ``>= 0`` and non-increasing
    from index 1 on (every BLT with ``omega >= 0``, ``0 <= theta < 1``; the square root of prefix
-   sums) satisfies it (Kalinin and Lampert 2024, Theorem 2, state it for coefficients
-   non-increasing from index 0).
-4. Otherwise an upper bound: for a Toeplitz ``C``, rule 3 applied to the smallest non-negative
-   majorant of ``|c|`` that is non-increasing from index 1 (the columns' entries only grow in
-   absolute value, and rows obey the triangle inequality); for a dense ``C``, Algorithm 4 of
-   Choquette-Choo et al. 2023 (the best pattern for each row of ``|X|``, then the best pattern
-   over those row maxima).
+   sums) satisfies it: ``X[s, t] = sum_{r=0}^{n-1-max(s,t)} c[r] c[r + |s-t|]``. (jax-privacy's
+   ``toeplitz.minsep_sensitivity_squared``, after Kalinin and Lampert 2024, arXiv:2405.13763,
+   Theorem 2, asks for coefficients non-increasing from index 0; from index 1 suffices.)
+4. Otherwise an upper bound: Algorithm 4 of Choquette-Choo et al. 2023 (the best pattern for
+   each row of ``|X|``, then the best pattern over those row maxima); for a Toeplitz ``C`` also
+   rule 3 applied to the smallest non-negative majorant of ``|c|`` that is non-increasing from
+   index 1 (entries only grow in absolute value, and rows obey the triangle inequality), and
+   the smaller of the two. For a Toeplitz ``C`` with ``n > 1024`` only the majorant (``O(n log n)``).
 
 :func:`brute_force_sensitivity` enumerates all patterns (small ``n``, for tests).
 """
@@ -47,9 +48,10 @@ from torch import Tensor
 from vmapdp import _checks
 from vmapdp.mf.strategies import toeplitz_matrix, toeplitz_multiply
 
-__all__ = ["brute_force_sensitivity", "participation_patterns", "sensitivity", "toeplitz_sensitivity_squared"]
+__all__ = ["brute_force_sensitivity", "participation_patterns", "sensitivity", "toeplitz_gram", "toeplitz_sensitivity_squared"]
 
 _MAX_PATTERNS = 1 << 20
+_GRAM_MAX_N = 1024  # the O(n^2 k) work of rule 4 on C^T C stays under a few seconds
 
 
 def _earliest_pattern(n: int, sep: int, k: int, dtype=torch.float64) -> Tensor:
@@ -63,7 +65,8 @@ def toeplitz_sensitivity_squared(coeffs: Tensor, n: int, *, min_separation: int 
 
     Differentiable in ``coeffs`` (the optimizers use it). ``exact`` is True where rule 1, 2 or 3
     of the module docstring applies; otherwise the value is rule 4's upper bound. ``coeffs`` is
-    cut or zero-padded to ``n``.
+    cut or zero-padded to ``n``. (:func:`sensitivity` also tries rules 3-4 on ``C^T C`` where
+    this returns a bound.)
     """
     call = "toeplitz_sensitivity_squared"
     n = _checks.positive_int(call, "n", n, meaning="n is the number of steps")
@@ -86,9 +89,9 @@ def toeplitz_sensitivity_squared(coeffs: Tensor, n: int, *, min_separation: int 
 
 
 def _best_pattern_sum(x: Tensor, sep: int, k: int) -> Tensor:
-    """``max_P sum_{t in P} x[..., t]`` over patterns of at most ``k`` steps ``sep`` apart (a
-    dynamic program over the last axis, batched over the others; ``x >= 0`` keeps every pattern
-    non-empty-worthy, and the empty pattern scores 0)."""
+    """``max_P sum_{t in P} x[..., t]`` over patterns of at most ``k`` steps ``sep`` apart, for
+    ``x >= 0`` (a dynamic program over the last axis, batched over the others; Choquette-Choo et
+    al. 2023, Algorithm 3)."""
     n = x.shape[-1]
     f = x.new_zeros(*x.shape[:-1], n + sep)
     for _ in range(k):  # f[t]: best with at most j picks among steps >= t
@@ -97,20 +100,29 @@ def _best_pattern_sum(x: Tensor, sep: int, k: int) -> Tensor:
     return f[..., 0]
 
 
-def _dense_sensitivity_squared(c: Tensor, sep: int, k: int) -> tuple[float, bool]:
-    n = c.shape[0]
+def toeplitz_gram(coeffs: Tensor, n: int) -> Tensor:
+    """``X = C^T C`` for the ``n x n`` lower-triangular Toeplitz ``C`` with first column ``coeffs``,
+    in ``O(n^2)``: ``X[i, j] = sum_{s=0}^{n-1-max(i,j)} c[s] c[s + |i-j|]``."""
+    c = coeffs[:n] if coeffs.numel() >= n else torch.cat([coeffs, coeffs.new_zeros(n - coeffs.numel())])
+    i = torch.arange(n)
+    shifted = torch.cat([c, c.new_zeros(n)])[i[:, None] + i[None, :]]  # shifted[d, s] = c[s + d]
+    q = torch.cumsum(c[None, :] * shifted, dim=1)  # q[d, m] = sum_{s <= m} c[s] c[s + d]
+    return q[(i[:, None] - i[None, :]).abs(), n - 1 - torch.maximum(i[:, None], i[None, :])]
+
+
+def _gram_sensitivity_squared(x: Tensor, sep: int, k: int) -> tuple[float, bool]:
+    """Rules 1-3 on ``X = C^T C`` where they apply (exact), else Algorithm 4 (an upper bound)."""
+    n = x.shape[0]
     if k == 1:
-        return float((c * c).sum(0).max()), True
-    x = c.T @ c
+        return float(x.diagonal().max()), True
     i = torch.arange(n)
     far = (i[:, None] - i[None, :]).abs() >= sep
     if not bool((x[far] != 0).any()):  # rule 2
         return float(_best_pattern_sum(x.diagonal(), sep, k)), True
-    scale = float(x.abs().max())
-    tol = 1e-12 * scale
+    tol = 1e-12 * float(x.abs().max())
     y = x.abs()
     viol_diag = float((y[1:, 1:] - y[:-1, :-1]).max()) if n > 1 else 0.0
-    row_step = (y[:, 1:] - y[:, :-1])[torch.triu(torch.ones(n, n - 1, dtype=torch.bool), 0)]
+    row_step = (y[:, 1:] - y[:, :-1])[torch.triu(torch.ones(n, n - 1, dtype=torch.bool), 1)]
     viol_row = float(row_step.max()) if row_step.numel() else 0.0
     viol = max(viol_diag, viol_row, 0.0)
     if float(x.min()) >= -tol and viol <= tol:  # rule 3 on |X|, with the rounding-size violations added back
@@ -136,10 +148,14 @@ def sensitivity(strategy: Any, n: int, *, min_separation: int = 1, max_participa
     n, strategy = _checks.mf_strategy(call, strategy, n)
     sep, k = _checks.participation(call, n, min_separation, max_participations)
     if isinstance(strategy, Tensor):
-        value, exact = _dense_sensitivity_squared(strategy, sep, k)
+        value, exact = _gram_sensitivity_squared(strategy.T @ strategy, sep, k)
     else:
-        s2, exact = toeplitz_sensitivity_squared(strategy.toeplitz_coeffs(n), n, min_separation=sep, max_participations=k)
+        coeffs = strategy.toeplitz_coeffs(n)
+        s2, exact = toeplitz_sensitivity_squared(coeffs, n, min_separation=sep, max_participations=k)
         value = float(s2)
+        if not exact and n <= _GRAM_MAX_N:  # rules 3-4 on C^T C may do better than the majorant
+            value2, exact = _gram_sensitivity_squared(toeplitz_gram(coeffs, n), sep, k)
+            value = min(value, value2)
     if require_exact and not exact:
         raise ValueError(
             f"{call}: no exact rule applies to this strategy with min_separation={sep}, {k} participations in n={n} steps "
