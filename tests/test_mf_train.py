@@ -358,6 +358,8 @@ def test_make_private_takes_a_strategy():
     assert 0.99 * 4.0 <= trainer.epsilon() <= 4.0
     with pytest.raises(ValueError, match="past steps=16"):
         trainer.fit(1)
+    with pytest.raises(ValueError, match="cycle= applies to correlated noise only"):
+        vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, noise_multiplier=1.0, batch_size=5, cycle=4)
     with pytest.raises(ValueError, match="needs cycle="):
         vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, noise_multiplier=1.0, epochs=1, batch_size=5, strategy=BLT)
 
@@ -380,3 +382,18 @@ def test_secure_noise_carries_the_same_recursion():
                 assert torch.equal(state.noise_state["buffers"][k][1], previous[k])
         previous = {k: state.noise_state["buffers"][k][0].clone() for k in PARAMS}
     assert int(state.noise_state["t"]) == 3 and state.ledger.events[0].count == 3
+
+
+def test_float64_leaves_get_float64_noise_and_buffers():
+    """A float64 sum is noised with float64 draws (keyed_normal's float64 stream) and float64 buffers."""
+    priv = correlated_noise(BLT, steps=STEPS)
+    bound, _, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(), secure=False)
+    params64 = {"w": torch.zeros(5, dtype=torch.float64)}
+    state, got = priv.init(params64), []
+    assert state["buffers"]["w"].dtype == torch.float64 and state["buffers"]["w"].shape == (2, 5)
+    for t in range(4):
+        noisy, state = bound.privatize({"w": torch.zeros(5, dtype=torch.float64)}, state, f"k{t}".encode())
+        got.append(noisy["w"])
+    Z = torch.stack([keyed_normal((5,), f"k{t}".encode(), dtype=torch.float64) for t in range(4)])
+    want = NM * CLIP * sens_oracle(BLT) * torch.linalg.solve_triangular(BLT.matrix(4), Z, upper=False)
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-12, atol=1e-12)
