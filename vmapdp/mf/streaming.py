@@ -41,14 +41,14 @@ def next_noise(strategy: BandedToeplitz | BufferedToeplitz, z: Tensor, buffer: T
     that dtype, in a fixed order (bitwise reproducible on one device).
     """
     if isinstance(strategy, BandedToeplitz):
-        y = z
-        for k in range(1, strategy.band):  # c_k times y_{t-k}, buffer row k - 1
-            y = y - strategy.coeffs[k] * buffer[k - 1]
-        y = y / strategy.coeffs[0]
-        return y, (buffer if strategy.band == 1 else torch.cat([y.unsqueeze(0), buffer[:-1]], dim=0))
-    y = z
-    for i, w in enumerate(strategy.omega):
-        y = y - w * buffer[i]
-    rows = [th * buffer[i] + y for i, th in enumerate(strategy.theta)]
-    return y, (torch.stack(rows, dim=0) if rows else buffer)
-
+        if strategy.band == 1:  # C = c_0 I: DP-SGD's noise (bit for bit when c_0 = 1)
+            return z / strategy.coeffs[0], buffer
+        c = torch.tensor(strategy.coeffs[1:], dtype=buffer.dtype, device=buffer.device)
+        y = (z - torch.tensordot(c, buffer, dims=1)) / strategy.coeffs[0]  # sum_k c_k y_{t-k}: one pass over the buffer
+        return y, torch.cat([y.unsqueeze(0), buffer[:-1]], dim=0)
+    if strategy.buffers == 0:
+        return z, buffer
+    omega = torch.tensor(strategy.omega, dtype=buffer.dtype, device=buffer.device)
+    theta = torch.tensor(strategy.theta, dtype=buffer.dtype, device=buffer.device).view(-1, *([1] * z.dim()))
+    y = z - torch.tensordot(omega, buffer, dims=1)
+    return y, theta * buffer + y
