@@ -9,7 +9,7 @@ its DP-SGD meaning and the events below reduce exactly to events the accountants
   (:class:`vmapdp.data.CyclicPoissonSampler`) of ``cycle >= b`` groups. An example can take part
   only in steps of its group, at least ``cycle >= b`` apart, so the columns of ``C`` it touches
   have disjoint supports; ``sens`` is the largest column norm of ``C`` and the run has the privacy
-  of cyclic Poisson DP-SGD at ``noise_multiplier`` (Choquette-Choo et al. 2023, Theorem 4: the
+  of cyclic Poisson DP-SGD at ``noise_multiplier`` (Choquette-Choo et al. 2023: the
   Poisson-equivalent analysis of amplified banded MF). Accounted as the sampler's own
   :class:`~vmapdp.accounting.CyclicPoissonGaussianEvent`.
 * :class:`MinSeparationMFEvent`: any strategy (BLT in particular) with a participation pattern of
