@@ -118,3 +118,12 @@ def test_noise_benchmark_quick_run(capsys):
         assert set(row["ms"]) == {"shake_old", "chacha20_f32", "chacha20_f64", "randn", "randn_gen"}
         assert all(v > 0 for v in row["ms"].values()) and row["ratio_to_randn"]["randn"] == 1.0
     assert "| 100,000 |" in capsys.readouterr().out
+
+
+def test_correlated_noise_benchmark_quick_run(capsys):
+    rows = _load("correlated").main(["--quick"])
+    (row,) = rows
+    assert set(row["ms"]) == {"torch", "dpsgd", "banded4", "banded16", "blt4"} and all(v > 0 for v in row["ms"].values())
+    # the noise state, exactly: (band - 1) or buffers float32 copies of the 26,010 MNIST params
+    assert row["state_mib"] == {"torch": 0.0, "dpsgd": 0.0, "banded4": 3 * 26_010 * 4 / 2**20, "banded16": 15 * 26_010 * 4 / 2**20, "blt4": 4 * 26_010 * 4 / 2**20}
+    assert "| MNIST CNN | 26,010 | 8 |" in capsys.readouterr().out

@@ -170,6 +170,20 @@ def check_07(nb, r):
     assert _images(nb) >= 2
 
 
+def check_08(nb, r):
+    e, closed = r["expected_errors"], r["closed_forms"]
+    assert abs(e["DP-SGD (identity)"] - closed["identity"]) <= 1e-9 * closed["identity"]  # (n + 1) / 2
+    assert abs(e["sqrt factorization"] - closed["sqrt"]) <= 1e-9 * closed["sqrt"]
+    assert e["BLT (2 buffers)"] < e["banded MF (b=4)"] < e["DP-SGD (identity)"]
+    for runs in r["runs"].values():
+        for by_eps in runs.values():
+            for eps, out in by_eps.items():
+                assert 0.95 * float(eps) <= out["epsilon"] <= float(eps)  # calibrated: never above the target
+    assert r["runs"]["digits"]["banded MF"][str(max(r["epsilons"]))]["accuracy"] > 0.5  # chance is 0.1
+    assert max(run[str(max(r["epsilons"]))]["accuracy"] for run in r["runs"]["shakespeare"].values()) > 0.1
+    assert _images(nb) >= 1
+
+
 CHECKS = {
     "01_per_sample_gradients.ipynb": check_01,
     "02_dp_sgd_digits.ipynb": check_02,
@@ -178,6 +192,7 @@ CHECKS = {
     "05_dp_lora_finetuning.ipynb": check_05,
     "06_migrating_from_opacus.ipynb": check_06,
     "07_dp_transformer_finetuning.ipynb": check_07,
+    "08_correlated_noise.ipynb": check_08,
 }
 
 

@@ -156,6 +156,8 @@ def make_private(
     method: str = "auto",
     collate_fn: Callable[[list], Any] | None = None,
     randomness: str = "error",
+    strategy: Any = None,
+    cycle: int | None = None,
 ) -> PrivateTrainer:
     """Make a module + torch optimizer + data train with DP-SGD (the Opacus-style entry point).
 
@@ -193,6 +195,15 @@ def make_private(
             assumes; the default ``"error"`` refuses them (see :func:`vmapdp.per_sample_grads`).
         method: how the clipped sum is computed (see :func:`vmapdp.make_train_step`); what
             ``"auto"`` chose is kept in the state, so a resumed run replays it bit for bit.
+        strategy: a :mod:`vmapdp.mf` strategy (``BandedToeplitz``, ``BufferedToeplitz``): train
+            with noise correlated across steps (:func:`vmapdp.mf.correlated_noise`) over a run of
+            ``epochs`` epochs (required) of ``round(len(data) / batch_size)`` steps each. Batches
+            then come from a :class:`vmapdp.data.CyclicPoissonSampler` of ``cycle`` groups
+            (default: the band of a banded strategy; required for a BLT) at rate
+            ``batch_size * cycle / len(data)`` within a group, so the expected batch is still
+            ``batch_size``; the ledger records the mechanism's events and ``target_epsilon``
+            calibrates with :func:`vmapdp.mf.calibrate_mf_noise`. A step past the run is refused.
+        cycle: the sampler's number of groups with ``strategy`` (see above).
 
     Raises:
         vmapdp.UnsupportedModuleError: the module mixes samples or updates buffers (with the fix).
@@ -229,7 +240,16 @@ def make_private(
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     label_key = _row_form(call, data)
     sample_rate = batch_size / n
-    if target_epsilon is not None:
+    privatizer = None
+    if strategy is not None:
+        privatizer, sampler, steps = _correlated(call, strategy, cycle, epochs, n, batch_size, secure, seed)
+        if target_epsilon is not None:
+            from vmapdp.mf import calibrate_mf_noise
+
+            noise_multiplier = calibrate_mf_noise(strategy, sampler=sampler, steps=steps, target_epsilon=target_epsilon, delta=delta)
+    elif cycle is not None:
+        raise ValueError(f"{call}: cycle= applies to correlated noise only; pass strategy= too, or drop cycle=.")
+    if target_epsilon is not None and strategy is None:
         if epochs is None:
             raise ValueError(f"{call}: target_epsilon needs epochs= to know how many steps to calibrate for.")
         epochs = _checks.positive_int(call, "epochs", epochs, meaning="epochs is how many epochs to calibrate the noise for")
@@ -269,7 +289,8 @@ def make_private(
         return criterion(_logits(out), y[None])
 
     opt = _functional_optimizer(optimizer)
-    sampler = PoissonSampler(n, sample_rate, key=None if secure else _sampler_key(seed), secure=secure)
+    if strategy is None:
+        sampler = PoissonSampler(n, sample_rate, key=None if secure else _sampler_key(seed), secure=secure)
     step = make_train_step(
         loss_fn,
         opt,
@@ -284,11 +305,33 @@ def make_private(
         secure=secure,
         method=method,
         randomness=randomness,
+        privatizer=privatizer,
     )
-    state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None)
+    state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None, privatizer=privatizer)
     trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
     trainer._collate_fn = collate_fn
     return trainer
+
+
+def _correlated(call: str, strategy: Any, cycle: Any, epochs: Any, n: int, batch_size: int, secure: bool, seed: int | None) -> tuple[Any, Any, int]:
+    """The correlated-noise privatizer, the cyclic Poisson sampler (one epoch per iteration) and the run's steps."""
+    from vmapdp.data import CyclicPoissonSampler
+    from vmapdp.mf import BandedToeplitz, correlated_noise
+
+    if epochs is None:
+        raise ValueError(f"{call}: strategy= needs epochs=: the correlated noise is built for the run's length.")
+    epochs = _checks.positive_int(call, "epochs", epochs, meaning="epochs is the length of the run the correlated noise is built for")
+    if cycle is None:
+        if not isinstance(strategy, BandedToeplitz):
+            raise ValueError(f"{call}: a BLT strategy needs cycle= (the sampler's groups: participations of an example are cycle steps apart).")
+        cycle = strategy.band
+    cycle = _checks.positive_int(call, "cycle", cycle, meaning="cycle is the number of groups of the cyclic Poisson sampler")
+    rate = batch_size * cycle / n
+    if rate > 1.0:
+        raise ValueError(f"{call}: batch_size={batch_size} with cycle={cycle} needs a rate of {rate:.3g} > 1 within a group of about {n / cycle:.0f} examples; pass batch_size <= {n // cycle} or a smaller cycle.")
+    per_epoch = max(1, round(n / batch_size))
+    sampler = CyclicPoissonSampler(n, rate, cycle=cycle, steps=per_epoch, key=None if secure else _sampler_key(seed), secure=secure)
+    return correlated_noise(strategy, steps=epochs * per_epoch), sampler, epochs * per_epoch
 
 
 _DEFAULT_COLLATES = (torch.utils.data.default_collate, torch.utils.data._utils.collate.default_collate)

@@ -241,11 +241,13 @@ def step_config(
     optimizer: str = "",
     sampler: str = "",
     adaptive: str = "",
+    noise: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
     as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`;
     ``sampler`` the batch scheme other than Poisson (:func:`scheme_description`; ``""`` for
-    Poisson sampling, which ``sample_rate`` already says, and then left out)."""
+    Poisson sampling, which ``sample_rate`` already says, and then left out); ``noise`` a bound
+    privatizer's mechanism (correlated noise; ``""`` for the default, left out)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -257,7 +259,7 @@ def step_config(
         ("method", method),
         ("precision", str(precision)),
         ("optimizer", optimizer),
-    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ())
+    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ()) + ((("noise", noise),) if noise else ())
     return repr(fields)
 
 
@@ -482,7 +484,10 @@ def make_train_step(
             ``privatize(summed, state.noise_state, key)``; its state is carried in
             ``state.noise_state`` (make the state with ``init_train_state(..., privatizer=)``).
             Default: ``gaussian_privatizer(noise_multiplier * l2_clip_norm, secure=secure)``, the
-            noise the ledger records; another one must give at least its privacy. With ``secure``
+            noise the ledger records; another one must give at least its privacy. A privatizer
+            with a ``bind`` hook (correlated noise, :func:`vmapdp.mf.correlated_noise`) is bound
+            here to ``noise_multiplier``, the clip norm and ``sampler``, and decides the event each
+            step records (it refuses a sampler it has no analysis for). With ``secure``
             and ``distributed``, rank 0 alone privatizes and broadcasts the release and the state
             (:func:`vmapdp.distributed.privatized_on_rank0`).
         adaptive_clipping: a :class:`vmapdp.AdaptiveClipping` (Andrew et al. 2021): the clip norm
@@ -535,21 +540,6 @@ def make_train_step(
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     _budget_accountant(call, accountant)
-    event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
-    config = step_config(
-        l2_clip_norm=l2_clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        sample_rate=sample_rate,
-        rule=rule,
-        nonfinite=nonfinite,
-        randomness=randomness,
-        method=method,
-        precision=precision,
-        optimizer=getattr(optimizer, "config", ""),
-        sampler=scheme_description(sampler),
-        adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
-    )
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
     sum_loss, sum_clip = loss_fn, l2_clip_norm
@@ -566,6 +556,33 @@ def make_train_step(
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
     # with adaptive clipping the privatizer sees the sum in units of the threshold, and the gradient's share of the noise
     grad_noise = noise_multiplier if adaptive_clipping is None else adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
+    noise_config = ""
+    if privatizer is not None and getattr(privatizer, "bind", None) is not None:  # it decides its noise and the ledger's event
+        if adaptive_clipping is not None:
+            raise ValueError(
+                f"{call}: a privatizer that decides its own noise and ledger event (correlated noise) cannot run with adaptive_clipping: "
+                "no published analysis covers the pair. Drop adaptive_clipping=, or use the default Gaussian privatizer."
+            )
+        privatizer, event, noise_config = privatizer.bind(
+            call, noise_multiplier=noise_multiplier, l2_sensitivity=l2_sensitivity, sample_rate=sample_rate, sampler=sampler, secure=secure
+        )
+    else:
+        event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
+    config = step_config(
+        l2_clip_norm=l2_clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        sample_rate=sample_rate,
+        rule=rule,
+        nonfinite=nonfinite,
+        randomness=randomness,
+        method=method,
+        precision=precision,
+        optimizer=getattr(optimizer, "config", ""),
+        sampler=scheme_description(sampler),
+        adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
+        noise=noise_config,
+    )
     if privatizer is None:
         privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
     count_privatizer = None if adaptive_clipping is None else adaptive_clipping.count_privatizer(secure=secure)

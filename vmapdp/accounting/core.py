@@ -92,7 +92,7 @@ class _Plan(NamedTuple):
 
 def _plan(ledger: Ledger) -> _Plan:
     poisson, fixed, epochs, fail = [], [], [], 0.0
-    for e in ledger.events:
+    for e in _events.accounted_events(ledger.events):  # registered events (vmapdp.mf) as the ones below
         if isinstance(e, NonPrivateEvent):
             return _Plan(non_private=True, adjacency=ledger.adjacency)
         if isinstance(e, PoissonGaussianEvent):

@@ -496,6 +496,29 @@ _BY_TYPE = {
 _NAMES = ", ".join(t.__name__ for t in _EVENT_TYPES)
 
 
+def register_event(cls: type, type_name: str) -> type:
+    """Let ledgers hold (and ``from_json`` read) events of ``cls``, defined outside this module.
+
+    Such an event is accounted exactly as the events of this module that its ``accounted_as()``
+    returns (the accountants expand it); besides that it has ``adjacency``, ``count``, ``_key()``,
+    ``_with_count(count)`` and ``to_dict()`` (with ``"type": type_name``) like the events here.
+    Used by :mod:`vmapdp.mf.accounting` for the correlated-noise events.
+    """
+    global _EVENT_TYPES, _NAMES
+    if not callable(getattr(cls, "accounted_as", None)):
+        raise TypeError(f"register_event({cls.__name__}): the class needs an accounted_as() method giving the events it is accounted as.")
+    if cls not in _EVENT_TYPES:
+        _EVENT_TYPES = _EVENT_TYPES + (cls,)
+        _NAMES = ", ".join(t.__name__ for t in _EVENT_TYPES)
+    _BY_TYPE[type_name] = cls
+    return cls
+
+
+def accounted_events(events: Iterable[Event]) -> tuple[Event, ...]:
+    """``events`` with each registered event replaced by the events it is accounted as."""
+    return tuple(x for e in events for x in (e.accounted_as() if hasattr(e, "accounted_as") else (e,)))
+
+
 def _combine(a: Event, b: Event) -> Event:
     """Two events with the same key as one (counts, and any other counters, added)."""
     if hasattr(a, "_combine"):

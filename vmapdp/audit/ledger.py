@@ -78,6 +78,7 @@ def check_ledger(
     sampler: Any = None,
     delta: float = 1e-5,
     accountant: str = "rdp",
+    privatizer: Any = None,
     raise_on_failure: bool = True,
 ) -> LedgerReport:
     """Check that the ledger the step wrote matches the steps taken, the noise and the sampling rate.
@@ -99,6 +100,9 @@ def check_ledger(
         sampler: the :mod:`vmapdp.data` sampler that drew the steps' batches, after the steps (any
             scheme); with ``sample_rate`` too, the two must agree.
         delta, accountant: to report the epsilon implied by each ledger.
+        privatizer: the step's privatizer when it has a ``bind`` hook (correlated noise,
+            :func:`vmapdp.mf.correlated_noise`): the expected events are then the ones it
+            declares for ``noise_multiplier`` and ``sampler``.
         raise_on_failure: raise :class:`PrivacyCheckError` on failure (default) or return the report.
 
     Returns:
@@ -117,6 +121,9 @@ def check_ledger(
         added = Ledger()
     elif noise_multiplier == 0:
         added = Ledger((NonPrivateEvent(count=steps),))
+    elif privatizer is not None and getattr(privatizer, "bind", None) is not None:
+        _, event, _ = privatizer.bind(call, noise_multiplier=noise_multiplier, l2_sensitivity=1.0, sample_rate=sample_rate, sampler=sampler, secure=False)
+        added = Ledger((dataclasses.replace(event(), count=steps),))
     elif sampler is not None:
         added = sampler_events(sampler, steps, noise_multiplier)
     else:

@@ -79,6 +79,12 @@ def _recorded_noise(call: str, recorded: Any) -> float:
         return recorded.noise_multiplier
     if isinstance(recorded, NonPrivateEvent):
         return 0.0
+    if callable(getattr(recorded, "accounted_as", None)):  # correlated noise: a step's fresh noise is not noise_multiplier * C
+        raise ValueError(
+            f"{call}: the ledger records correlated noise ({type(recorded).__name__}); between two noise seeds from one state a "
+            "step's release differs by the fresh draw only, of std noise_multiplier * l2_clip_norm * sens / C[0, 0]. Pass "
+            "noise_multiplier=vmapdp.mf.fresh_noise_multiplier(strategy, noise_multiplier=..., sampler=..., steps=...)."
+        )
     raise ValueError(f"{call}: the step wrote no privacy event to state.ledger; pass noise_multiplier=.")
 
 
@@ -114,7 +120,9 @@ def check_noise_calibration(
         step, state, batch, mask, shared: as for :func:`check_sensitivity`.
         lr, l2_clip_norm, expected_batch_size: the step's hyperparameters.
         noise_multiplier: the noise the step should add; default: what the step wrote in the
-            ledger, so that the check compares the noise released with the noise claimed.
+            ledger, so that the check compares the noise released with the noise claimed. For
+            correlated noise (:func:`vmapdp.mf.correlated_noise`) pass
+            :func:`vmapdp.mf.fresh_noise_multiplier` (the default then raises).
         alpha: false-alarm rate.
         min_samples: how many noise coordinates to test (at least 1000).
         seed: seeds the noise seeds and torch's global RNG (dropout masks are the same in both runs).

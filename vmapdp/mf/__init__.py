@@ -6,10 +6,15 @@
 * :mod:`vmapdp.mf.sensitivity`: the sensitivity of ``C`` under multiple participations.
 * :mod:`vmapdp.mf.error`: the expected error of ``C`` on ``A``.
 * :mod:`vmapdp.mf.optimize`: the banded / BLT strategy with the least expected error.
+* :mod:`vmapdp.mf.streaming`: ``(C^{-1} z)_t`` one step at a time, from a few buffers.
+* :mod:`vmapdp.mf.privatizer`: :func:`correlated_noise`, the privatizer the train step takes.
+* :mod:`vmapdp.mf.accounting`: the ledger events of a run and the noise calibration.
 """
 
+from vmapdp.mf.accounting import BandedMFEvent, MinSeparationMFEvent, calibrate_mf_noise
 from vmapdp.mf.error import expected_error, row_squared_errors
 from vmapdp.mf.optimize import optimal_banded, optimal_blt
+from vmapdp.mf.privatizer import correlated_noise, fresh_noise_multiplier
 from vmapdp.mf.sensitivity import (
     brute_force_sensitivity,
     participation_patterns,
@@ -30,10 +35,15 @@ from vmapdp.mf.strategies import (
 from vmapdp.mf.workloads import momentum_prefix_sums, prefix_sums
 
 __all__ = [
+    "BandedMFEvent",
     "BandedToeplitz",
     "BufferedToeplitz",
+    "MinSeparationMFEvent",
     "brute_force_sensitivity",
+    "calibrate_mf_noise",
+    "correlated_noise",
     "expected_error",
+    "fresh_noise_multiplier",
     "identity",
     "momentum_prefix_sums",
     "optimal_banded",

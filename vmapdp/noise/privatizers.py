@@ -14,9 +14,15 @@ step's secret noise key (bytes, derived from the state's seed, step, run and con
 
 :func:`gaussian_privatizer` is the default: independent ``N(0, std**2)`` per coordinate, no
 state. Noise that needs state (correlated noise from a matrix factorization keeps a few buffers
-of past draws) or another generator plugs in here without touching the step. The ledger records
-the step's ``noise_multiplier`` whatever the privatizer does: a privatizer must give at least
-the privacy of Gaussian noise of std ``noise_multiplier * l2_sensitivity`` on the sum.
+of past draws) or another generator plugs in here without touching the step.
+
+What the ledger records: for a privatizer without ``bind`` (the default Gaussian, or one of
+yours), the step's event at its ``noise_multiplier``; such a privatizer must give at least the
+privacy of Gaussian noise of std ``noise_multiplier * l2_sensitivity`` on each step's sum. Noise
+correlated across steps has no per-step guarantee of that kind, so its privatizer has a ``bind``
+hook (:func:`vmapdp.mf.correlated_noise`): ``make_train_step`` calls it once with its
+configuration and gets back the privatizer to run, the event each step records, and the
+mechanism's description (bound into the noise key).
 """
 
 from __future__ import annotations
@@ -35,11 +41,16 @@ class Privatizer(NamedTuple):
     ``init(params) -> state``: the noise state before the first step (a pytree of tensors; ``()``
     for none). ``privatize(summed, state, key) -> (noisy, state)``: the released sum (a pytree
     like ``summed``, each leaf float32 or wider) and the next state; pure, drawing its randomness
-    from ``key`` only (``None``: from the OS CSPRNG).
+    from ``key`` only (``None``: from the OS CSPRNG). ``bind`` (optional): ``bind(call, *,
+    noise_multiplier, l2_sensitivity, sample_rate, sampler, secure) -> (privatizer, event, config)``:
+    the privatizer the step runs, ``event()`` the ledger event of each step (called before
+    anything is computed), ``config`` a string bound into the noise key; it raises for a
+    configuration it has no analysis for.
     """
 
     init: Callable[[Any], Any]
     privatize: Callable[[Any, Any, bytes | None], tuple[Any, Any]]
+    bind: Callable[..., tuple[Any, Callable[[], Any], str]] | None = None
 
 
 def gaussian_privatizer(std: float, *, secure: bool = False) -> Privatizer:

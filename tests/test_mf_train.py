@@ -1,0 +1,401 @@
+"""Correlated noise in the train step (vmapdp.mf.correlated_noise), white-box.
+
+The released noise is read exactly: the loss has zero gradient (so the clipped sum is 0), the
+divisor is 1 and a recording optimizer keeps each step's update, which is then the noise itself.
+It is compared with ``std_z * C^{-1} Z`` computed densely in float64 from the same keyed draws
+(``keyed_normal`` under each step's key, rebuilt from the seed, the step and the configuration).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import scipy.stats
+import torch
+import torch.nn.functional as F
+
+import vmapdp
+from vmapdp import accounting, optim
+from vmapdp.accounting import CyclicPoissonGaussianEvent, Ledger
+from vmapdp.data import CyclicPoissonSampler, PoissonSampler, ShuffledSampler, gather
+from vmapdp.mf import BandedMFEvent, BandedToeplitz, BufferedToeplitz, MinSeparationMFEvent, calibrate_mf_noise, correlated_noise
+from vmapdp.mf.privatizer import describe
+from vmapdp.noise import keyed_normal
+from vmapdp.train import _step_key, noise_binding, scheme_description, step_config
+
+N_DATA, Q, CYCLE, STEPS, SEED = 40, 0.5, 4, 8, 7
+NM, CLIP = 1.3, 0.7
+BANDED = BandedToeplitz((1.0, 0.6, 0.25))
+BLT = BufferedToeplitz((0.9, 0.5), (0.3, 0.1))
+IDENTITY = BandedToeplitz((1.0,))
+X = torch.randn(N_DATA, 3, generator=torch.Generator().manual_seed(0))
+Y = torch.randn(N_DATA, generator=torch.Generator().manual_seed(1))
+PARAMS = {"w": torch.zeros(2, 3), "b": torch.zeros(2)}
+
+
+def zero_loss(p, sample):
+    x, _ = sample
+    return (p["w"] @ x).sum() * 0.0 + p["b"].sum() * 0.0
+
+
+def recording_sgd(seen):
+    def init(params):
+        return ()
+
+    def update(grads, state, params):
+        seen.append({k: v.clone() for k, v in grads.items()})
+        return {k: params[k] - grads[k] for k in params}, state
+
+    return optim.Optimizer(init, update, "recording-sgd")
+
+
+def sampler(steps=STEPS, cycle=CYCLE):
+    return CyclicPoissonSampler(N_DATA, Q, cycle=cycle, steps=steps, key=b"mf-sampler")
+
+
+def make(strategy, s, opt, *, n=STEPS, loss_fn=zero_loss, ebs=1.0, **kw):
+    priv = correlated_noise(strategy, steps=n)
+    kw.setdefault("method", "vmap")
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, expected_batch_size=ebs, compile=False, privatizer=priv, **kw)
+    return priv, step
+
+
+def run(strategy, steps, *, state=None, s=None, seen=None, **kw):
+    seen = [] if seen is None else seen
+    s = sampler() if s is None else s
+    opt = recording_sgd(seen)
+    priv, step = make(strategy, s, opt, **kw)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=priv) if state is None else state
+    for _ in range(steps):
+        idx, mask = s.sample()
+        state, _ = step(state, gather((X, Y), idx), mask)
+    return state, seen, s
+
+
+def step_keys(strategy, state, s, n_steps, n=STEPS):
+    config = step_config(
+        l2_clip_norm=CLIP, noise_multiplier=NM, expected_batch_size=1.0, sample_rate=Q, method="vmap",
+        optimizer="recording-sgd", sampler=scheme_description(s), noise=describe(strategy, n),
+    )
+    binding = noise_binding(state.run_id, config)
+    return [_step_key(SEED, t, binding) for t in range(n_steps)]
+
+
+def sens_oracle(strategy, n=STEPS, cycle=CYCLE):
+    """float64: the largest column norm (banded, amplified) or the norm of the sum of the columns
+    of the earliest-start pattern 0, cycle, 2 cycle, ... and every other pattern (brute force)."""
+    C = strategy.matrix(n)
+    if isinstance(strategy, BandedToeplitz):
+        return float(C.norm(dim=0).max())
+    best = 0.0
+    for start in range(cycle):
+        cols = list(range(start, n, cycle))
+        for mask in range(1, 1 << len(cols)):
+            pick = [c for i, c in enumerate(cols) if mask >> i & 1]
+            best = max(best, float(C[:, pick].sum(1).norm()))
+    return best
+
+
+@pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY], ids=["banded", "blt", "identity"])
+def test_released_noise_is_std_times_C_inverse_Z_from_the_steps_keyed_draws(strategy):
+    state, seen, s = run(strategy, STEPS)
+    keys = step_keys(strategy, state, s, STEPS)
+    std = NM * CLIP * sens_oracle(strategy)
+    for i, name in enumerate(seen[0]):  # the order of the sum's leaves: the leaf index of the draws
+        shape = PARAMS[name].shape
+        Z = torch.stack([keyed_normal(shape, k, leaf=i).reshape(-1) for k in keys]).double()
+        want = std * torch.linalg.solve_triangular(strategy.matrix(STEPS), Z, upper=False)
+        got = torch.stack([u[name].reshape(-1) for u in seen]).double()
+        if strategy is IDENTITY:  # plain DP-SGD: 0 + z * std in float32, bit for bit
+            assert torch.equal(got.float(), (Z.float() * (NM * CLIP)))
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * std)
+    assert int(state.noise_state["t"]) == STEPS and state.step == STEPS
+
+
+def test_identity_is_the_gaussian_privatizer_bit_for_bit():
+    priv = correlated_noise(IDENTITY, steps=4)
+    bound, event, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(steps=4), secure=False)
+    summed = {"b": torch.randn(2), "w": torch.randn(2, 3)}
+    a, state = bound.privatize(summed, priv.init(PARAMS), b"key")
+    b, _ = vmapdp.noise.gaussian_privatizer(NM * CLIP).privatize(summed, (), b"key")
+    assert all(torch.equal(a[k], b[k]) for k in summed) and int(state["t"]) == 1
+    assert event() == BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=1)
+
+
+def test_a_resume_from_a_checkpoint_continues_bit_for_bit(tmp_path):
+    straight, seen_a, _ = run(BANDED, STEPS)
+    half, seen_b, s = run(BANDED, STEPS // 2)
+    path = tmp_path / "ckpt.pt"
+    vmapdp.save_state(path, half, sampler=s)
+    s2 = sampler()
+    opt = recording_sgd(seen_b)
+    loaded = vmapdp.load_state(path, sampler=s2, like=vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=correlated_noise(BANDED, steps=STEPS)))
+    assert torch.equal(loaded.noise_state["buffers"]["w"], half.noise_state["buffers"]["w"])
+    resumed, _, _ = run(BANDED, STEPS - STEPS // 2, state=loaded, s=s2, seen=seen_b)
+    for a, b in zip(seen_a, seen_b):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    for k in PARAMS:
+        assert torch.equal(straight.params[k], resumed.params[k])
+        assert torch.equal(straight.noise_state["buffers"][k], resumed.noise_state["buffers"][k])
+    assert resumed.ledger == straight.ledger
+
+
+def test_the_ledger_records_amplified_banded_mf_as_cyclic_poisson_dp_sgd():
+    state, _, s = run(BANDED, STEPS)
+    assert state.ledger == Ledger((BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=BANDED.band, count=STEPS),))
+    want = accounting.epsilon(noise_multiplier=NM, sample_rate=Q, steps=math.ceil(STEPS / CYCLE), delta=1e-5)
+    assert state.epsilon(1e-5) == want
+    assert accounting.epsilon(Ledger((CyclicPoissonGaussianEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, count=STEPS),)), delta=1e-5) == want
+    assert Ledger.from_json(state.ledger.to_json()) == state.ledger
+
+
+def gaussian_epsilon(mu, delta):
+    """The exact epsilon(delta) of the Gaussian mechanism (Balle and Wang 2018), by bisection."""
+    def d(eps):
+        return scipy.stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * scipy.stats.norm.cdf(-eps / mu - mu / 2)
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if d(mid) <= delta else (mid, hi)
+    return hi
+
+
+def test_the_min_separation_event_is_one_gaussian_mechanism_per_run():
+    e = MinSeparationMFEvent(noise_multiplier=NM, steps=STEPS, min_separation=CYCLE, max_participations=2, mechanism="blt", size=2, count=3)
+    exact = gaussian_epsilon(1.0 / NM, 1e-5)
+    for acc, slack in (("pld", 0.02), ("rdp", 0.5)):
+        eps = accounting.epsilon(Ledger((e,)), delta=1e-5, accountant=acc)
+        assert exact <= eps <= exact * (1 + slack), (acc, eps, exact)
+    two_runs = accounting.epsilon(Ledger((e._with_count(STEPS + 1),)), delta=1e-5)  # a second run: mu * sqrt(2)
+    assert gaussian_epsilon(math.sqrt(2) / NM, 1e-5) <= two_runs <= gaussian_epsilon(math.sqrt(2) / NM, 1e-5) * 1.02
+    assert Ledger.from_json(Ledger((e,)).to_json()) == Ledger((e,))
+
+
+@pytest.mark.parametrize("strategy", [BANDED, BLT], ids=["banded", "blt"])
+def test_calibration_never_overshoots_the_target(strategy):
+    s = sampler()
+    for target in (2.0,) if isinstance(strategy, BandedToeplitz) else (0.5, 8.0):  # (a banded calibration is a PLD search: slower)
+        nm = calibrate_mf_noise(strategy, sampler=s, steps=STEPS, target_epsilon=target, delta=1e-5)
+        priv = correlated_noise(strategy, steps=STEPS)
+        _, event, _ = priv.bind("t", noise_multiplier=nm, l2_sensitivity=1.0, sample_rate=Q, sampler=s, secure=False)
+        eps = accounting.epsilon(Ledger((event()._with_count(STEPS),)), delta=1e-5)
+        assert 0.99 * target <= eps <= target, (target, nm, eps)
+
+
+def test_refusals_name_the_fix():
+    opt = optim.sgd(0.1)
+    with pytest.raises(ValueError, match="cyclic Poisson sampling only"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=PoissonSampler(N_DATA, 0.1, 4, key=b"k"), privatizer=correlated_noise(BANDED, steps=4))
+    with pytest.raises(ValueError, match="cyclic Poisson sampling only"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=ShuffledSampler(N_DATA, 10, key=b"k"), privatizer=correlated_noise(BLT, steps=4))
+    with pytest.raises(ValueError, match="cycle >= 3"):
+        make(BANDED, sampler(cycle=2), opt)
+    with pytest.raises(ValueError, match="steps <= 8"):
+        make(BANDED, sampler(steps=9), opt)
+    with pytest.raises(ValueError, match="noise_multiplier > 0"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=1.0, noise_multiplier=0.0, sampler=sampler(), privatizer=correlated_noise(BANDED, steps=8))
+    with pytest.raises(TypeError, match="BandedToeplitz or BufferedToeplitz"):
+        correlated_noise(torch.eye(3), steps=3)
+    with pytest.raises(ValueError, match="cannot run with adaptive_clipping"):  # no published analysis of the pair
+        make(BANDED, sampler(), opt, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=10.0))
+    with pytest.raises(ValueError, match="cycle >= band"):
+        BandedMFEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=2, band=3)
+    with pytest.raises(ValueError, match="make_train_step"):
+        correlated_noise(BANDED, steps=8).privatize({"b": torch.zeros(1)}, (), b"k")
+    # a state without the buffers, and a step past the run: refused, nothing released
+    _, step = make(BANDED, sampler(), opt)
+    idx, mask = sampler().sample()
+    with pytest.raises(ValueError, match="init_train_state"):
+        step(vmapdp.init_train_state(PARAMS, opt, seed=1), gather((X, Y), idx), mask)
+    other = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=correlated_noise(BandedToeplitz((1.0, 0.5, 0.2)), steps=STEPS))
+    with pytest.raises(ValueError, match="another correlated noise"):  # same buffer shapes, another strategy
+        step(other, gather((X, Y), idx), mask)
+    s = sampler(steps=2)
+    priv, step = make(BANDED, s, opt, n=2)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=priv)
+    for idx, mask in s:
+        state, _ = step(state, gather((X, Y), idx), mask)
+    with pytest.raises(ValueError, match="past steps=2"):
+        step(state, gather((X, Y), idx), mask)
+
+
+def mlp_loss(p, sample):
+    x, y = sample
+    return F.mse_loss(torch.tanh(F.linear(x[None], p["w"], p["b"])).sum(), y)
+
+
+def mlp_params():
+    return {"w": torch.randn(2, 3, generator=torch.Generator().manual_seed(3)), "b": torch.zeros(2)}
+
+
+@pytest.mark.parametrize("method,precision", [("vmap", None), ("ghost", None), ("two_pass", None), ("vmap", torch.bfloat16)])
+def test_the_noise_sits_after_every_clipping_method_and_mixed_precision(method, precision):
+    """released - clipped sum (recomputed by clipped_grad_sum, under the same precision) = the formula."""
+    seen, s = [], sampler()
+    opt = recording_sgd(seen)
+    priv, step = make(BANDED, s, opt, loss_fn=mlp_loss, method=method, precision=precision)
+    state = vmapdp.init_train_state(mlp_params(), opt, seed=SEED, privatizer=priv)
+    inputs = []
+    for _ in range(3):
+        idx, mask = s.sample()
+        inputs.append((state.params, gather((X, Y), idx), mask))
+        state, _ = step(state, inputs[-1][1], mask)
+    config = step_config(
+        l2_clip_norm=CLIP, noise_multiplier=NM, expected_batch_size=1.0, sample_rate=Q, method=method, precision=precision,
+        optimizer="recording-sgd", sampler=scheme_description(s), noise=describe(BANDED, STEPS),
+    )
+    keys = [_step_key(SEED, t, noise_binding(state.run_id, config)) for t in range(3)]
+    loss = mlp_loss if precision is None else vmapdp.mixed_precision(mlp_loss, precision)
+    sums = [vmapdp.clipped_grad_sum(loss, l2_clip_norm=CLIP, method="vmap")(p, b, mask=m)[0] for p, b, m in inputs]
+    std = NM * CLIP * sens_oracle(BANDED)
+    for i, name in enumerate(seen[0]):
+        Z = torch.stack([keyed_normal(PARAMS[name].shape, k, leaf=i).reshape(-1) for k in keys]).double()
+        want = std * torch.linalg.solve_triangular(BANDED.matrix(3), Z, upper=False)
+        got = torch.stack([(u[name] - sm[name]).reshape(-1) for u, sm in zip(seen, sums)]).double()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert state.ledger == Ledger((BandedMFEvent(noise_multiplier=NM, sample_rate=Q, cycle=CYCLE, band=3, count=3),))
+
+
+def test_the_sensitivity_self_check_holds_with_correlated_noise():
+    s = sampler()
+    priv, step = make(BANDED, s, optim.sgd(0.5), loss_fn=mlp_loss, ebs=s.expected_batch_size)
+    state = vmapdp.init_train_state(mlp_params(), optim.sgd(0.5), seed=SEED, privatizer=priv)
+    idx, mask = s.sample()
+    mask = torch.cat([mask, torch.zeros(1, dtype=torch.bool)])
+    idx = torch.cat([idx, idx[:1]])
+    batch = gather((X, Y), idx)
+    vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
+    # after a step the buffers are not zero; the noise still cancels between the two runs
+    state, _ = step(state, batch, mask)
+    vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
+
+
+def _distributed_run(distributed):
+    import vmapdp.distributed as vdist
+
+    s = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=4, key=b"mf-sampler", capacity=8)
+    opt = optim.sgd(0.5, momentum=0.9)
+    priv = correlated_noise(BLT, steps=STEPS)
+    step = vmapdp.make_train_step(
+        mlp_loss, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, compile=False, method="vmap", privatizer=priv,
+        physical_batch_size=vdist.local_capacity(8) if distributed else 8, distributed=distributed,
+    )
+    state = vmapdp.init_train_state(mlp_params(), opt, seed=SEED, privatizer=priv)
+    for idx, mask in vdist.sharded(s) if distributed else s:
+        state, _ = step(state, gather((X, Y), idx), mask)
+    return {"params": state.params, "noise": state.noise_state["buffers"], "t": int(state.noise_state["t"]), "ledger": state.ledger.to_json()}
+
+
+def _worker(rank, world, init_file, out_dir):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    import vmapdp.distributed as vdist
+
+    vmapdp.noise.gaussian._fused_ok = False  # the eager Box-Muller: no Inductor compile per process (the parent does the same)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.save(_distributed_run(True), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def test_two_ranks_carry_the_same_noise_state_and_equal_one_process(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(vmapdp.noise.gaussian, "_fused_ok", False)  # eager draws, as in the ranks: the same bits
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    one = _distributed_run(False)
+    for k in PARAMS:
+        assert torch.equal(ranks[0]["noise"][k], ranks[1]["noise"][k]) and torch.equal(ranks[0]["noise"][k], one["noise"][k])
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k])
+        torch.testing.assert_close(ranks[0]["params"][k], one["params"][k], rtol=1e-6, atol=1e-6)
+    assert ranks[0]["t"] == ranks[1]["t"] == one["t"] == 4
+    assert ranks[0]["ledger"] == ranks[1]["ledger"] == one["ledger"]
+
+
+def test_the_noise_and_ledger_self_checks_cover_correlated_noise():
+    """check_noise_calibration at the fresh draw's std passes (and at DP-SGD's noise multiplier,
+    which the banded strategy's sens / c_0 = 1.19 exceeds, it fails: the check sees the
+    difference); check_ledger with the privatizer passes, and without it flags the ledger.
+    Each noise check runs at alpha = 1e-3 (its stated false-alarm rate)."""
+    s = sampler()
+    priv, step = make(BANDED, s, optim.sgd(0.5), loss_fn=mlp_loss, ebs=s.expected_batch_size)
+    wide = {"w": torch.randn(100, 3, generator=torch.Generator().manual_seed(3)), "b": torch.zeros(100)}  # 400 coordinates a pair
+    state = vmapdp.init_train_state(wide, optim.sgd(0.5), seed=SEED, privatizer=priv)
+    idx, mask = s.sample()
+    batch = gather((X, Y), idx)
+    after, _ = step(state, batch, mask)
+    fresh = vmapdp.mf.fresh_noise_multiplier(BANDED, noise_multiplier=NM, sampler=s, steps=STEPS)
+    assert fresh == pytest.approx(NM * math.sqrt(1 + 0.6**2 + 0.25**2))
+    kw = dict(lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size, min_samples=1200)
+    for st in (state, after):  # from zero buffers and from filled ones: the buffers' part cancels
+        vmapdp.testing.check_noise_calibration(step, st, batch, mask, noise_multiplier=fresh, **kw)
+    report = vmapdp.testing.check_noise_calibration(step, state, batch, mask, noise_multiplier=NM, raise_on_failure=False, **kw)
+    assert not report.passed and report.std_ratio == pytest.approx(fresh / NM, rel=0.05)
+    with pytest.raises(ValueError, match="fresh_noise_multiplier"):
+        vmapdp.testing.check_noise_calibration(step, state, batch, mask, **kw)
+    vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, privatizer=priv)
+    assert not vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, raise_on_failure=False).passed
+
+
+def test_make_private_takes_a_strategy():
+    from torch import nn
+
+    data = torch.utils.data.TensorDataset(X, (Y > 0).long())
+    model = nn.Linear(3, 2)
+    trainer = vmapdp.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, target_epsilon=4.0, epochs=2,
+        batch_size=5, strategy=BANDED, compile=False, method="vmap", seed=3,
+    )
+    assert isinstance(trainer.sampler, CyclicPoissonSampler) and trainer.sampler.cycle == BANDED.band
+    assert trainer.sampler.expected_batch_size == pytest.approx(5.0)
+    trainer.fit(2)  # 2 epochs of 8 steps: the whole run
+    (event,) = trainer.state.ledger.events
+    assert event == BandedMFEvent(noise_multiplier=trainer.noise_multiplier, sample_rate=5 * 3 / N_DATA, cycle=3, band=3, count=16)
+    assert 0.99 * 4.0 <= trainer.epsilon() <= 4.0
+    with pytest.raises(ValueError, match="past steps=16"):
+        trainer.fit(1)
+    with pytest.raises(ValueError, match="cycle= applies to correlated noise only"):
+        vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, noise_multiplier=1.0, batch_size=5, cycle=4)
+    with pytest.raises(ValueError, match="needs cycle="):
+        vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, l2_clip_norm=1.0, delta=1e-3, noise_multiplier=1.0, epochs=1, batch_size=5, strategy=BLT)
+
+
+def test_secure_noise_carries_the_same_recursion():
+    """secure=True: the draws come from the OS CSPRNG (not reproducible), the recursion is the same:
+    with a zero clipped sum the release is std * y_t and the state keeps y_t (banded: row 0)."""
+    seen, s = [], sampler()
+    opt = recording_sgd(seen)
+    priv, step = make(BANDED, s, opt, secure=True)
+    state = vmapdp.init_train_state(PARAMS, opt, secure=True, privatizer=priv)
+    std = NM * CLIP * sens_oracle(BANDED)
+    previous = None
+    for _ in range(3):
+        idx, mask = s.sample()
+        state, _ = step(state, gather((X, Y), idx), mask)
+        for k in PARAMS:
+            torch.testing.assert_close(seen[-1][k] / std, state.noise_state["buffers"][k][0], rtol=1e-6, atol=1e-6)
+            if previous is not None:
+                assert torch.equal(state.noise_state["buffers"][k][1], previous[k])
+        previous = {k: state.noise_state["buffers"][k][0].clone() for k in PARAMS}
+    assert int(state.noise_state["t"]) == 3 and state.ledger.events[0].count == 3
+
+
+def test_float64_leaves_get_float64_noise_and_buffers():
+    """A float64 sum is noised with float64 draws (keyed_normal's float64 stream) and float64 buffers."""
+    priv = correlated_noise(BLT, steps=STEPS)
+    bound, _, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(), secure=False)
+    params64 = {"w": torch.zeros(5, dtype=torch.float64)}
+    state, got = priv.init(params64), []
+    assert state["buffers"]["w"].dtype == torch.float64 and state["buffers"]["w"].shape == (2, 5)
+    for t in range(4):
+        noisy, state = bound.privatize({"w": torch.zeros(5, dtype=torch.float64)}, state, f"k{t}".encode())
+        got.append(noisy["w"])
+    Z = torch.stack([keyed_normal((5,), f"k{t}".encode(), dtype=torch.float64) for t in range(4)])
+    want = NM * CLIP * sens_oracle(BLT) * torch.linalg.solve_triangular(BLT.matrix(4), Z, upper=False)
+    torch.testing.assert_close(torch.stack(got), want, rtol=1e-12, atol=1e-12)

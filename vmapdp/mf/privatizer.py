@@ -1,0 +1,156 @@
+"""Correlated noise as a privatizer: ``make_train_step(..., privatizer=correlated_noise(strategy, steps=n))``.
+
+At step ``t`` the step releases ``summed_t + std_z * (C^{-1} z)_t``, where ``z_t`` is the step's
+keyed standard normal draw (leaf ``i`` of the sum: ``keyed_normal(shape, key, leaf=i)``, the same
+draw plain DP-SGD adds) and ``(C^{-1} z)_t`` is streamed from buffers
+(:mod:`vmapdp.mf.streaming`). ``std_z = noise_multiplier * l2_clip_norm * sens``, with ``sens``
+the strategy's sensitivity for the analysis the sampler allows (:mod:`vmapdp.mf.accounting`), so
+``noise_multiplier`` keeps its DP-SGD meaning and the ledger records the mechanism's event.
+``C = I`` (``BandedToeplitz((1.0,))``) is plain DP-SGD: the same release, bit for bit, as
+:func:`vmapdp.noise.gaussian_privatizer` under the same key.
+
+The state (``TrainState.noise_state``, made by ``init_train_state(..., privatizer=)``) is
+``{"t": int64 0-dim, "strategy": uint8 [32], "buffers": {name: [rows, *shape]}}``: the steps
+noised so far, a SHA-256 of the mechanism (a state is refused by another one) and, per leaf,
+the last ``band - 1`` outputs (banded) or one buffer per ``theta`` (BLT), in the leaf's noise
+dtype (float32; float64 for float64 leaves). It is saved by checkpoints, so a resumed run
+continues bit for bit, and it is the same on every rank of a distributed run (the same key, the
+same arithmetic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import optree
+import torch
+
+from vmapdp import _checks
+from vmapdp._tree import acc_dtype
+from vmapdp.mf.accounting import mf_event, noise_sensitivity
+from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
+from vmapdp.mf.streaming import next_noise, state_rows
+from vmapdp.noise.gaussian import keyed_normal, secure_normal
+from vmapdp.noise.privatizers import Privatizer
+
+__all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
+
+
+def describe(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> str:
+    """The mechanism as the step's configuration binds it into the noise key (floats in hex: exact)."""
+    if isinstance(strategy, BandedToeplitz):
+        return repr(("banded", tuple(c.hex() for c in strategy.coeffs), steps))
+    return repr(("blt", tuple(x.hex() for x in strategy.theta), tuple(x.hex() for x in strategy.omega), steps))
+
+
+def _fingerprint(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> torch.Tensor:
+    """SHA-256 of :func:`describe` as a uint8 tensor: the noise state names the mechanism it belongs to."""
+    return torch.tensor(list(hashlib.sha256(describe(strategy, steps).encode()).digest()), dtype=torch.uint8)
+
+
+def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int) -> Privatizer:
+    """The privatizer of matrix-factorization noise with ``strategy`` over a run of ``steps`` steps.
+
+    Pass it to both ``init_train_state(..., privatizer=)`` (the buffers) and
+    ``make_train_step(..., privatizer=, sampler=)``; the step binds it to its noise multiplier,
+    clip norm and sampler (:attr:`Privatizer.bind`), which fixes ``std_z`` and the event the
+    ledger records each step:
+
+    * a :class:`~vmapdp.mf.BandedToeplitz` with a :class:`vmapdp.data.CyclicPoissonSampler` of
+      ``cycle >= band``: :class:`~vmapdp.mf.accounting.BandedMFEvent` (amplified banded MF);
+    * a :class:`~vmapdp.mf.BufferedToeplitz` (BLT) with a ``CyclicPoissonSampler``:
+      :class:`~vmapdp.mf.accounting.MinSeparationMFEvent` (participations ``cycle`` apart, at most
+      ``ceil(steps / cycle)``; no amplification).
+
+    Args:
+        strategy: the matrix ``C`` (:mod:`vmapdp.mf.strategies`).
+        steps: the run's length ``n`` (the sampler's ``steps`` must not exceed it); a step past
+            it is refused.
+
+    Raises:
+        TypeError / ValueError: a bad strategy or ``steps``; at ``make_train_step``, a sampler or
+        noise multiplier without an analysis (the message names the fix); at a step, a state not
+        made with this privatizer, or a step past ``steps``.
+    """
+    call = "correlated_noise(strategy, steps)"
+    if not isinstance(strategy, (BandedToeplitz, BufferedToeplitz)):
+        raise TypeError(f"{call}: strategy must be a vmapdp.mf.BandedToeplitz or BufferedToeplitz, got {type(strategy).__name__}.")
+    steps = _checks.positive_int(call, "steps", steps, meaning="steps is the length of the run the noise is built for")
+    rows = state_rows(strategy)
+
+    def init(params: Any) -> dict:
+        return {
+            "t": torch.zeros((), dtype=torch.int64),
+            "strategy": _fingerprint(strategy, steps),
+            "buffers": {k: torch.zeros((rows, *v.shape), dtype=acc_dtype(v.dtype), device=v.device) for k, v in params.items()},
+        }
+
+    def unbound(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
+        raise ValueError(
+            f"{call}: this privatizer is bound to the step's noise multiplier, clip norm and sampler by make_train_step; "
+            "pass it as make_train_step(..., privatizer=) (or call its .bind(...) first)."
+        )
+
+    def bind(where: str, *, noise_multiplier: float, l2_sensitivity: float, sample_rate: float, sampler: Any, secure: bool) -> tuple[Privatizer, Callable[[], Any], str]:
+        if not noise_multiplier > 0:
+            raise ValueError(f"{where}: correlated noise needs noise_multiplier > 0, got {noise_multiplier!r}; for a non-private run drop privatizer=.")
+        event = mf_event(where, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
+        std = noise_multiplier * l2_sensitivity * noise_sensitivity(strategy, event, steps)
+        return Privatizer(init, _privatize(strategy, steps, std, secure)), (lambda: event), describe(strategy, steps)
+
+    return Privatizer(init, unbound, bind)
+
+
+def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: float, secure: bool) -> Callable:
+    call = "step(state, batch, mask): correlated noise"
+    rows = state_rows(strategy)
+    fingerprint = _fingerprint(strategy, steps)
+
+    def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
+        if secure != (key is None):
+            raise ValueError(f"{call}: secure={secure} " + ("takes no key (its noise comes from the OS CSPRNG)." if secure else "needs the step's noise key, got None."))
+        if not (isinstance(state, dict) and set(state) == {"t", "strategy", "buffers"} and isinstance(state["buffers"], dict)):
+            raise ValueError(
+                f"{call}: the state's noise_state is not this privatizer's (got {type(state).__name__}); make the state with "
+                "init_train_state(..., privatizer=) and the same correlated_noise(...) as the step."
+            )
+        if not torch.equal(state["strategy"].cpu(), fingerprint):
+            raise ValueError(
+                f"{call}: the state's buffers were made for another correlated noise (another strategy or steps=); continuing "
+                "them under this one would release noise of neither. Use the same correlated_noise(...) in init_train_state "
+                "and make_train_step (and for a resumed run, the one it was saved with)."
+            )
+        t = int(state["t"])
+        if t >= steps:
+            raise ValueError(
+                f"{call}: step {t + 1} is past steps={steps}, the run the correlated noise (and its accounting) was built for; "
+                "nothing was released. Build correlated_noise(strategy, steps=...) for the whole run."
+            )
+        if not (isinstance(summed, dict) and set(summed) == set(state["buffers"])):
+            raise ValueError(f"{call}: the sum's leaves are not the state's buffers {sorted(state['buffers'])}; make the state from the same params.")
+        paths, leaves, spec = optree.tree_flatten_with_path(summed, namespace="torch")
+        names = [p[0] for p in paths]  # in optree's order of the leaves: add_noise's leaf index
+        out, buffers = [], {}
+        for i, (name, leaf) in enumerate(zip(names, leaves)):
+            dt, buf = acc_dtype(leaf.dtype), state["buffers"][name]
+            if buf.dtype != dt or tuple(buf.shape) != (rows, *leaf.shape):
+                raise ValueError(f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {dt} {(rows, *leaf.shape)}; make the state from the same params.")
+            z = secure_normal(leaf.shape, dtype=dt, device=leaf.device) if secure else keyed_normal(leaf.shape, key, leaf=i, dtype=dt, device=leaf.device)
+            y, buffers[name] = next_noise(strategy, z, buf.to(leaf.device))
+            out.append(leaf.to(dt) + y * std)
+        return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
+
+    return privatize
+
+
+def fresh_noise_multiplier(strategy: BandedToeplitz | BufferedToeplitz, *, noise_multiplier: float, sampler: Any, steps: int) -> float:
+    """The std, over the clip norm, of the part of a step's release drawn at that step:
+    ``noise_multiplier * sens / C[0, 0]`` (``y_t = (z_t - ...) / c_0``; the rest is fixed by the
+    state). Two runs of one step from one state with different noise seeds differ by that much
+    noise: what :func:`vmapdp.testing.check_noise_calibration` measures.
+    """
+    call = "fresh_noise_multiplier(strategy)"
+    event = mf_event(call, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
+    c0 = strategy.coeffs[0] if isinstance(strategy, BandedToeplitz) else 1.0
+    return noise_multiplier * noise_sensitivity(strategy, event, steps) / c0
