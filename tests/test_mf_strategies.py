@@ -230,6 +230,9 @@ def test_blt_inverse_matches_dense_inverse_and_opake():
     inv = blt.inverse()
     torch.testing.assert_close(inv.matrix(n), torch.linalg.inv(blt.matrix(n)), rtol=0, atol=1e-12)
     assert all(w <= 0 for w in inv.omega)  # omega >= 0 gives a real inverse with omega <= 0
+    # an inverse that grows (|theta| > 1): (1 + 2.5x) / (1 - 0.5x) inverts to 1 - 3x / (1 + 2.5x), theta -2.5, omega -3
+    grow = BufferedToeplitz((0.5,), (3.0,)).inverse()
+    torch.testing.assert_close(torch.tensor(grow.theta + grow.omega, dtype=F64), torch.tensor([-2.5, -3.0], dtype=F64), rtol=1e-12, atol=0)
     theirs = _blt_math.inverse(_blt_math.BufferedToeplitz(torch.tensor(blt.theta, dtype=F64), torch.tensor(blt.omega, dtype=F64)))
     order = torch.argsort(theirs.buf_decay, descending=True)
     mine = torch.argsort(torch.tensor(inv.theta), descending=True)

@@ -19,7 +19,7 @@ returns less than the truth. The rules, in order:
 1. ``k = 1``: the largest column norm of ``C``.
 2. Columns more than ``min_separation - 1`` apart are orthogonal (``X[s, t] = 0`` for
    ``|s - t| >= min_separation``; a banded ``C`` with ``band <= min_separation``): the cross terms
-   vanish, and the best pattern maximises a sum of column norms (a dynamic program; for a
+   vanish, and the best pattern maximises a sum of squared column norms (a dynamic program; for a
    Toeplitz ``C`` the earliest pattern ``0, sep, 2 sep, ...``).
 3. ``X >= 0``, ``X[s+1, t+1] <= X[s, t]`` and ``X[s, t+1] <= X[s, t]`` for ``t > s``: moving any
    participation earlier never lowers a term, so the earliest pattern ``0, sep, .., (k-1) sep``

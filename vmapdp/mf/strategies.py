@@ -105,7 +105,8 @@ class BandedToeplitz:
     def __post_init__(self):
         c = tuple(float(x) for x in self.coeffs)
         if not c or not all(torch.isfinite(torch.tensor(c, dtype=torch.float64)).tolist()) or c[0] <= 0:
-            raise ValueError(f"BandedToeplitz(coeffs={self.coeffs!r}): coeffs must be a non-empty sequence of finite floats with coeffs[0] > 0.")
+            shown = repr(self.coeffs) if len(repr(self.coeffs)) <= 120 else repr(self.coeffs)[:117] + "..."
+            raise ValueError(f"BandedToeplitz(coeffs={shown}): coeffs must be a non-empty sequence of finite floats with coeffs[0] > 0.")
         object.__setattr__(self, "coeffs", c)
 
     @property
@@ -184,14 +185,16 @@ class BufferedToeplitz:
                 )
             w = torch.linalg.solve(v, om.to(v.dtype))
             inv = BufferedToeplitz(tuple(lam.real.tolist()), tuple((-(v.sum(0) * w).real).tolist()))
-        n = 64
-        want = toeplitz_inverse(self.toeplitz_coeffs(n), n)
+        n = 64  # check: the first column of C^{-1}, by a triangular solve (exact to rounding even where C^{-1} grows)
+        e0 = torch.zeros(n, 1, dtype=torch.float64)
+        e0[0] = 1.0
+        want = torch.linalg.solve_triangular(self.matrix(n), e0, upper=False)[:, 0]
         got = inv.toeplitz_coeffs(n)
-        if not torch.allclose(got, want, rtol=1e-7, atol=1e-9):
+        if not torch.allclose(got, want, rtol=1e-7, atol=1e-9 * float(want.abs().max())):
             raise RuntimeError(
                 f"BufferedToeplitz.inverse: the computed inverse of theta={self.theta}, omega={self.omega} does not "
-                f"invert C (max coefficient error {float((got - want).abs().max()):.3g}); nearly equal theta make it "
-                "ill-conditioned. Merge buffers whose theta are nearly equal."
+                f"invert C (max coefficient error {float((got - want).abs().max()):.3g} of {float(want.abs().max()):.3g}); "
+                "nearly equal theta make the eigendecomposition ill-conditioned. Merge buffers whose theta are nearly equal."
             )
         return inv
 
