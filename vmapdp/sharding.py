@@ -119,7 +119,8 @@ class Sharding:
             out[k] = params[k].detach().reshape(-1)[start:stop].clone()
         return out
 
-    def _check_local(self, call: str, local: Mapping[str, Tensor]) -> None:
+    def check_local(self, call: str, local: Mapping[str, Tensor]) -> None:
+        """ValueError unless ``local`` holds this rank's shard of every parameter (1-D, its length)."""
         if not isinstance(local, Mapping) or set(local) != set(self.names):
             raise ValueError(f"{call}: expected this rank's shards of {sorted(self.names)}, got {sorted(local) if isinstance(local, Mapping) else type(local).__name__}.")
         for k in self.names:
@@ -139,7 +140,7 @@ class Sharding:
     def gather(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The full params from every rank's shards (one ``all_gather`` per dtype); a new dict."""
         call = "Sharding.gather(shards)"
-        self._check_local(call, local)
+        self.check_local(call, local)
         if self.world_size == 1 or not _dist.is_initialized():
             return {k: local[k].reshape(self.shapes[k]).clone() for k in self.names}
         out = {}
