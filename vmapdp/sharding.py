@@ -176,11 +176,11 @@ class Sharding:
             rows = torch.zeros(self.world_size, width, dtype=dtype, device=device)  # row r: what rank r owns, leaf after leaf
             pos = 0
             for k in names:
-                c, n = self.chunk(k), self.numels[k]
-                padded = torch.zeros(self.world_size * c, dtype=dtype, device=device)
-                padded[:n] = full[k].detach().reshape(-1)
-                rows[:, pos : pos + c] = padded.view(self.world_size, c)
-                pos += c
+                flat = full[k].detach().reshape(-1)
+                for r in range(self.world_size):  # rank r's piece of this leaf into its row (the padding stays 0)
+                    start, stop = self.bounds(k, r)
+                    rows[r, pos : pos + stop - start] = flat[start:stop]
+                pos += self.chunk(k)
             mine = torch.empty(width, dtype=dtype, device=device)
             dist.reduce_scatter_single(mine, rows.view(-1), op=dist.ReduceOp.SUM)
             pos = 0
