@@ -165,6 +165,10 @@ def _worker2(rank, world, init_file, out):
         res["sampler_untouched"] = sampler.state_dict() == before
         # ranks that step different states fail together
         res["seed_error"] = _error(lambda: train("mlp", sharded=True, steps=1, seed=SEED + rank))
+        # ... and so do ranks whose ledgers differ (same seed and step count, another event on rank 1)
+        other = vmapdp.accounting.PoissonGaussianEvent(noise_multiplier=1.1 if rank == 0 else 2.0, sample_rate=Q)
+        forged = like._replace(ledger=like.ledger.append(other), step=1)
+        res["ledger_error"] = _error(lambda: train("mlp", sharded=True, steps=1, state=forged))
         # an existing checkpoint is never overwritten
         res["exists_error"] = _error(lambda: sc.save_sharded(os.path.join(out, "ckpt4"), loaded, sharding, sampler=sampler))
         torch.save(res, os.path.join(out, f"w2-rank{rank}.pt"))
@@ -299,6 +303,7 @@ def test_corrupted_checkpoint_is_refused_on_every_rank(runs):
 def test_ranks_that_disagree_fail_together_and_checkpoints_are_not_overwritten(runs):
     for r in runs["w2"]:
         assert r["seed_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["seed_error"]
+        assert r["ledger_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["ledger_error"]
         assert r["exists_error"] is not None and "never overwritten" in r["exists_error"]
 
 
