@@ -222,9 +222,10 @@ def init_train_state(
     recorded = _check_budget(call, budget, accountant)
     if not secure and seed is None:
         seed = secrets.randbits(128)
-    params = {k: v.detach().clone() for k, v in params.items()}
     run_id = params_digest(params)  # of the full params, sharded or not
-    if sharding is not None:
+    if sharding is None:
+        params = {k: v.detach().clone() for k, v in params.items()}
+    else:  # copies of this rank's shards only (no full copy)
         _checks.sharding(call, sharding, privatizer=privatizer)
         params = sharding.shard(params)
     return TrainState(
