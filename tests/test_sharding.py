@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -266,13 +267,7 @@ def test_each_rank_holds_its_share_of_params_and_optimizer_state(runs, world):
         slack = 4 * len(single.params)  # at most one element per parameter above an even split
         for r in ranks:
             assert r[kind]["param_bytes"] <= full_p / w + slack
-            assert r[kind]["opt_bytes"] <= (full_o - replicated) / w + replicated + slack * (len(optree_leaves(single.opt_state)) // len(single.params))
-
-
-def optree_leaves(tree):
-    import optree
-
-    return optree.tree_leaves(tree, namespace="torch")
+            assert r[kind]["opt_bytes"] <= (full_o - replicated) / w + replicated + slack * (len(optree.tree_leaves(single.opt_state, namespace="torch")) // len(single.params))
 
 
 def test_checkpoint_resumes_bitwise_on_the_same_world(runs):
