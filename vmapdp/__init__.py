@@ -5,7 +5,7 @@ per-sample gradients are ``vmap(grad(loss_fn))`` (:func:`per_sample_grads`); cli
 accounting and sampling are pure functions over pytrees that compose into a DP-SGD step.
 """
 
-from vmapdp import accounting, data, datasets, hf, mf, nn, optim, testing
+from vmapdp import accounting, data, datasets, hf, mf, nn, optim, sharded_checkpoint, sharding, testing
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.clipping import (
     clip_and_sum,
@@ -84,5 +84,7 @@ __all__ = [
     "nn",
     "hf",
     "mf",
+    "sharding",
+    "sharded_checkpoint",
     "testing",
 ]

@@ -268,6 +268,28 @@ def privatizer(call: str, value: Any) -> Any:
     return value
 
 
+def sharding(call: str, value: Any, *, privatizer: Any = None, adaptive_clipping: Any = None) -> Any:
+    """A :class:`vmapdp.sharding.Sharding` for this process group, with what sharded steps support."""
+    from vmapdp import distributed
+    from vmapdp.sharding import Sharding
+
+    if not isinstance(value, Sharding):
+        raise _type_error(call, "sharding", value, "a vmapdp.sharding.Sharding(params)")
+    if value.world_size != distributed.world_size() or value.rank != distributed.rank():
+        raise ValueError(
+            f"{call}: the sharding is for rank {value.rank} of {value.world_size}, this process is rank {distributed.rank()} of "
+            f"{distributed.world_size()}. Build Sharding(params) after torch.distributed.init_process_group, in every process."
+        )
+    if privatizer is not None:
+        raise ValueError(
+            f"{call}: sharding= adds each shard's slice of the keyed Gaussian noise itself; a custom privatizer (correlated "
+            "noise, ...) does not know the shard layout. Leave privatizer=None, or train unsharded (distributed=True)."
+        )
+    if adaptive_clipping is not None:
+        raise ValueError(f"{call}: adaptive_clipping is not supported with sharding= (nor distributed=True). Use a fixed l2_clip_norm.")
+    return value
+
+
 def batch_scheme(call: str, rate: Any, sampler: Any) -> tuple[float, Any]:
     """Which batch scheme a step runs: ``(rate, sampler)`` from ``sample_rate=`` and/or ``sampler=``.
 

@@ -43,7 +43,7 @@ from vmapdp.accounting import Ledger
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
 
-__all__ = ["save_state", "load_state"]
+__all__ = ["save_state", "load_state", "state_payload", "write_payload", "read_payload", "state_from_payload", "check_like", "checked_key"]
 
 _FORMAT = "vmapdp.TrainState"
 _VERSION = 2
@@ -53,7 +53,8 @@ _MAX_HEADER = 64
 _FIELDS = ("params", "opt_state", "noise_seed", "step", "ledger", "sampler", "run_id", "budgets", "methods")
 
 
-def _key_bytes(call: str, key: Any) -> bytes | None:
+def checked_key(call: str, key: Any) -> bytes | None:
+    """A checkpoint's HMAC secret as bytes (None: a plain SHA-256); TypeError/ValueError if unusable."""
     if key is None:
         return None
     if isinstance(key, str):
@@ -83,10 +84,15 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
             SHA-256: only someone with the key can write a file that loads under it.
     """
     call = "save_state(path, state)"
+    secret = checked_key(call, key)
+    write_payload(path, state_payload(call, state, sampler), secret)
+
+
+def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str, Any]:
+    """The fields of ``state`` (and the sampler's state) as the dict a checkpoint file holds."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
-    secret = _key_bytes(call, key)
-    payload = {
+    return {
         "format": _FORMAT,
         "version": _VERSION,
         "params": state.params,
@@ -101,6 +107,10 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
         "noise_state": state.noise_state,
         "clip_norm": state.clip_norm,
     }
+
+
+def write_payload(path: str | os.PathLike, payload: dict[str, Any], secret: bytes | None) -> None:
+    """Write ``payload`` to ``path`` atomically: header, digest (SHA-256, or HMAC under ``secret``), body."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     body = buffer.getvalue()
@@ -179,7 +189,7 @@ def _signature(tree: Any) -> Any:
     return optree.tree_map(_leaf_signature, tree, namespace="torch")
 
 
-def _check_like(call: str, state: TrainState, like: Any) -> None:
+def check_like(call: str, state: TrainState, like: Any) -> None:
     """Refuse a loaded ``state`` that does not fit ``like`` (same param keys, shapes, dtypes,
     optimizer- and noise-state structure and secure mode): checked before anything is written."""
     if not isinstance(like, TrainState):
@@ -262,7 +272,14 @@ def load_state(
     """
     path = os.fspath(path)
     call = f"load_state({path!r})"
-    secret = _key_bytes(call, key)
+    payload = read_payload(call, path, checked_key(call, key), map_location)
+    if payload.get("sharded") is not None:
+        raise ValueError(f"{call}: this is the metadata of a sharded checkpoint (its tensors are in the directory beside it); load the directory with vmapdp.sharded_checkpoint.load_sharded. Nothing was loaded.")
+    return state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler)
+
+
+def read_payload(call: str, path: str, secret: bytes | None, map_location: Any = None) -> dict[str, Any]:
+    """The payload of the checkpoint file at ``path``, its digest verified before anything is parsed."""
     with open(path, "rb") as f:
         raw = f.read()
     body = _verified_body(call, raw, secret)
@@ -279,6 +296,12 @@ def load_state(
     missing = [k for k in _FIELDS if k not in payload]
     if missing:
         raise ValueError(f"{call}: the checkpoint lacks {missing}; nothing was loaded.")
+    return payload
+
+
+def state_from_payload(call: str, payload: dict[str, Any], *, sampler: Any = None, like: TrainState | None = None, ignore_sampler: bool = False) -> TrainState:
+    """The :class:`TrainState` of a verified payload, checked against ``like``; the sampler restored
+    last, all or nothing (see :func:`load_state`)."""
     params = payload["params"]
     if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
         raise ValueError(f"{call}: 'params' is not a dict of tensors; nothing was loaded.")
@@ -298,7 +321,7 @@ def load_state(
         raise ValueError(f"{call}: malformed 'clip_norm' ({type(clip_norm).__name__}); expected a 0-dim float tensor or None. Nothing was loaded.")
     state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm)
     if like is not None:
-        _check_like(call, state, like)
+        check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen
     saved = payload["sampler"]
     holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None)

@@ -8,6 +8,8 @@ One logical step, in this fixed order (each line a stage of ``step``)::
               #   clipping, per-sample grads or two passes; masked rows add exactly 0;
               #   stats: StepStats, the non-private telemetry
     summed, stats = all_reduce((summed, stats))                  # distributed=True only
+              # sharding=: params gathered before the chunks, the sums reduce-scattered to their
+              # owners here, and each owner noises and updates its shard only (vmapdp.sharding)
     noisy, noise_state = privatizer.privatize(summed, noise_state, key)  # once per logical step
               # default: gaussian_privatizer, + N(0, (noise_multiplier * C)**2)
     update = noisy / expected_batch_size       # the EXPECTED size, never the realised one
@@ -48,6 +50,7 @@ from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
+from vmapdp.sharding import Sharding
 
 __all__ = ["TrainState", "StepStats", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
@@ -175,6 +178,7 @@ def init_train_state(
     budget: tuple[float, float] | None = None,
     accountant: str = "pld",
     privatizer: Privatizer | None = None,
+    sharding: Sharding | None = None,
 ) -> TrainState:
     """The state before the first step.
 
@@ -202,6 +206,10 @@ def init_train_state(
         privatizer: the :class:`vmapdp.noise.Privatizer` the run's steps use, when it keeps state
             (``state.noise_state = privatizer.init(params)``); ``None``: no noise state (the
             default Gaussian keeps none).
+        sharding: a :class:`vmapdp.sharding.Sharding` of ``params``: the state keeps this rank's
+            shards of the params and the optimizer state only (``params`` are the full ones, the
+            same on every rank; the run id is theirs, as in the unsharded run). For steps made
+            with ``make_train_step(..., sharding=)``.
     """
     call = "init_train_state(params, optimizer)"
     _checks.params_dict(call, params)
@@ -214,14 +222,19 @@ def init_train_state(
     recorded = _check_budget(call, budget, accountant)
     if not secure and seed is None:
         seed = secrets.randbits(128)
-    params = {k: v.detach().clone() for k, v in params.items()}
+    run_id = params_digest(params)  # of the full params, sharded or not
+    if sharding is None:
+        params = {k: v.detach().clone() for k, v in params.items()}
+    else:  # copies of this rank's shards only (no full copy)
+        _checks.sharding(call, sharding, privatizer=privatizer)
+        params = sharding.shard(params)
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
         noise_seed=seed,
         step=0,
         ledger=Ledger(),
-        run_id=params_digest(params),
+        run_id=run_id,
         budgets=merge_budgets((), recorded),
         noise_state=() if privatizer is None else privatizer.init(params),
     )
@@ -416,6 +429,7 @@ def make_train_step(
     precision: torch.dtype | None = None,
     privatizer: Privatizer | None = None,
     adaptive_clipping: _adaptive.AdaptiveClipping | None = None,
+    sharding: Sharding | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -506,6 +520,14 @@ def make_train_step(
             (the same all_reduce). ``rule="clip"`` only.
             ``metrics`` then add ``clip_norm`` (the threshold used) and ``unclipped_estimate``
             (the private estimate of the unclipped fraction; both public).
+        sharding: a :class:`vmapdp.sharding.Sharding`: data-parallel as ``distributed=True``
+            (implied), with the params and the optimizer state sharded over the ranks (the state
+            from ``init_train_state(..., sharding=)``). Each step gathers the params, each rank
+            clips and sums its own rows, the sums are reduce-scattered to the shards' owners, each
+            owner adds the noise of its shard (the slice of the unsharded step's noise) and
+            updates its shard. Equal to one process on all rows up to summation order. The
+            default Gaussian privatizer only (``secure`` included: each owner then draws its
+            shard's noise from its own CSPRNG); not with ``adaptive_clipping``.
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -536,6 +558,9 @@ def make_train_step(
         if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
         adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule)
+    if sharding is not None:
+        _checks.sharding(call, sharding, privatizer=privatizer, adaptive_clipping=adaptive_clipping)
+        distributed = True  # data-parallel with sharded state
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
@@ -584,9 +609,10 @@ def make_train_step(
         noise=noise_config,
     )
     if privatizer is None:
-        privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure)
+        offsets = None if sharding is None or secure else sharding.offsets  # a shard's noise: its slice of the leaf's stream
+        privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure, offsets=offsets)
     count_privatizer = None if adaptive_clipping is None else adaptive_clipping.count_privatizer(secure=secure)
-    if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
+    if secure and distributed and sharding is None:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
         privatizer = _dist.privatized_on_rank0(privatizer)
         count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)
 
@@ -626,9 +652,9 @@ def make_train_step(
             name = chooser.choose(key, names, {m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
         return name, digest
 
-    def clipped_sums(state: TrainState, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
-        """The clipped sum and telemetry of the batch, chunk by chunk, and the methods the state
-        records (each chunk shape's, with this batch's added)."""
+    def clipped_sums(state: TrainState, params: dict, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
+        """The clipped sum and telemetry of the batch at ``params`` (the full ones), chunk by
+        chunk, and the methods the state records (each chunk shape's, with this batch's added)."""
         size = physical_batch_size or max(n, 1)
         if n % size:
             raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
@@ -637,12 +663,12 @@ def make_train_step(
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             chunk_mask = mask[start : start + size]
             with full_float32(mask.device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
-                name, digest = method_for(recorded, state.params, shared, chunk, chunk_mask)
-                part = runner(name)(state.params, chunk_mask, shared, chunk)
+                name, digest = method_for(recorded, params, shared, chunk, chunk_mask)
+                part = runner(name)(params, chunk_mask, shared, chunk)
             recorded[digest] = name
             total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
         if total is None:  # an empty batch: the step still releases noise
-            zeros = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in state.params.items()}
+            zeros = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in params.items()}
             total = (zeros, StepStats.zeros(mask.device))
         return total, tuple(sorted(recorded.items()))
 
@@ -655,9 +681,13 @@ def make_train_step(
             clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
             clip = _adaptive.check_clip_norm(scall, clip)
             shared = (clip, *shared)
-        (summed, stats), methods = clipped_sums(state, batch, mask, shared, n)
+        params = state.params if sharding is None else sharding.gather(state.params)  # transient full params
+        (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
+        del params
         binding = noise_binding(state.run_id, config)
-        if distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
+        if sharding is not None:  # each owner gets the global sum of its shards, after the same-state check
+            summed, stats = sharding.reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding, state.ledger.to_json()))
+        elif distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}

@@ -292,7 +292,13 @@ def make_generator(seed: int | None = None, *, device: torch.device | str = "cpu
 
 
 def add_noise(
-    tree: Any, std: float | Tensor, generator: torch.Generator | None = None, *, key: bytes | int | str | None = None, secure: bool = False
+    tree: Any,
+    std: float | Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    key: bytes | int | str | None = None,
+    secure: bool = False,
+    offsets: Any = None,
 ) -> Any:
     """Add independent Gaussian noise ``N(0, std**2)`` to every element of every leaf.
 
@@ -305,6 +311,10 @@ def add_noise(
         key: draw reproducibly from this secret key (a ChaCha20 stream, :func:`keyed_normal`).
         secure: draw from the OS CSPRNG (:func:`secure_normal`).
         With none of the three, a fresh random key from OS entropy is used.
+        offsets: with ``key=``: a pytree like ``tree`` with an int per leaf: that leaf is the
+            range of its stream that starts at this element, not at 0. A shard of a parameter
+            (:mod:`vmapdp.sharding`: a 1-D slice of the flattened leaf from element ``o`` on) then
+            gets exactly the slice of the whole leaf's noise.
 
     Returns:
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
@@ -333,6 +343,14 @@ def add_noise(
     if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
         raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
+    if offsets is None:
+        starts = [0] * len(leaves)
+    elif key is None:
+        raise ValueError(f"{call}: offsets= places each leaf in a keyed stream and needs key=; secure=True and generators draw no addressable stream.")
+    else:
+        starts, offsets_spec = optree.tree_flatten(offsets, namespace="torch")
+        if offsets_spec != spec or not all(_checks.is_real(o) and isinstance(o, int) and o >= 0 for o in starts):
+            raise ValueError(f"{call}: offsets={offsets!r} must be a pytree like the tree ({spec}) with an int >= 0 per leaf.")
     if secure:
         return optree.tree_unflatten(
             spec,
@@ -343,7 +361,7 @@ def add_noise(
         return optree.tree_unflatten(
             spec,
             [
-                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base, leaf=i, dtype=_dt(leaf), device=leaf.device) * std
+                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base, leaf=i, offset=starts[i], dtype=_dt(leaf), device=leaf.device) * std
                 for i, leaf in enumerate(leaves)
             ],
         )

@@ -53,7 +53,7 @@ class Privatizer(NamedTuple):
     bind: Callable[..., tuple[Any, Callable[[], Any], str]] | None = None
 
 
-def gaussian_privatizer(std: float, *, secure: bool = False) -> Privatizer:
+def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None) -> Privatizer:
     """Independent Gaussian noise ``N(0, std**2)`` on every coordinate of the sum; no state.
 
     Args:
@@ -61,6 +61,10 @@ def gaussian_privatizer(std: float, *, secure: bool = False) -> Privatizer:
         secure: draw from the OS CSPRNG (:func:`vmapdp.noise.secure_normal`); the step's key is
             then ``None``. Otherwise the noise is drawn from the step's key
             (``add_noise(summed, std, key=key)``: the same key, the same bits).
+        offsets: for sums of parameter shards (:mod:`vmapdp.sharding`): each leaf's first element
+            in its stream (a pytree like the sum: ``add_noise(offsets=)``), so a shard gets the slice of the whole
+            parameter's noise. With ``secure`` each shard's owner draws its own (independent)
+            noise and ``offsets`` is not used.
 
     Raises:
         ValueError: at ``privatize``, a key given to a secure privatizer or none to a keyed one.
@@ -76,6 +80,6 @@ def gaussian_privatizer(std: float, *, secure: bool = False) -> Privatizer:
             raise ValueError(f"{call}: secure={secure} " + ("takes no key (its noise comes from the OS CSPRNG)." if secure else "needs the step's noise key, got None."))
         if secure:
             return add_noise(summed, std, secure=True), state
-        return add_noise(summed, std, key=key), state
+        return add_noise(summed, std, key=key, offsets=offsets), state
 
     return Privatizer(init, privatize)

@@ -1,0 +1,181 @@
+"""Sharded DP-SGD (vmapdp.sharding) against the data-parallel DP step and non-private FSDP2: memory per rank and step time.
+
+For each world size (gloo processes on this machine's CPUs) and each mode, one fresh set of
+processes (so that each peak is that mode's own) trains an MLP of ``--layers`` square
+``Linear(width, width)`` layers with Adam on one Poisson batch per step, each rank on its share:
+
+* ``ddp``: ``make_train_step(distributed=True)``: every rank holds every param and Adam state;
+* ``sharded``: ``make_train_step(sharding=Sharding(params))``: each rank holds 1/W of them;
+* ``fsdp2``: non-private: every ``Linear`` and the root under ``torch.distributed.fsdp.fully_shard``,
+  ``torch.optim.AdamW``, the mean loss's ``backward()``.
+
+Per rank (rank 0 printed, the maximum over ranks in the JSON): ``state_mib``, the bytes of the
+params and the optimizer state this rank keeps between steps (summed tensor sizes: exact, not
+sampled); ``peak_mib``, the process's high-water RSS (``VmHWM``) above its RSS before the model
+was built (after imports and the noise kernel's compile; it includes the full model every rank builds before sharding it, the transient
+all-gathered params and clipped sums, gloo's buffers); ``ms``, the median step time. Timings on a
+shared CPU are noisy (see ``--repeats``); nothing here is asserted.
+
+    python benchmarks/fsdp.py                        # worlds 1, 2, 4; 8 layers of width 1024 (8.4M params)
+    python benchmarks/fsdp.py --quick                # smoke size: worlds 1, 2; 2 layers of width 64
+    python benchmarks/fsdp.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("ddp", "sharded", "fsdp2")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _model(width: int, layers: int, classes: int) -> nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*blocks, nn.Linear(width, classes))
+
+
+def _tensor_bytes(tree) -> int:
+    import optree
+
+    total = 0
+    for x in optree.tree_leaves(tree, namespace="torch"):
+        if isinstance(x, torch.Tensor):
+            x = x.to_local() if hasattr(x, "to_local") else x
+            total += x.numel() * x.element_size()
+    return total
+
+
+def _worker(rank: int, world: int, init_file: str, out: str, mode: str, cfg: dict) -> None:
+    import vmapdp
+    from vmapdp import distributed as vdist
+    from vmapdp.data import PoissonSampler, gather
+    from vmapdp.sharding import Sharding, local_bytes
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    n, q, classes = cfg["samples"], cfg["sample_rate"], 10
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(n, cfg["width"], generator=g), torch.randint(0, classes, (n,), generator=g))
+    sampler = PoissonSampler(n, q, cfg["warmup"] + cfg["repeats"], key=b"benchmark-sampler")
+    vmapdp.noise.keyed_normal((64,), b"warm-up", leaf=0)  # the noise kernel's one-time compile, before the baseline
+    base = _rss_kib("VmRSS")
+    model = _model(cfg["width"], cfg["layers"], classes)
+    times = []
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for indices, mask in vdist.sharded(sampler):
+            t0 = time.perf_counter()
+            x, y = gather(data, indices[mask])
+            loss = F.cross_entropy(model(x), y, reduction="sum") / (n * q)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        state_bytes = _tensor_bytes(list(model.parameters())) + _tensor_bytes(opt.state_dict()["state"])
+    else:
+        apply, params, buffers = vmapdp.functionalize(model)
+        del model
+
+        def loss_fn(p, b, sample):
+            x, y = sample
+            return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+        sharding = Sharding(params) if mode == "sharded" else None
+        opt = vmapdp.optim.adamw(1e-3)
+        step = vmapdp.make_train_step(
+            loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=n * q, sample_rate=q,
+            physical_batch_size=vdist.local_capacity(sampler.capacity), method="ghost", compile=False,
+            distributed=True, sharding=sharding,
+        )
+        state = vmapdp.init_train_state(params, opt, seed=1, sharding=sharding)
+        del params
+        for indices, mask in vdist.sharded(sampler):
+            t0 = time.perf_counter()
+            state, _ = step(state, gather(data, indices), mask, buffers)
+            times.append(time.perf_counter() - t0)
+        state_bytes = local_bytes(state.params) + local_bytes(state.opt_state)
+    peak = _rss_kib("VmHWM") - base
+    row = {"rank": rank, "state_bytes": state_bytes, "peak_kib": peak, "times": times[cfg["warmup"]:]}
+    with open(os.path.join(out, f"{mode}-{world}-{rank}.json"), "w") as f:
+        json.dump(row, f)
+    vdist.shutdown()
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--sample-rate", type=float, default=1 / 64)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="worlds 1, 2; 2 layers of width 64; 2 timed steps")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.worlds, args.width, args.layers, args.repeats, args.warmup, args.samples = "1,2", 64, 2, 2, 1, 256
+    cfg = {"width": args.width, "layers": args.layers, "samples": args.samples, "sample_rate": args.sample_rate, "repeats": args.repeats, "warmup": args.warmup}
+    params = sum(p.numel() for p in _model(args.width, args.layers, 10).parameters())
+    print(f"MLP {args.layers} x Linear({args.width}, {args.width}) + head: {params:,} params; Adam; gloo on {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print("| mode | world | state MiB / rank | x world | peak MiB / rank | median ms / step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rows = []
+    with tempfile.TemporaryDirectory() as out:
+        for world in (int(w) for w in args.worlds.split(",")):
+            for mode in args.modes.split(","):
+                mp.spawn(_worker, args=(world, os.path.join(out, f"init-{mode}-{world}"), out, mode, cfg), nprocs=world, join=True)
+                ranks = []
+                for r in range(world):
+                    with open(os.path.join(out, f"{mode}-{world}-{r}.json")) as f:
+                        ranks.append(json.load(f))
+                row = {
+                    "mode": mode,
+                    "world": world,
+                    "params": params,
+                    "state_mib": max(r["state_bytes"] for r in ranks) / 2**20,
+                    "peak_mib": max(r["peak_kib"] for r in ranks) / 1024,
+                    "ms": 1e3 * statistics.median(ranks[0]["times"]),
+                }
+                rows.append(row)
+                print(f"| {mode} | {world} | {row['state_mib']:.2f} | {row['state_mib'] * world:.2f} | {row['peak_mib']:.1f} | {row['ms']:.1f} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""DP-SGD on sharded params (vmapdp.sharding): 2 and 4 gloo processes equal one process on all rows.
+
+Three spawns run every multi-process check and write their results to files that the tests read
+(each spawned process imports torch, the slow part, so the cases share processes):
+
+* world 4: an MLP (Adam) and a GPT-2-like block (SGD with momentum) trained for a few steps; a
+  checkpoint at step 2, resumed on the same 4 ranks;
+* world 2: the same two runs; the world-4 checkpoint resumed on 2 ranks; ranks that disagree;
+  then a run whose rank 1 dies while a checkpoint is being written (the spawn fails there);
+* world 2 again: the restart from the last complete checkpoint, to the end.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import vmapdp
+from transformer_blocks import BLOCKS
+from vmapdp import distributed as vdist
+from vmapdp import optim
+from vmapdp import sharded_checkpoint as sc
+from vmapdp.data import PoissonSampler, gather
+from vmapdp.noise import add_noise
+from vmapdp.sharding import Sharding, local_bytes
+
+N, Q, STEPS, CAPACITY, SEED = 48, 0.25, 4, 16, 1234
+SAMPLER_KEY = b"sharding-test-sampler"
+DELTA = 1e-5
+
+
+def problem(kind):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+        inputs = torch.randn(N, 5, generator=g)
+        opt = optim.adam(0.05)
+    else:
+        build, make = BLOCKS["gpt2"]
+        model = build()
+        inputs = make(N, 5, g)
+        opt = optim.sgd(0.2, momentum=0.9)
+    apply, params, buffers = vmapdp.functionalize(model)
+    data = (inputs, torch.randint(0, 3, (N,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    return params, buffers, data, loss_fn, opt
+
+
+def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None):
+    """``steps`` DP steps (Poisson batches, the same sampler key everywhere); sharded: this rank's
+    share of each batch, the state sharded. Returns (state, sharding, sampler)."""
+    params, buffers, data, loss_fn, opt = problem(kind)
+    sharding = Sharding(params) if sharded else None
+    step = vmapdp.make_train_step(
+        loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+        physical_batch_size=vdist.local_capacity(CAPACITY) if sharded else CAPACITY,
+        compile=False, method="ghost", sharding=sharding,
+    )
+    if state is None:
+        state = vmapdp.init_train_state(params, opt, seed=seed, sharding=sharding)
+    if sampler is None:
+        sampler = PoissonSampler(N, Q, steps, key=SAMPLER_KEY, capacity=CAPACITY)
+    for indices, mask in vdist.sharded(sampler) if sharded else sampler:
+        state, _ = step(state, gather(data, indices), mask, buffers)
+        if on_step is not None:
+            on_step(state, sharding, sampler)
+    return state, sharding, sampler
+
+
+def summary(state, sharding):
+    """What the parent compares: the full params, the ledger, epsilon, this rank's bytes."""
+    return {
+        "params": {k: v.clone() for k, v in sharding.gather(state.params).items()},
+        "ledger": state.ledger.to_json(),
+        "epsilon": state.epsilon(DELTA),
+        "step": state.step,
+        "run_id": state.run_id,
+        "param_bytes": local_bytes(state.params),
+        "opt_bytes": local_bytes(state.opt_state),
+    }
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _init(rank, world, init_file):
+    # the workers draw noise with the eager Box-Muller (within a few ulps of the fused kernel the
+    # parent's reference runs use; the comparisons with it have a tolerance): compiling the fused
+    # kernel costs each fresh process ~15 s on a loaded 2-core machine
+    vmapdp.noise.gaussian._fused_ok = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def _worker4(rank, world, init_file, out):
+    _init(rank, world, init_file)
+    try:
+        res = {}
+        for kind in ("mlp", "gpt2"):
+            state, sharding, _ = train(kind, sharded=True)
+            res[kind] = summary(state, sharding)
+        # a checkpoint at step 2 (the MLP, Adam), then resumed on these 4 ranks
+        half, sharding, sampler = train("mlp", sharded=True, steps=2)
+        sc.save_sharded(os.path.join(out, "ckpt4"), half, sharding, sampler=sampler)
+        params, _, _, _, opt = problem("mlp")
+        like = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        sampler = PoissonSampler(N, Q, STEPS - 2, key=b"overwritten-by-the-load", capacity=CAPACITY)
+        loaded = sc.load_sharded(os.path.join(out, "ckpt4"), like=like, sharding=sharding, sampler=sampler)
+        res["loaded_equal"] = all(torch.equal(loaded.params[k], half.params[k]) for k in half.params)
+        resumed, _, _ = train("mlp", sharded=True, state=loaded, sampler=sampler)
+        res["resumed"] = summary(resumed, sharding)
+        torch.save(res, os.path.join(out, f"w4-rank{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def _worker2(rank, world, init_file, out):
+    _init(rank, world, init_file)
+    try:
+        res = {}
+        for kind in ("mlp", "gpt2"):
+            state, sharding, _ = train(kind, sharded=True)
+            res[kind] = summary(state, sharding)
+        # the 4-rank checkpoint of step 2, resumed on 2 ranks
+        params, _, _, _, opt = problem("mlp")
+        sharding = Sharding(params)
+        like = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        sampler = PoissonSampler(N, Q, STEPS - 2, key=b"overwritten-by-the-load", capacity=CAPACITY)
+        loaded = sc.load_sharded(os.path.join(out, "ckpt4"), like=like, sharding=sharding, sampler=sampler)
+        res["resharded_step"] = loaded.step
+        resumed, _, _ = train("mlp", sharded=True, state=loaded, sampler=sampler)
+        res["resharded"] = summary(resumed, sharding)
+        # a corrupted file: refused on every rank, before anything is restored
+        bad = os.path.join(out, "ckpt4-bad")
+        if rank == 0:
+            import shutil
+
+            shutil.copytree(os.path.join(out, "ckpt4"), bad)
+            name = sorted(n for n in os.listdir(bad) if n.endswith(".distcp"))[0]
+            with open(os.path.join(bad, name), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+        dist.barrier()
+        before = sampler.state_dict()
+        res["corrupt_error"] = _error(lambda: sc.load_sharded(bad, like=like, sharding=sharding, sampler=sampler))
+        res["sampler_untouched"] = sampler.state_dict() == before
+        # ranks that step different states fail together
+        res["seed_error"] = _error(lambda: train("mlp", sharded=True, steps=1, seed=SEED + rank))
+        # ... and so do ranks whose ledgers differ (same seed and step count, another event on rank 1)
+        other = vmapdp.accounting.PoissonGaussianEvent(noise_multiplier=1.1 if rank == 0 else 2.0, sample_rate=Q)
+        forged = like._replace(ledger=like.ledger.append(other), step=1)
+        res["ledger_error"] = _error(lambda: train("mlp", sharded=True, steps=1, state=forged))
+        # an existing checkpoint is never overwritten
+        res["exists_error"] = _error(lambda: sc.save_sharded(os.path.join(out, "ckpt4"), loaded, sharding, sampler=sampler))
+        torch.save(res, os.path.join(out, f"w2-rank{rank}.pt"))
+        dist.barrier()
+        # the faulty run: a checkpoint every 2 steps; rank 1 dies while the step-4 one is written
+        root = os.path.join(out, "run")
+        real_state_dict = sc._state_dict
+
+        def dying_state_dict(call, state, sharding, *, copy):
+            if rank == 1 and state.step == 4:
+                os._exit(3)
+            return real_state_dict(call, state, sharding, copy=copy)
+
+        sc._state_dict = dying_state_dict
+
+        def checkpoint(state, sharding, sampler):
+            if state.step % 2 == 0:
+                sc.save_sharded(sc.checkpoint_path(root, state.step), state, sharding, sampler=sampler)
+
+        train("mlp", sharded=True, steps=STEPS + 2, on_step=checkpoint)
+    finally:
+        vdist.shutdown()
+
+
+def _worker_restart(rank, world, init_file, out):
+    _init(rank, world, init_file)
+    try:
+        root = os.path.join(out, "run")
+        path = sc.latest_checkpoint(root)
+        params, _, _, _, opt = problem("mlp")
+        sharding = Sharding(params)
+        like = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        sampler = PoissonSampler(N, Q, STEPS + 2, key=b"overwritten-by-the-load", capacity=CAPACITY)
+        state = sc.load_sharded(path, like=like, sharding=sharding, sampler=sampler)
+        res = {"path": os.path.basename(path), "listing": sorted(os.listdir(root)), "loaded_step": state.step}
+        # the sampler continues where the checkpoint left it: STEPS + 2 - state.step more batches
+        sampler.steps = STEPS + 2 - state.step
+        final, _, _ = train("mlp", sharded=True, state=state, sampler=sampler)
+        res["final"] = summary(final, sharding)
+        torch.save(res, os.path.join(out, f"restart-rank{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def _spawn(fn, world, out, tag):
+    mp.spawn(fn, args=(world, str(out / f"init-{tag}"), str(out)), nprocs=world, join=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharding")
+    _spawn(_worker4, 4, out, "w4")
+    with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
+        _spawn(_worker2, 2, out, "w2")
+    _spawn(_worker_restart, 2, out, "restart")
+    load = lambda name: torch.load(out / name, weights_only=True)  # noqa: E731
+    return {
+        "w4": [load(f"w4-rank{r}.pt") for r in range(4)],
+        "w2": [load(f"w2-rank{r}.pt") for r in range(2)],
+        "restart": [load(f"restart-rank{r}.pt") for r in range(2)],
+    }
+
+
+def _close(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt2"])
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_sharded_run_equals_one_process(runs, kind, world):
+    single, _, _ = train(kind, sharded=False)
+    ranks = runs[world]
+    for r in ranks:
+        _close(r[kind]["params"], single.params)
+        assert r[kind]["ledger"] == single.ledger.to_json() and r[kind]["step"] == STEPS
+        assert r[kind]["epsilon"] == single.epsilon(DELTA)
+        assert r[kind]["run_id"] == single.run_id
+    for r in ranks[1:]:  # every rank gathers the same bits
+        for k, v in ranks[0][kind]["params"].items():
+            assert torch.equal(r[kind]["params"][k], v)
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_each_rank_holds_its_share_of_params_and_optimizer_state(runs, world):
+    ranks = runs[world]
+    w = len(ranks)
+    for kind in ("mlp", "gpt2"):
+        single, _, _ = train(kind, sharded=False, steps=1)
+        full_p, full_o = local_bytes(single.params), local_bytes(single.opt_state)
+        replicated = 4  # the optimizer's float32 step count, on every rank
+        assert sum(r[kind]["param_bytes"] for r in ranks) == full_p  # no padding is stored
+        assert sum(r[kind]["opt_bytes"] for r in ranks) == full_o + (w - 1) * replicated
+        slack = 4 * len(single.params)  # at most one element per parameter above an even split
+        for r in ranks:
+            assert r[kind]["param_bytes"] <= full_p / w + slack
+            assert r[kind]["opt_bytes"] <= (full_o - replicated) / w + replicated + slack * (len(optree.tree_leaves(single.opt_state, namespace="torch")) // len(single.params))
+
+
+def test_checkpoint_resumes_bitwise_on_the_same_world(runs):
+    for r in runs["w4"]:
+        assert r["loaded_equal"]
+        for k, v in r["mlp"]["params"].items():
+            assert torch.equal(r["resumed"]["params"][k], v)
+        assert r["resumed"]["ledger"] == r["mlp"]["ledger"]
+
+
+def test_checkpoint_of_four_ranks_resumes_on_two(runs):
+    single, _, _ = train("mlp", sharded=False)
+    for r in runs["w2"]:
+        assert r["resharded_step"] == 2
+        _close(r["resharded"]["params"], single.params)
+        assert r["resharded"]["ledger"] == single.ledger.to_json()
+        assert r["resharded"]["epsilon"] == single.epsilon(DELTA)
+
+
+def test_corrupted_checkpoint_is_refused_on_every_rank(runs):
+    errors = [r["corrupt_error"] for r in runs["w2"]]
+    assert all(e is not None for e in errors)
+    assert any("integrity check failed" in e and ".distcp" in e for e in errors)
+    assert all("integrity check failed" in e or "failed on another rank" in e for e in errors)
+    assert all(r["sampler_untouched"] for r in runs["w2"])
+
+
+def test_ranks_that_disagree_fail_together_and_checkpoints_are_not_overwritten(runs):
+    for r in runs["w2"]:
+        assert r["seed_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["seed_error"]
+        assert r["ledger_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["ledger_error"]
+        assert r["exists_error"] is not None and "never overwritten" in r["exists_error"]
+
+
+def test_restart_after_a_rank_died_mid_checkpoint_equals_an_uninterrupted_run(runs):
+    uninterrupted, _, _ = train("mlp", sharded=False, steps=STEPS + 2)
+    for r in runs["restart"]:
+        # the step-4 save was interrupted: its temporary directory is left, no step-4 checkpoint
+        assert r["path"] == "step-000000002" and r["loaded_step"] == 2
+        assert "step-000000004" not in r["listing"] and any(n.startswith("step-000000004.tmp-") for n in r["listing"])
+        _close(r["final"]["params"], uninterrupted.params)
+        assert r["final"]["ledger"] == uninterrupted.ledger.to_json()  # every step counted once
+        assert json.loads(r["final"]["ledger"]) and r["final"]["step"] == STEPS + 2
+        assert r["final"]["epsilon"] == uninterrupted.epsilon(DELTA)
+
+
+# ---- in one process ----
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_shard_gets_the_slice_of_the_single_process_noise_bitwise(world):
+    params = problem("gpt2")[0]
+    full = add_noise({k: torch.zeros_like(v) for k, v in params.items()}, 1.0, key=b"step-key")
+    for rank in range(world):
+        sharding = Sharding(params, rank=rank, world_size=world)
+        shards = sharding.shard({k: torch.zeros_like(v) for k, v in params.items()})
+        noisy = add_noise(shards, 1.0, key=b"step-key", offsets=sharding.offsets)
+        for k in params:
+            start, stop = sharding.bounds(k)
+            assert torch.equal(noisy[k], full[k].reshape(-1)[start:stop]), (k, rank)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_the_shards_partition_every_parameter(world):
+    params = {"w": torch.randn(5, 3), "b": torch.randn(2), "s": torch.randn(())}
+    pieces = {k: [] for k in params}
+    for rank in range(world):
+        sharding = Sharding(params, rank=rank, world_size=world)
+        assert sharding.names == ("w", "b", "s")
+        for k, v in sharding.shard(params).items():
+            assert v.shape == sharding.local_shape(k) and v.numel() <= -(-params[k].numel() // world)
+            pieces[k].append(v)
+    for k, v in params.items():
+        assert torch.equal(torch.cat(pieces[k]), v.reshape(-1))
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path):
+    params, _, _, loss_fn, opt = problem("mlp")
+    with pytest.raises(TypeError, match=r"sharding must be a vmapdp\.sharding\.Sharding"):
+        vmapdp.init_train_state(params, opt, seed=1, sharding="rows")
+    with pytest.raises(ValueError, match="rank 1 of 2, this process is rank 0 of 1"):
+        vmapdp.init_train_state(params, opt, seed=1, sharding=Sharding(params, rank=1, world_size=2))
+    with pytest.raises(ValueError, match="offsets= places each leaf in a keyed stream and needs key="):
+        add_noise({"a": torch.zeros(3)}, 1.0, secure=True, offsets={"a": 1})
+    with pytest.raises(ValueError, match="must be a pytree like the tree"):
+        add_noise({"a": torch.zeros(3)}, 1.0, key=b"k", offsets={"b": 1})
+    with pytest.raises(ValueError, match="expected the names"):
+        Sharding(params).shard({"x": torch.zeros(2)})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sharding = Sharding(params)
+        with pytest.raises(ValueError, match="a custom privatizer .* does not know the shard layout"):
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
+                                   sharding=sharding, privatizer=vmapdp.noise.gaussian_privatizer(1.0))
+        state = vmapdp.init_train_state(params, opt, seed=1)  # unsharded: the step refuses it
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
+                                      sharding=sharding, compile=False, method="ghost")
+        _, buffers, data, _, _ = problem("mlp")
+        with pytest.raises(ValueError, match="the shard of .* has shape"):
+            step(state, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers)
+        with pytest.raises(ValueError, match="no vmapdp-meta"):
+            sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
+    finally:
+        vdist.shutdown()

@@ -1,0 +1,247 @@
+"""Checkpoints of a sharded run (:mod:`vmapdp.sharding`) through ``torch.distributed.checkpoint``.
+
+``save_sharded(path, state, sharding, sampler=)`` writes, collectively on every rank, a directory:
+
+* the tensors (each rank's shards of the params and of the optimizer state) with
+  ``torch.distributed.checkpoint`` (DCP), each shard as a ``DTensor`` of the flattened parameter
+  (``Shard(0)``), so DCP can read them back into another world size's layout;
+* ``vmapdp-meta``: everything else, once (rank 0), in :mod:`vmapdp.checkpoint`'s verified file
+  format (a SHA-256, or an HMAC-SHA256 under ``key=``, over every byte): the noise seed, the
+  step, the ledger, the run id, the budgets, the methods ``"auto"`` chose, the sampler's state,
+  the layout (names, shapes, dtypes, world size) and the SHA-256 of every file DCP wrote.
+
+Atomic: every rank writes into ``path + ".tmp-<nonce>"``; rank 0 renames it to ``path`` only
+after every rank has finished and the manifest is written. A rank that dies or raises before
+that leaves a ``.tmp-`` directory and no ``path`` (:func:`latest_checkpoint` ignores such
+directories); an existing ``path`` is never overwritten (save each checkpoint under its own name,
+``checkpoint_path(root, step)``).
+
+``load_sharded(path, like=, sharding=, sampler=)`` verifies the metadata's digest and every
+file's SHA-256 (each rank some of the files), checks the layout, reads the tensors into the
+shards of ``like`` (a fresh ``init_train_state(..., sharding=)`` of this world: any world size),
+checks the result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a
+rollback) and restores the sampler last; a refused load changes nothing. On the world size that
+saved it, the state is bitwise the saved one, so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from typing import Any
+
+import optree
+from torch import Tensor
+
+from vmapdp import _checks
+from vmapdp import checkpoint as _ckpt
+from vmapdp import distributed as _dist
+from vmapdp._tree import path_str
+from vmapdp.sharding import Sharding
+from vmapdp.train import TrainState
+
+__all__ = ["save_sharded", "load_sharded", "checkpoint_path", "latest_checkpoint"]
+
+_META = "vmapdp-meta"
+_TMP = ".tmp-"
+
+
+def checkpoint_path(root: str | os.PathLike, step: int) -> str:
+    """``root/step-000000123``: the directory name :func:`latest_checkpoint` orders by."""
+    return os.path.join(os.fspath(root), f"step-{int(step):09d}")
+
+
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
+    """The complete checkpoint under ``root`` with the largest step (``checkpoint_path`` names),
+    or None. Directories left by an interrupted save (``.tmp-``) are never complete and are skipped."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    done = [d for d in os.listdir(root) if d.startswith("step-") and _TMP not in d and os.path.isfile(os.path.join(root, d, _META))]
+    return os.path.join(root, max(done)) if done else None
+
+
+def _mesh(device_type: str) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (_dist.world_size(),))
+
+
+def _opt_leaves(call: str, opt_state: Any, sharding: Sharding) -> list[tuple[str, Tensor, str | None]]:
+    """``(name, tensor, param)`` per leaf of the optimizer state; ``param`` is the parameter whose
+    shard the leaf is (a 1-D leaf of that shard's length under a key naming it), None for a
+    replicated leaf (a step count)."""
+    paths, leaves, _ = optree.tree_flatten_with_path(opt_state, namespace="torch")
+    out = []
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, Tensor):
+            raise TypeError(f"{call}: the optimizer state holds a {type(leaf).__name__} at {path_str(path)}; a sharded checkpoint holds tensors only (use vmapdp.optim's sgd/adam/adamw).")
+        owner = next((p for p in path if isinstance(p, str) and p in sharding.shapes), None)
+        if owner is not None and tuple(leaf.shape) != sharding.local_shape(owner):
+            owner = None
+        out.append(("opt/" + path_str(path), leaf, owner))
+    return out
+
+
+def _state_dict(call: str, state: TrainState, sharding: Sharding, *, copy: bool) -> dict[str, Any]:
+    """The DCP state dict of ``state``: shards as DTensors of the flattened params, the rest plain."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    device = next(iter(state.params.values())).device
+    mesh = _mesh(device.type)
+
+    def shard(local: Tensor, name: str) -> Any:
+        local = local.detach().clone() if copy else local.detach()
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(sharding.numels[name],), stride=(1,))
+
+    sd: dict[str, Any] = {f"params/{k}": shard(state.params[k], k) for k in sharding.names}
+    for name, leaf, owner in _opt_leaves(call, state.opt_state, sharding):
+        sd[name] = shard(leaf, owner) if owner is not None else (leaf.detach().clone() if copy else leaf.detach())
+    return sd
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _layout(sharding: Sharding) -> list:
+    return [[k, list(sharding.shapes[k]), str(sharding.dtypes[k])] for k in sharding.names]
+
+
+def _fail_together(call: str, error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed (``error`` not None): its own error on a rank that
+    failed, a RuntimeError naming the stage on the others (none is left waiting in a collective)."""
+    try:
+        _dist.check_same(call, "whether " + what + " succeeded", error is None, fix="")
+    except ValueError:
+        if error is None:
+            raise RuntimeError(f"{call}: {what} failed on another rank (its error is raised there); nothing was {'saved' if 'save' in call else 'loaded'}.") from None
+    if error is not None:
+        raise error
+
+
+def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding, *, sampler: Any = None, key: bytes | str | None = None) -> None:
+    """Write ``state`` (this rank's shards) and the sampler's state to the directory ``path``,
+    collectively: call it on every rank with the same arguments. See the module docstring.
+
+    Raises:
+        ValueError: (on every rank, before anything is written) ``path`` exists, the ranks
+            disagree on the state's step, run or ledger, or the state does not fit ``sharding``.
+        RuntimeError: a rank failed while writing; ``path`` was not created.
+    """
+    path = os.path.abspath(os.fspath(path))
+    call = f"save_sharded({path!r})"
+    _dist.require_initialized(call)
+    _checks.sharding(call, sharding)
+    secret = _ckpt.checked_key(call, key)
+    payload = _ckpt.state_payload(call, state, sampler)
+    sharding.check_local(call, state.params)
+    if state.noise_state != () or state.clip_norm is not None:
+        raise ValueError(f"{call}: a sharded run keeps no noise state or adaptive clip norm (they are refused by make_train_step(sharding=)); this state has one.")
+    _dist.check_same(
+        call,
+        "the state's step, run and ledger (and the checkpoint path)",
+        (state.step, state.run_id, state.ledger.to_json(), state.noise_seed, path),
+        fix="Call save_sharded on every rank with the same path and the state every rank stepped together.",
+    )
+    exists = os.path.exists(path)
+    _fail_together(call, ValueError(f"{call}: {path} exists; a checkpoint is never overwritten. Save under a new name (checkpoint_path(root, state.step)).") if exists else None, "the existence check")
+    tmp = path + _TMP + format(_dist.broadcast_int(secrets.randbits(62)), "x")
+    sd = _state_dict(call, state, sharding, copy=False)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, checkpoint_id=tmp)  # every rank's files, then rank 0's .metadata once all are written
+    error = None
+    if _dist.rank() == 0:
+        try:
+            files = {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+            payload["params"], payload["opt_state"] = {}, ()  # the tensors are DCP's
+            payload["sharded"] = {"world_size": sharding.world_size, "layout": _layout(sharding), "files": files}
+            _ckpt.write_payload(os.path.join(tmp, _META), payload, secret)
+            os.rename(tmp, path)  # the checkpoint appears whole, or not at all
+            fd = os.open(os.path.dirname(path), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as err:  # noqa: BLE001 (raised on this rank by _fail_together)
+            error = err
+    _fail_together(call, error, "writing the checkpoint")
+
+
+def load_sharded(
+    path: str | os.PathLike,
+    *,
+    like: TrainState,
+    sharding: Sharding,
+    sampler: Any = None,
+    key: bytes | str | None = None,
+    ignore_sampler: bool = False,
+) -> TrainState:
+    """Read a checkpoint written by :func:`save_sharded` into this world's layout, collectively.
+
+    Args:
+        path: the checkpoint directory.
+        like: this rank's state of the run to continue: ``init_train_state(params, optimizer,
+            sharding=sharding)`` for a fresh process (its shards give the layout to read into;
+            any world size), or the run's current state (then the checkpoint must be of the same
+            run and not behind it, as with ``load_state(like=)``).
+        sharding: this world's :class:`vmapdp.sharding.Sharding` (the one ``like`` was made with).
+        sampler, key, ignore_sampler: as for :func:`vmapdp.load_state`.
+
+    Raises:
+        ValueError: (on every rank; nothing restored) the metadata or a tensor file is corrupted
+            or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, or the state
+            does not fit ``like`` or the sampler.
+    """
+    path = os.path.abspath(os.fspath(path))
+    call = f"load_sharded({path!r})"
+    _dist.require_initialized(call)
+    _checks.sharding(call, sharding)
+    secret = _ckpt.checked_key(call, key)
+    if not isinstance(like, TrainState):
+        raise TypeError(f"{call}: like must be a vmapdp.TrainState (init_train_state(params, optimizer, sharding=sharding)), got {type(like).__name__}.")
+    error, payload = None, None
+    try:
+        meta = os.path.join(path, _META)
+        if not os.path.isfile(meta):
+            raise ValueError(f"{call}: no {_META} in {path}: not a complete sharded checkpoint (an interrupted save leaves a '{_TMP}' directory and no checkpoint); nothing was loaded.")
+        payload = _ckpt.read_payload(call, meta, secret)
+        info = payload.get("sharded")
+        if not isinstance(info, dict) or not isinstance(info.get("files"), dict):
+            raise ValueError(f"{call}: {meta} is not the metadata of a sharded checkpoint (a load_state file?); nothing was loaded.")
+        if info.get("layout") != _layout(sharding):
+            raise ValueError(f"{call}: the checkpoint's params (names, shapes, dtypes) are not this sharding's; it was saved from another model. Nothing was loaded.")
+        files = info["files"]
+        present = sorted(n for n in os.listdir(path) if n != _META)
+        if present != sorted(files):
+            raise ValueError(f"{call}: the directory holds {present}, the manifest lists {sorted(files)}: files are missing or were added; nothing was loaded.")
+        for i, name in enumerate(sorted(files)):  # each rank checks its share of the files
+            if i % _dist.world_size() == _dist.rank() and _sha256(os.path.join(path, name)) != files[name]:
+                raise ValueError(f"{call}: integrity check failed: {name} does not match the SHA-256 in the metadata (truncated, corrupted or edited); nothing was loaded.")
+    except (ValueError, OSError) as err:
+        error = err
+    _fail_together(call, error, "verifying the checkpoint")
+    sd = _state_dict(call, like, sharding, copy=True)  # fresh tensors in this world's layout, filled by DCP
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.tensor import DTensor
+
+    dcp.load(sd, checkpoint_id=path)
+    params = {k: sd[f"params/{k}"].to_local() for k in sharding.names}
+    leaves = [sd[name] for name, _, _ in _opt_leaves(call, like.opt_state, sharding)]
+    leaves = [t.to_local() if isinstance(t, DTensor) else t for t in leaves]
+    opt_state = optree.tree_unflatten(optree.tree_structure(like.opt_state, namespace="torch"), leaves)
+    payload["params"], payload["opt_state"] = params, opt_state
+    state = None
+    try:
+        state = _ckpt.state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler)
+    except (ValueError, TypeError) as err:
+        error = err
+    _fail_together(call, error, "restoring the state")
+    return state

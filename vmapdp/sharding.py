@@ -1,0 +1,211 @@
+"""DP-SGD on sharded parameters: each rank keeps 1/W of every parameter and of the optimizer state.
+
+``make_train_step(..., sharding=Sharding(params))`` and ``init_train_state(..., sharding=)``
+run the data-parallel step of :mod:`vmapdp.distributed` with the persistent state sharded
+(ZeRO-3 / FSDP-style). One logical step on ``W`` ranks::
+
+    every rank:  full = gather(own shards)                   # all_gather, transient (one per dtype)
+                 clipped sum + telemetry over its own rows     # the usual chunk loop, on `full`
+                 check that all ranks step the same state      # seed, step, run, config and ledger
+    all ranks:   own sum = reduce_scatter(clipped sums)        # each owner gets the global sum of its shard
+                 own sum + the noise of its shard only         # keyed by the global element index
+                 ÷ the GLOBAL expected batch size, optimizer update of its shard
+
+The layout: every parameter is flattened and split like ``torch.chunk`` (FSDP2's ``Shard(0)``
+on the flattened tensor): rank ``r`` owns elements ``[r c, min((r + 1) c, n))`` with ``c =
+ceil(n / W)``; a rank past the end owns an empty shard. ``state.params`` and the optimizer
+state then hold these 1-D local shards (plain tensors).
+
+Equal to one process: the noise of a shard is the slice of the single-process noise (the same
+step key, the leaf's index in the flattened params tree as its stream, the shard's global start
+as the element offset: :func:`vmapdp.noise.keyed_normal` regenerates any element range bit for
+bit), the sum over ranks is a sum (only its order differs), and the optimizers of
+:mod:`vmapdp.optim` are element-wise, so updating a shard is the slice of the full update. The
+run id is that of the full initial params, so the noise keys, the ledger and epsilon are those of
+the unsharded run.
+
+Memory: the parameters, the optimizer state and the noise are 1/W per rank (up to one element
+per parameter of padding). The compute is not: the step gathers the whole model before the
+forward and holds the full clipped sum until the reduce-scatter, so the transient peak is that of
+the unsharded step plus one copy of the params (not per-layer unsharding; see the README).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import optree
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from vmapdp import distributed as _dist
+
+__all__ = ["Sharding", "local_bytes"]
+
+
+class Sharding:
+    """The flat ``Shard(0)`` layout of a params dict over the ranks of the default process group.
+
+    Args:
+        params: the full params dict (from :func:`vmapdp.functionalize`), or any dict of tensors
+            with the same names, shapes and dtypes (``device="meta"`` tensors work: only shapes
+            and dtypes are read).
+        rank, world_size: default: this process's, from the default process group (0 and 1
+            without one; then every shard is the whole parameter).
+
+    Attributes:
+        names: the parameter names, in the order of ``params`` (every dict this class returns
+            keeps it, so a dict of shards flattens like the full params dict, and each leaf gets
+            the same noise stream).
+        shapes, dtypes, numels: per name.
+    """
+
+    def __init__(self, params: Mapping[str, Tensor], *, rank: int | None = None, world_size: int | None = None) -> None:
+        call = "Sharding(params)"
+        from vmapdp import _checks
+
+        _checks.params_dict(call, params)
+        self.world_size = _dist.world_size() if world_size is None else _checks.positive_int(call, "world_size", world_size)
+        self.rank = _dist.rank() if rank is None else rank
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"{call}: rank={self.rank!r} must be an int in [0, {self.world_size}) (world_size={self.world_size}).")
+        self.names: tuple[str, ...] = tuple(params)
+        self.shapes = {k: tuple(params[k].shape) for k in self.names}
+        self.dtypes = {k: params[k].dtype for k in self.names}
+        self.numels = {k: math.prod(self.shapes[k]) for k in self.names}
+
+    def __repr__(self) -> str:
+        return f"Sharding({len(self.names)} params, {sum(self.numels.values())} elements, rank {self.rank} of {self.world_size})"
+
+    def chunk(self, name: str) -> int:
+        """Elements per shard of ``name`` (``ceil(numel / world_size)``; the last ones may hold fewer)."""
+        return -(-self.numels[name] // self.world_size)
+
+    def bounds(self, name: str, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the elements of the flattened ``name`` that ``rank`` (default: this one) owns."""
+        r = self.rank if rank is None else rank
+        c, n = self.chunk(name), self.numels[name]
+        return min(r * c, n), min((r + 1) * c, n)
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        """This rank's first element of every parameter (``add_noise(offsets=)``)."""
+        return {k: self.bounds(k)[0] for k in self.names}
+
+    def local_shape(self, name: str) -> tuple[int]:
+        start, stop = self.bounds(name)
+        return (stop - start,)
+
+    def check_full(self, call: str, params: Any, what: str = "params") -> None:
+        """ValueError unless ``params`` has exactly this layout's names, shapes and dtypes."""
+        if not isinstance(params, Mapping) or set(params) != set(self.names):
+            got = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+            raise ValueError(f"{call}: {what} do not fit the sharding: expected the names {sorted(self.names)}, got {got}. Build the Sharding from these params.")
+        for k in self.names:
+            if tuple(params[k].shape) != self.shapes[k] or params[k].dtype != self.dtypes[k]:
+                raise ValueError(
+                    f"{call}: {what}[{k!r}] is {tuple(params[k].shape)} {params[k].dtype}, the sharding expects "
+                    f"{self.shapes[k]} {self.dtypes[k]}. Build the Sharding from these params."
+                )
+
+    def shard(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's shards of the full ``params`` (1-D copies: nothing is shared with ``params``)."""
+        self.check_full("Sharding.shard(params)", params)
+        out = {}
+        for k in self.names:
+            start, stop = self.bounds(k)
+            out[k] = params[k].detach().reshape(-1)[start:stop].clone()
+        return out
+
+    def check_local(self, call: str, local: Mapping[str, Tensor]) -> None:
+        """ValueError unless ``local`` holds this rank's shard of every parameter (1-D, its length)."""
+        if not isinstance(local, Mapping) or set(local) != set(self.names):
+            raise ValueError(f"{call}: expected this rank's shards of {sorted(self.names)}, got {sorted(local) if isinstance(local, Mapping) else type(local).__name__}.")
+        for k in self.names:
+            if tuple(local[k].shape) != self.local_shape(k):
+                raise ValueError(
+                    f"{call}: the shard of {k!r} has shape {tuple(local[k].shape)}, rank {self.rank} of {self.world_size} owns "
+                    f"{self.local_shape(k)}: the state was sharded for another world size or layout. Load the checkpoint with "
+                    "vmapdp.sharded_checkpoint.load_sharded, which reshards."
+                )
+
+    def _groups(self, tree: Mapping[str, Tensor]) -> dict[torch.dtype, list[str]]:
+        groups: dict[torch.dtype, list[str]] = {}
+        for k in self.names:
+            groups.setdefault(tree[k].dtype, []).append(k)
+        return groups
+
+    def gather(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The full params from every rank's shards (one ``all_gather`` per dtype); a new dict."""
+        call = "Sharding.gather(shards)"
+        self.check_local(call, local)
+        if self.world_size == 1 or not _dist.is_initialized():
+            return {k: local[k].reshape(self.shapes[k]).clone() for k in self.names}
+        out = {}
+        for dtype, names in self._groups(local).items():
+            device = local[names[0]].device
+            width = sum(self.chunk(k) for k in names)
+            mine = torch.zeros(width, dtype=dtype, device=device)
+            pos = 0
+            for k in names:
+                n = local[k].numel()
+                mine[pos : pos + n] = local[k].detach()
+                pos += self.chunk(k)
+            every = torch.empty(self.world_size, width, dtype=dtype, device=device)
+            dist.all_gather_single(every.view(-1), mine)
+            pos = 0
+            for k in names:
+                c = self.chunk(k)
+                out[k] = every[:, pos : pos + c].reshape(-1)[: self.numels[k]].reshape(self.shapes[k])
+                pos += c
+        return out
+
+    def reduce_scatter(self, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's shards of the sum over ranks of ``full`` (one ``reduce_scatter`` per dtype)."""
+        call = "Sharding.reduce_scatter(sums)"
+        if not isinstance(full, Mapping) or set(full) != set(self.names):
+            raise ValueError(f"{call}: expected sums of {sorted(self.names)}, got {sorted(full) if isinstance(full, Mapping) else type(full).__name__}.")
+        if self.world_size == 1 or not _dist.is_initialized():
+            return {k: full[k].detach().reshape(-1).clone() for k in self.names}
+        out = {}
+        for dtype, names in self._groups(full).items():
+            device = full[names[0]].device
+            width = sum(self.chunk(k) for k in names)
+            rows = torch.zeros(self.world_size, width, dtype=dtype, device=device)  # row r: what rank r owns, leaf after leaf
+            pos = 0
+            for k in names:
+                flat = full[k].detach().reshape(-1)
+                for r in range(self.world_size):  # rank r's piece of this leaf into its row (the padding stays 0)
+                    start, stop = self.bounds(k, r)
+                    rows[r, pos : pos + stop - start] = flat[start:stop]
+                pos += self.chunk(k)
+            mine = torch.empty(width, dtype=dtype, device=device)
+            dist.reduce_scatter_single(mine, rows.view(-1), op=dist.ReduceOp.SUM)
+            pos = 0
+            for k in names:
+                start, stop = self.bounds(k)
+                out[k] = mine[pos : pos + stop - start].clone()
+                pos += self.chunk(k)
+        return out
+
+    def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any) -> tuple[dict[str, Tensor], Any]:
+        """The sharded step's reduction: first a check that every rank steps the same state (``same``:
+        seed, step, noise binding and ledger; ValueError on every rank otherwise), then each rank's
+        shards of the summed clipped sums (reduce-scatter) and the telemetry summed over ranks."""
+        _dist.check_same(
+            call,
+            "the state's noise seed, step, run and ledger",
+            same,
+            fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
+            "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "
+            "same checkpoint on every rank.",
+            device=optree.tree_leaves(stats, namespace="torch")[0].device,
+        )
+        return self.reduce_scatter(summed), _dist.all_reduce_sum(stats)
+
+
+def local_bytes(tree: Any) -> int:
+    """Bytes held by the tensor leaves of ``tree`` (for a sharded state: this rank's share)."""
+    return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree, namespace="torch") if isinstance(x, Tensor))
