@@ -14,18 +14,24 @@ runs over the positions of a sequence or the pixels of a feature map, ``g = dL/d
 How vmapdp gets ``x`` and ``g`` for a *functional* model, without hooks: the loss is run once,
 mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches the calls made
 with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``F.embedding``,
-``torch.addmm``, ``matmul`` / ``@`` / ``mm`` / ``einsum`` with a 2-D param, the affines of
-``layer_norm`` / ``group_norm`` / ``rms_norm``, ``x * w`` and ``x + w``) whose weight is a param,
+``torch.addmm``, ``matmul`` / ``@`` / ``mm`` / ``einsum`` with a 2-D param, ``bmm`` / batched
+``matmul`` with a ``[*G, m, n]`` param, the affines of ``layer_norm`` / ``group_norm`` /
+``rms_norm``, ``x * w`` and ``x + w``) whose weight is a param, or a view of one (a box:
+``chunk``, ``split``, ``narrow``, slices, ``unbind``, ``W.t()`` / ``W.T`` / ``transpose``; views.py),
 it keeps the op's input and adds a *tap*, a zero tensor that is an input of the
 computation, to its output; one ``vjp`` of the summed loss then returns each tap's gradient, which
 is the per-sample output gradient ``g``. The weight gradients themselves are never computed by
 autograd. Convolutions go through unfolded patches; embeddings through token equality (never a
 vocabulary-sized tensor per sample); a matmul with a 2-D param is a linear with the weight
-possibly transposed; the elementwise affines form their small per-sample grads (``[B, C]``)
+possibly transposed; a batched param is a pair per matrix; the disjoint views of one param (the
+q, k, v blocks of ``nn.MultiheadAttention``'s packed in-projection) add their norms in squares;
+the elementwise affines form their small per-sample grads (``[B, C]``)
 directly, and norm and sum then share the same numbers (no margin, no cross-sample sum).
 
-Parameters that no rule covers (attention's packed projections, a 3-D param in ``bmm``, a
-transposed copy ``W.t()``; ``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
+``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is traced through (its ops are seen
+one by one: ``plan.TRACED_THROUGH``). Parameters that no rule covers (an einsum with a 3-D param,
+a param in ``torch.cat`` or ``expand`` such as ViT's class token, a strided slice;
+``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
 view): the same ``vjp`` returns their per-sample gradients, whose norms join the total. A param
 with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums
 equal the per-sample-gradient engine's up to float rounding, for any model.
@@ -63,7 +69,8 @@ shape and later calls is refused with an error.
 The package, a file a job: ``plan.py`` (the tracer: ``Mode``, ``Run``, the probe and its
 ``Plan``), ``uses.py`` (``Use``, ``UseKind``, ``Site``, ``Rule`` and the rounding margin),
 ``rules.py`` (``RULES``, the one table of covered ops) with a file per rule (``linear.py``,
-``conv.py``, ``embedding.py``, ``matmul.py``, ``affine.py``), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
+``conv.py``, ``embedding.py``, ``matmul.py``, ``affine.py``), ``views.py`` (views of params as
+weights), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
 tuning limits). The dispatcher over vmap, ghost and two_pass, ``clipped_grad_sum``, is
 :mod:`vmapdp.clipped` (re-exported here).
 """

@@ -21,7 +21,9 @@ from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
 from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
 from vmapdp.ghost.rules import RULES
+from vmapdp.ghost.linear import PAIR
 from vmapdp.ghost.uses import Use, rounding_margin
+from vmapdp.ghost.views import Shaped, disjoint, pad_to, place
 
 __all__ = ["ghost_norms_and_sum"]
 
@@ -86,12 +88,27 @@ def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], T
         return joined[key][1]
 
     first = uses[0]
-    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra)]
+    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra, first.index)]
+
+
+def _blocks(uses: list[Use]) -> dict[Any, list[Use]]:
+    """A param's uses by the block of it they use (views.py; None: the whole param)."""
+    out: dict[Any, list[Use]] = {}
+    for u in uses:
+        out.setdefault(u.index, []).append(u)
+    return out
 
 
 def _merge_all(uses: dict[str, list[Use]]) -> dict[str, list[Use]]:
     joined: dict = {}
-    return {key: _merged(u, joined) for key, u in uses.items()}
+    return {key: [m for block in _blocks(u).values() for m in _merged(block, joined)] for key, u in uses.items()}
+
+
+def _disjoint_blocks(uses: list[Use], other: bool) -> bool:
+    """The uses are of two or more pairwise disjoint blocks of the param (and it has no other uses):
+    their norms add in squares, each block's computed on its own."""
+    blocks = list(_blocks(uses))
+    return not other and len(blocks) > 1 and all(disjoint(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :])
 
 
 def _held(uses: list[Use]) -> int:
@@ -99,16 +116,17 @@ def _held(uses: list[Use]) -> int:
     return sum(u.u.numel() + (0 if u.kind.indices else u.v.numel()) for u in uses)
 
 
-def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Squared per-sample norms of one param's gradient (the sum of all its uses, see
-    :func:`_merged`), the margin of the norm (see :func:`~vmapdp.ghost.uses.rounding_margin`), and the per-sample grads when
+def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared per-sample norms of one param's (of ``shape``) gradient (the sum of all its uses, see
+    :func:`_merged`; uses of blocks are placed in the param), the margin of the norm (see :func:`~vmapdp.ghost.uses.rounding_margin`), and the per-sample grads when
     they had to be formed and ``keep_grads`` allows keeping them (then the sum uses the same
     numbers and the margin is 0)."""
     if other is None and len(uses) == 1:
-        return uses[0].kind.sq_norms(uses[0], keep_grads)
+        sq, margin, per = uses[0].kind.sq_norms(uses[0], keep_grads)
+        return sq, margin, None if per is None else pad_to(per, uses[0].index, shape, 1)
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
-        p = u.kind.per_sample(u)
+        p = pad_to(u.kind.per_sample(u), u.index, shape, 1)
         total = p if total is None else total + p
     sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
     if keep_grads:
@@ -177,7 +195,7 @@ def _tapped_uses(
     def fwd(taps, expanded, sample):
         run = Run(params, plan, taps, expanded)
         loss = run_loss(run, loss_fn, params, shared, sample)
-        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates):
+        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates) or run.n_view != len(plan.views):
             raise RuntimeError(f"{call}: {CONTROL_FLOW}")
         if any(t._version != v for t, v in run.versions):
             raise RuntimeError(
@@ -198,8 +216,11 @@ def _tapped_uses(
 
     uses: dict[str, list[Use]] = {}
     for site, x, g in zip(plan.sites, saved, tap_grads):
-        for key, use in RULES[site.op].uses(site, x, g, params):
-            uses.setdefault(key, []).append(use)
+        wv, bv = site.views
+        shaped = params if wv is None and bv is None else {**params, **{k: Shaped(v.shape) for k, v in ((site.weight, wv), (site.bias, bv)) if v is not None}}
+        for key, use in RULES[site.op].uses(site, x, g, shaped):
+            view = wv if key == site.weight else bv if key == site.bias else None
+            uses.setdefault(key, []).append(use if view is None else place(use, view, PAIR))
     del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
     return losses, _merge_all(uses), other_grads  # (the per-use tensors that were joined are freed here, unless shared)
 
@@ -223,8 +244,15 @@ def _norms(
             # no larger than the output grads and inputs of their uses: those are then released,
             # which frees their memory unless other params' uses share them (a bias shares the
             # output grads, sibling layers an input); so keeping adds at most that much
+            if _disjoint_blocks(uses.get(key, []), key in other_grads):  # (views.py) each block like a param of its own
+                for block in _blocks(uses[key]).values():
+                    sq_b, margin_b, _ = _sq_norms(block, None, False, tuple(params[key].shape))
+                    sq_b = sq_b.to(sq.dtype).clamp_min(0.0)
+                    sq = sq + sq_b
+                    safe_sq = safe_sq + (sq_b.double().sqrt() + margin_b.double()).square()
+                continue
             keep = keep_budget and (size <= budget or size <= limits.LIMITS.keep_ratio * _held(uses.get(key, [])))
-            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep)
+            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep, tuple(params[key].shape))
             if per is not None:
                 kept[key] = per
                 if size <= budget:
@@ -263,6 +291,6 @@ def _clipped_sum(
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
             total = total + weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
-            total = total + _weighted(use, w, zero, wide)
+            total = total + pad_to(_weighted(use, w, zero, wide), use.index, tuple(p.shape))
         summed[key] = total.to(dtype)
     return {k: summed[k] for k in params}

@@ -101,4 +101,4 @@ def _weighted(use: Use, uw: Tensor, v: Tensor) -> Tensor:
 
 
 PAIR = UseKind("pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v))
-LINEAR = Rule(parse_linear, linear_uses)
+LINEAR = Rule(parse_linear, linear_uses, transposable=True)

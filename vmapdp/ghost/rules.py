@@ -31,6 +31,8 @@ RULES = {
     Tensor.__matmul__: MATMUL,
     torch.mm: MATMUL,
     Tensor.mm: MATMUL,
+    torch.bmm: MATMUL,
+    Tensor.bmm: MATMUL,
     torch.einsum: EINSUM,
     # affine.py: elementwise affines, their per-sample grads formed directly
     F.layer_norm: LAYER_NORM,

@@ -35,8 +35,9 @@ class Use:
     kind: "UseKind"
     u: Tensor
     v: Tensor
-    shape: tuple[int, ...]  # the param's shape
+    shape: tuple[int, ...]  # the param's shape (a view's: see ``index``)
     extra: Any = None
+    index: tuple[tuple[int, int], ...] | None = None  # the block of the param it is a use of (views.py); None: all of it
 
     @property
     def t(self) -> int:
@@ -45,7 +46,7 @@ class Use:
 
     def rows(self, s: int, e: int) -> "Use":
         """The use restricted to samples ``s:e``."""
-        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra)
+        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra, self.index)
 
 
 class UseKind(NamedTuple):
@@ -70,6 +71,7 @@ class Site(NamedTuple):
     out_shape: tuple[int, ...]  # per-sample output shape (the tap's)
     out_dtype: torch.dtype
     meta: tuple = ()  # what the rule's parse returned for the call (conv: its geometry)
+    views: tuple = (None, None)  # the weight's and the bias's views.View when they are views of their params
 
 
 class Rule(NamedTuple):
@@ -82,6 +84,8 @@ class Rule(NamedTuple):
     parse: Callable[[tuple, dict], tuple[Any, Any, Any, tuple] | list[tuple[Any, Any, Any, tuple]] | None]
     # (site, saved input, tap grad [B, *out], params) -> the (param key, Use) pairs of the call
     uses: Callable[[Site, Tensor, Tensor, dict[str, Tensor]], list[tuple[str, Use]]]
+    # the weight may be a transposed view (views.py): its use is a "pair" (linear.PAIR)
+    transposable: bool = False
 
 
 def arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
