@@ -23,7 +23,7 @@ from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 __all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "direct_use"]
 
 
-def _sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
     sq = torch.linalg.vector_norm(use.u.flatten(1), dim=1).square()
     return sq, torch.zeros_like(sq), use.u if keep_grads else None
 

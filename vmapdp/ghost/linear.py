@@ -87,8 +87,8 @@ def pair_mass(u: Tensor, v: Tensor) -> Tensor:
 
 
 
-def _sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    sq, margin, per = pair_sq_norms(use.u, use.v, keep_grads)
+def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    sq, margin, per = pair_sq_norms(use.u, use.v, keep_grads, dtype)
     return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
 
 

@@ -158,11 +158,11 @@ def _flat(use: Use) -> tuple[Tensor, Tensor]:
     return use.u.flatten(0, 1), use.v.flatten(0, 1)
 
 
-def _grouped_sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _grouped_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
     """Each group is a pair (linear.pair_sq_norms); the groups are disjoint blocks of the param, so
     their squared norms add, and so do their safe bounds ``(norm_h + margin_h)^2``."""
     b, h = use.u.shape[:2]
-    sq, margin, per = pair_sq_norms(*_flat(use), keep_grads)
+    sq, margin, per = pair_sq_norms(*_flat(use), keep_grads, dtype)
     sq, margin = sq.view(b, h), margin.view(b, h)
     total = sq.sum(1)
     safe = (sq.clamp_min(0.0).double().sqrt() + margin.double()).square().sum(1).sqrt()

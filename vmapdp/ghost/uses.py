@@ -54,7 +54,8 @@ class UseKind(NamedTuple):
 
     name: str
     positions: Callable[[Use], int]  # T: the terms of a sample's per-sample grad
-    sq_norms: Callable[[Use, bool], tuple[Tensor, Tensor, Tensor | None]]  # (use, keep_grads) -> (sq, margin, per-sample grads or None)
+    # (use, keep_grads, dtype of the clipped sum) -> (sq, margin, per-sample grads or None)
+    sq_norms: Callable[[Use, bool, torch.dtype], tuple[Tensor, Tensor, Tensor | None]]
     per_sample: Callable[[Use], Tensor]  # the per-sample grads [B, *shape]
     weighted: Callable[[Use, Tensor, Tensor], Tensor]  # (use, u * w, v) -> sum_i w_i G_i, without G_i
     mass: Callable[[Use], Tensor]  # sum_t |u_t| |v_t| per sample (see rounding_margin)
@@ -125,7 +126,9 @@ def rounding_margin(t: int, dtype: torch.dtype) -> float:
     float computations; each can be off by ``~ T eps sum_t |u_t| |v_t|`` (worst case, when the
     terms cancel). The clip factor uses ``norm + margin * sum_t |u_t||v_t|`` so that the released
     contribution is within ``C`` however the rounding falls (an adversary can make the terms
-    cancel); benign samples see a relative change of ``~ T^1.5 eps``, 1e-4 or less in float32.
+    cancel); benign samples see a relative change of ``~ T^1.5 eps``, with ``eps`` that of the
+    clipped sum's dtype (float64 for sequences, whose float32 margin is only a floor: see
+    ``engine._bound``).
     """
     return 2.0 * (t + 2) * eps_of(dtype)
 
