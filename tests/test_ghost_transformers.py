@@ -159,6 +159,7 @@ def _view_forms():
         "a block, then the whole param": (lambda p, x: t(F.linear(x, p["w"][:2])).sum() + t(F.linear(x, p["w"])).square().sum(), {"w": (3, 4)}, (5, 4)),
         "overlapping blocks": (lambda p, x: t(F.linear(x, p["w"][:2])).sum() + t(F.linear(x, p["w"][1:])).square().sum(), {"w": (3, 4)}, (5, 4)),
         "a block used otherwise too": (lambda p, x: t(F.linear(x, p["w"][:2])).sum() + (p["w"][:2] * x[0, 0]).square().sum(), {"w": (3, 4)}, (5, 4)),
+        "rows picked by the sample": (lambda p, x: t(F.linear(x, p["w"][(x[0, :2] > 0).long().cumsum(0)])).sum(), {"w": (3, 4)}, (5, 4)),
         "unbind of a 3-D param": (lambda p, x: sum(t(x @ w).square().sum() for w in p["w"].unbind(0)), {"w": (2, 4, 3)}, (5, 4)),
         "bmm with a 3-D param": (lambda p, x: t(torch.bmm(x.expand(2, 5, 4), p["w"])).sum(), {"w": (2, 4, 3)}, (5, 4)),
         "W @ x, W 3-D": (lambda p, x: t(p["w"] @ x.t().expand(2, 4, 5)).sum(), {"w": (2, 3, 4)}, (5, 4)),
@@ -180,6 +181,8 @@ def test_views_and_batched_params_are_covered_and_exact(form):
     plan = fn.prepare(params, x)
     if form == "a block used otherwise too":
         assert plan.other == ["w"] and "Tensor.mul" in plan.uncovered["w"][0], plan.uncovered
+    elif form == "rows picked by the sample":  # an index tensor: not a view (it may differ per sample)
+        assert plan.other == ["w"] and "Tensor.__getitem__" in plan.uncovered["w"][0], plan.uncovered
     else:
         assert plan.other == [] and coverage(plan, params) == 1.0, plan.describe(params)
     mask = torch.tensor([True, False, True])

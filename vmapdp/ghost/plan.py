@@ -321,14 +321,19 @@ class Run:
         keys = self._keys_in((args, kwargs))
         if self.probe:
             out = func(*args, **kwargs)
-            entry = self._view(args[0])
-            base = None if entry is None else entry[3]
-            if base is None:  # the param itself (or a cast of it)
-                base = torch.arange(args[0].numel()).view(self.shape_of[key])
-            idx = optree.tree_leaves(func(base, *args[1:], **kwargs), namespace="torch")
             leaves = optree.tree_leaves(out, namespace="torch")
-            views = tuple(box_of(j, self.shape_of[key]) if isinstance(j, Tensor) else None for j in idx)
-            if keys != {key} or len(views) != len(leaves) or None in views:
+            views = idx = None
+            # (a tensor among the other arguments, W[idx], may select differently per sample: not a view)
+            if keys == {key} and not _has_tensor((args[1:], kwargs)):
+                entry = self._view(args[0])
+                base = None if entry is None else entry[3]
+                if base is None:  # the param itself (or a cast of it)
+                    base = torch.arange(args[0].numel()).view(self.shape_of[key])
+                idx = optree.tree_leaves(func(base, *args[1:], **kwargs), namespace="torch")
+                views = tuple(box_of(j, self.shape_of[key]) if isinstance(j, Tensor) else None for j in idx)
+                if len(views) != len(leaves) or None in views:
+                    views = None
+            if views is None:
                 self.plan.views.append((func, None))
                 if _has_tensor(out):
                     self._uncovered(keys, _name(func))
