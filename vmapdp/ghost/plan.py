@@ -187,6 +187,8 @@ class Run:
                 continue
             if bk == wk and views != (None, None):
                 return None  # a weight and a bias from one param: the generic path
+            if self._keys_in((args, kwargs)) - {wk, bk}:
+                continue  # another param among the arguments (two params in one cat): the generic path
             return x, wk, bk, meta, views
         return None
 

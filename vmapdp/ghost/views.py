@@ -1,5 +1,6 @@
 """Views of a param (``W.chunk(3)``, ``W.split``, ``W[a:b]``, ``W.narrow``, ``W.unbind``, ``W.t()``,
-``W.T``, ``W.transpose``) as the weight or bias of a covered op: ghost clipping's uses of a block of a param.
+``W.T``, ``W.transpose``, an ``expand`` that repeats nothing) as the weight or bias of a covered
+op: ghost clipping's uses of a block of a param.
 
 ``nn.MultiheadAttention`` slices its packed ``in_proj_weight`` / ``in_proj_bias`` into the q, k
 and v projections (``chunk`` / ``split``) before ``F.linear``; ``x @ W.t()`` is a linear with a
@@ -65,6 +66,8 @@ VIEW_OPS = {
     Tensor.mT.__get__,
     Tensor.transpose,
     torch.transpose,
+    Tensor.expand,  # a box only when nothing is repeated (ViT's class token, expanded to a batch of 1)
+    Tensor.repeat,  # (a copy, but of a box when nothing is repeated: MultiheadAttention's bias_k / bias_v)
 }
 
 
