@@ -329,8 +329,9 @@ class Run:
             if keys == {key} and not _has_tensor((args[1:], kwargs)):
                 entry = self._view(args[0])
                 base = None if entry is None else entry[3]
-                if base is None:  # the param itself (or a cast of it)
-                    base = torch.arange(args[0].numel()).view(self.shape_of[key])
+                if base is None:  # the param itself (or a cast of it): its flat indices (int32 when they fit)
+                    n = args[0].numel()
+                    base = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(self.shape_of[key])
                 idx = optree.tree_leaves(func(base, *args[1:], **kwargs), namespace="torch")
                 views = tuple(box_of(j, self.shape_of[key]) if isinstance(j, Tensor) else None for j in idx)
                 if len(views) != len(leaves) or None in views:

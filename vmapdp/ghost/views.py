@@ -21,6 +21,7 @@ per-sample grads placed in the param's shape (exact, cross terms included).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -74,9 +75,9 @@ VIEW_OPS = {
 def box_of(idx: Tensor, shape: tuple[int, ...]) -> View | None:
     """The ``View`` that a view op's output ``idx`` (flat indices into a param of ``shape``) is, or
     None when it is not a box of the param in row-major order or its 2-D transpose."""
-    if idx.dtype != torch.long or idx.numel() == 0:
+    if idx.dtype not in (torch.int32, torch.int64) or idx.numel() == 0:
         return None
-    flat = idx.reshape(-1)
+    flat = idx.reshape(-1).long()
     coords = []
     rest = flat
     for n in reversed(shape):
@@ -84,13 +85,19 @@ def box_of(idx: Tensor, shape: tuple[int, ...]) -> View | None:
         rest = rest // n
     coords = coords[::-1]
     index = tuple((int(c.min()), int(c.max()) + 1) for c in coords)
-    base = torch.arange(int(torch.tensor(shape).prod()) if shape else 1).view(shape)
-    block = base[tuple(slice(s, e) for s, e in index)].reshape(-1)
-    if block.numel() != flat.numel():
+    if math.prod(e - s for s, e in index) != flat.numel():
         return None
+    # the box's flat indices in row-major order, from its ranges (no param-sized tensor)
+    block = torch.zeros((), dtype=torch.long)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        s, e = index[d]
+        block = block + (torch.arange(s, e) * stride).view((-1,) + (1,) * (len(shape) - 1 - d))
+        stride *= shape[d]
+    block = block.reshape(-1)
     if torch.equal(flat, block):
         return View(index, tuple(idx.shape))
-    if idx.dim() == 2 and torch.equal(idx.t().reshape(-1), block):
+    if idx.dim() == 2 and torch.equal(idx.t().reshape(-1).long(), block):
         return View(index, tuple(idx.shape), True)
     return None
 
