@@ -111,6 +111,25 @@ def test_adapters_quick_run(capsys):
     assert "| LoRA adapters | 2,216 | 8 |" in out and "| full fine-tuning | 19,594 | 8 |" in out
 
 
+def test_hf_benchmark_smoke_run(capsys):
+    pytest.importorskip("transformers")
+    rows = _load("hf").main(["--smoke", "--models", "gpt2"])
+    assert [(r["model"], r["variant"], r["batch"], r["seq"]) for r in rows] == [("gpt2", "full", 4, 8), ("gpt2", "lora", 4, 8)]
+    full, lora = rows
+    # smoke GPT-2: hidden 16, 1 layer, vocabulary 50, 8 positions (lm_head tied to wte); rank-4
+    # adapters on c_attn, attn c_proj, c_fc, mlp c_proj (Conv1D) and lm_head (Linear)
+    assert full["trainable"] == 4_240 and full["frozen"] == 0
+    assert lora["trainable"] == 4 * ((16 + 48) + (16 + 16) + (16 + 64) + (64 + 16) + (16 + 50)) and lora["frozen"] == full["trainable"]
+    for row in rows:
+        for method in ("torch", "vmapdp_eager"):  # these must run
+            assert row["ms"][method] > 0 and row["repeats"][method] >= 1, (row["variant"], method)
+        # Opacus either ran or its error is reported, never silently left out
+        assert ("opacus_hooks" in row["ms"]) != ("opacus_hooks" in row["failed"])
+        assert not any(m.endswith("compiled") for m in row["ms"])
+    out = capsys.readouterr().out
+    assert "| gpt2 | full fine-tuning | 4,240 | 4 x 8 |" in out and "| gpt2 | LoRA adapters | 1,288 | 4 x 8 |" in out
+
+
 def test_noise_benchmark_quick_run(capsys):
     rows = _load("noise").main(["--quick"])
     assert [r["n"] for r in rows] == [1000, 100_000]

@@ -6,6 +6,9 @@ maps the ``python3`` kernelspec's ``python`` to ``sys.executable``), with
 cell prints one JSON line of key results, which the checks below read back. A notebook must also
 stay warning-clean (nothing on stderr) and within its wall-clock budget.
 
+The notebooks are stored executed (notebooks/regenerate.py, full size); the suite checks that
+their stored outputs come from their current code cells (a SHA-256 per cell in the metadata).
+
 Needs the ``notebooks`` extra (nbclient, nbformat, ipykernel, matplotlib); Opacus is optional
 for notebook 06; notebook 07 needs transformers (the ``hf`` extra) and is skipped without it.
 """
@@ -199,16 +202,47 @@ CHECKS = {
 NEEDS_TRANSFORMERS = {"07_dp_transformer_finetuning.ipynb"}
 
 
-def test_every_notebook_is_checked_and_committed_clean():
+def _regenerate():
+    """notebooks/regenerate.py as a module (the one definition of the code digests)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regenerate", NOTEBOOKS / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_notebook_is_checked_and_stored_executed_from_its_current_code():
+    """Each notebook is stored executed (outputs, plots, its results line) by
+    notebooks/regenerate.py, and no code cell changed since: the SHA-256 of every code cell's
+    source equals the one stored with the outputs."""
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(CHECKS)
+    digests = _regenerate().code_digests
     for name in CHECKS:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
         assert nb.metadata["kernelspec"]["name"] == "python3", name
         code = [c for c in nb.cells if c.cell_type == "code"]
-        assert all(not c.outputs and c.execution_count is None for c in code), f"{name}: strip the outputs before committing"
         assert any("VMAPDP_NOTEBOOK_SMALL" in c.source for c in code), f"{name}: must honour VMAPDP_NOTEBOOK_SMALL"
         assert "json.dumps(results)" in code[-1].source, f"{name}: the last cell must print the results line"
+        regenerate = f"run `python notebooks/regenerate.py {name}` to store it executed"
+        stored = nb.metadata.get("vmapdp", {})
+        assert "code_sha256" in stored, f"{name} is stored without outputs: {regenerate}"
+        assert stored["code_sha256"] == digests(nb), f"{name}: code cells changed after their outputs were stored: {regenerate}"
+        assert all(c.execution_count is not None for c in code), f"{name}: a code cell was not executed: {regenerate}"
+        assert any(ln.startswith("{") for ln in _stdout(code[-1]).splitlines()), f"{name}: no stored results line: {regenerate}"
+        assert _images(nb) >= 1, f"{name}: no stored plot: {regenerate}"
+        stderr = [i for i, c in enumerate(code) for o in c.outputs if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+        assert not stderr, f"{name}: the stored run wrote to stderr (a warning?) in code cells {stderr}"
+
+
+def test_a_changed_code_cell_no_longer_matches_its_stored_digest():
+    nb = nbformat.read(NOTEBOOKS / "03_privacy_accounting.ipynb", as_version=4)
+    digests = _regenerate().code_digests
+    before = digests(nb)
+    next(c for c in nb.cells if c.cell_type == "code").source += "\n# edited"
+    after = digests(nb)
+    assert after[0] != before[0] and after[1:] == before[1:]
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

@@ -15,6 +15,10 @@ method x precision x a small model zoo x crafted adversarial samples:
 * transformer pieces (matmul.py, affine.py): GPT-2's ``addmm``, ``x @ W`` and ``einsum`` on
   cancelling sequences, RMSNorm / layer-scale / position-embedding params, a Llama-like block on
   repeated and padding tokens and a ViT-like block on checkerboard images;
+* ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``'s packed in-projection) and a
+  cross-attention with the packed weight in chunks, a transposed param and a 3-D param in ``bmm``
+  (views.py, matmul.py's grouped pairs), and ViT's class token (``torch.cat``), on cancelling
+  sequences;
 * bfloat16 compute (``vmapdp.mixed_precision``, what ``make_train_step(precision=)`` uses).
 
 ``D - {i}`` is the same batch with ``mask[i] = False`` (shapes stay static, as in training).
@@ -132,6 +136,34 @@ class Affines(nn.Module):
         return self.norm(x) + x * self.scale + self.pos
 
 
+class CrossAttention(nn.Module):
+    """``nn.MultiheadAttention`` with distinct q, k, v (its packed ``in_proj_weight`` in three
+    ``chunk`` s: disjoint blocks, views.py), a transposed param (``h @ W.t()``) and a batched one
+    (``bmm`` with a ``[H, d, e]`` param)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.w = nn.Parameter(0.3 * torch.randn(d, d))
+        self.heads = nn.Parameter(0.3 * torch.randn(2, d, d))
+
+    def forward(self, x):
+        h = self.attn(x, x * 0.5, x + 1.0, need_weights=False)[0] @ self.w.t()
+        return torch.bmm(h.unsqueeze(0).expand(2, *h.shape).flatten(1, 2), self.heads).view(2, *h.shape).mean(0)
+
+
+class ClassToken(nn.Module):
+    """ViT's class token: a param ``[1, 1, d]`` expanded to the batch and concatenated to the
+    tokens (``torch.cat``: affine.py's rule, the token's slice of the output grad), then a linear."""
+
+    def __init__(self, d=5):
+        super().__init__()
+        self.cls, self.proj = nn.Parameter(torch.randn(1, 1, d)), nn.Linear(d, 6)
+
+    def forward(self, x):
+        return self.proj(torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1))
+
+
 def _alternating(shape, g, big=1e7):
     """``big`` with the sign pattern + + + - - - over the first dim plus O(1) noise: the huge terms
     cancel, but only after the partial sums peaked at 3 ``big`` (where they absorb the low bits of
@@ -187,6 +219,9 @@ ZOO = {
     "matmul_einsum_sequence": (lambda: Pool(MatmulSeq(), 6), _floats((6, 5), _alternating)),
     "affines": (lambda: Pool(Affines(), 5), _floats((6, 5), _alternating)),
     "llama_block": (lambda: BLOCKS["llama"][0](), _tokens),
+    "transformer_encoder_layer": (lambda: Pool(nn.TransformerEncoderLayer(6, 2, 8, dropout=0.0, batch_first=True), 6), _floats((5, 6), _alternating)),
+    "cross_attention_views_bmm": (lambda: Pool(CrossAttention(), 6), _floats((5, 6), _alternating)),
+    "class_token_cat": (lambda: Pool(ClassToken(), 6), _floats((5, 5), _alternating)),
     "vit_block": (lambda: BLOCKS["vit"][0](), _floats((3, 4, 4), _checkerboard)),
 }
 

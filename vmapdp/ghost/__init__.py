@@ -14,18 +14,25 @@ runs over the positions of a sequence or the pixels of a feature map, ``g = dL/d
 How vmapdp gets ``x`` and ``g`` for a *functional* model, without hooks: the loss is run once,
 mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches the calls made
 with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``F.embedding``,
-``torch.addmm``, ``matmul`` / ``@`` / ``mm`` / ``einsum`` with a 2-D param, the affines of
-``layer_norm`` / ``group_norm`` / ``rms_norm``, ``x * w`` and ``x + w``) whose weight is a param,
+``torch.addmm``, ``matmul`` / ``@`` / ``mm`` / ``einsum`` with a 2-D param, ``bmm`` / batched
+``matmul`` with a ``[*G, m, n]`` param, the affines of ``layer_norm`` / ``group_norm`` /
+``rms_norm``, ``x * w`` and ``x + w``, ``torch.cat``) whose weight is a param, or a view of one (a box:
+``chunk``, ``split``, ``narrow``, slices, ``unbind``, ``W.t()`` / ``W.T`` / ``transpose``, an ``expand``
+that repeats nothing; views.py),
 it keeps the op's input and adds a *tap*, a zero tensor that is an input of the
 computation, to its output; one ``vjp`` of the summed loss then returns each tap's gradient, which
 is the per-sample output gradient ``g``. The weight gradients themselves are never computed by
 autograd. Convolutions go through unfolded patches; embeddings through token equality (never a
 vocabulary-sized tensor per sample); a matmul with a 2-D param is a linear with the weight
-possibly transposed; the elementwise affines form their small per-sample grads (``[B, C]``)
+possibly transposed; a batched param is a pair per matrix; the disjoint views of one param (the
+q, k, v blocks of ``nn.MultiheadAttention``'s packed in-projection) add their norms in squares;
+the elementwise affines form their small per-sample grads (``[B, C]``)
 directly, and norm and sum then share the same numbers (no margin, no cross-sample sum).
 
-Parameters that no rule covers (attention's packed projections, a 3-D param in ``bmm``, a
-transposed copy ``W.t()``; ``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
+``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is traced through (its ops are seen
+one by one: ``plan.TRACED_THROUGH``). Parameters that no rule covers (an einsum with a 3-D param,
+a param broadcast by ``expand``, a strided slice;
+``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
 view): the same ``vjp`` returns their per-sample gradients, whose norms join the total. A param
 with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums
 equal the per-sample-gradient engine's up to float rounding, for any model.
@@ -34,9 +41,9 @@ Floating point: a sample's norm and its share of the clipped sum come from two d
 computations, so their rounding differs; an adversarial sample can make the terms of a ghost
 Gram sum cancel (a large component shared by all positions, output grads of alternating sign).
 Gram sums are therefore taken in float64, and the clip factor uses the norm plus a margin that
-bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``; see ``uses.rounding_margin``): the
-released contribution stays within ``C``, and benign samples see a relative change of ~1e-4 or
-less. The returned ``norms`` are the computed norms, without the margin.
+bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``, ``eps`` that of the
+dtype the clipped sum is accumulated in; see ``uses.rounding_margin``): the released contribution
+stays within ``C``. The returned ``norms`` are the computed norms, without the margin.
 
 The margin bounds a sample's *own* contribution; the guarantee DP needs is on the neighbour
 difference, ``||sum(D) - sum(D - {i})|| <= C (1 + tol)``. A book-keeping matmul adds the terms of
@@ -44,7 +51,11 @@ all samples in one accumulation, and in float32 a sample with huge cancelling te
 margin) quantises the partial sums of the others (a neighbour difference above C). So every use with more than
 one term per sample (sequences, conv positions, embeddings, a param with per-sample-view uses too)
 is accumulated in float64, where that cross-talk is ``<= ~B**2 2**-30 C`` (see ``engine._sum_dtype``);
-one-term uses (an MLP's layers) stay float32, with ``clip_and_sum``'s rounding. ``tol`` is then
+one-term uses (an MLP's layers) stay float32, with ``clip_and_sum``'s rounding. The cross-talk
+bound needs each sample's mass bounded, ``w_i M_i <= C / (2 (T + 2) eps32)``: the float32 margin
+is kept as a floor of the safe norm (``engine._bound``), which only samples whose terms cancel
+reach; benign samples get the float64 margin, so the clipped sum of long sequences stays accurate
+(relative error ~4e-7 against float64 at T = 8 to 512, where the float32 margin gave 2e-6 to 1.4e-3). ``tol`` is then
 that of ``clip_and_sum``'s float32 sum (``~ 2 B**2 eps`` worst case; < 1e-4 at B = 8 in
 tests/test_sensitivity.py). The cost is float64 conv backwards for wide convs (its figure is in
 benchmarks/README.md); an MLP pays nothing.
@@ -63,7 +74,8 @@ shape and later calls is refused with an error.
 The package, a file a job: ``plan.py`` (the tracer: ``Mode``, ``Run``, the probe and its
 ``Plan``), ``uses.py`` (``Use``, ``UseKind``, ``Site``, ``Rule`` and the rounding margin),
 ``rules.py`` (``RULES``, the one table of covered ops) with a file per rule (``linear.py``,
-``conv.py``, ``embedding.py``, ``matmul.py``, ``affine.py``), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
+``conv.py``, ``embedding.py``, ``matmul.py``, ``affine.py``), ``views.py`` (views of params as
+weights), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
 tuning limits). The dispatcher over vmap, ghost and two_pass, ``clipped_grad_sum``, is
 :mod:`vmapdp.clipped` (re-exported here).
 """

@@ -1,5 +1,6 @@
 """The elementwise-affine rules (``F.layer_norm``, ``F.group_norm``, ``F.rms_norm``, ``x * w`` and
-``x + w`` with a param ``w`` that broadcasts into ``x``) and their "direct" use: the per-sample grads themselves, which are small.
+``x + w`` with a param ``w`` that broadcasts into ``x``, and ``torch.cat`` with a param) and their
+"direct" use: the per-sample grads themselves, which are small.
 
 An affine ``y = xhat * w + b`` over the last dim(s) (the channel dim for group norm) has per-sample
 grads ``sum_t xhat_t * g_t`` (weight) and ``sum_t g_t`` (bias): as many numbers per sample as the
@@ -20,10 +21,10 @@ from torch import Tensor
 from vmapdp._tree import acc_dtype
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 
-__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "direct_use"]
+__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use"]
 
 
-def _sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
     sq = torch.linalg.vector_norm(use.u.flatten(1), dim=1).square()
     return sq, torch.zeros_like(sq), use.u if keep_grads else None
 
@@ -177,8 +178,33 @@ def add_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> lis
     return [(site.weight, direct_use(_reduce_to(g.to(acc_dtype(g.dtype)), shape).reshape((g.shape[0],) + shape)))]
 
 
+def parse_cat(args: tuple, kwargs: dict) -> list[tuple[Any, Any, Any, tuple]] | None:
+    """``torch.cat(tensors, dim)`` (ViT's ``cat((class token, patches), 1)``): the alternatives, one
+    per operand ``w`` (``meta`` = ``(dim, offset, size)``: where ``w`` lies in the output), with
+    another operand as the "input" (the rule needs only the output grad)."""
+    tensors, dim = arg(args, kwargs, 0, "tensors"), arg(args, kwargs, 1, "dim", 0)
+    if set(kwargs) - {"tensors", "dim"} or not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or not isinstance(dim, int):
+        return None
+    if not all(isinstance(t, Tensor) and t.dim() == tensors[0].dim() > 0 for t in tensors):
+        return None
+    dim = dim % tensors[0].dim()
+    out, offset = [], 0
+    for i, w in enumerate(tensors):
+        out.append((tensors[1 if i == 0 else 0], w, None, (dim, offset, int(w.shape[dim]))))
+        offset += int(w.shape[dim])
+    return out
+
+
+def cat_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:
+    """The operand's per-sample grad is its slice of the output grad."""
+    dim, offset, size = site.meta
+    shape = tuple(params[site.weight].shape)
+    return [(site.weight, direct_use(g.narrow(dim + 1, offset, size).to(acc_dtype(g.dtype)).reshape((g.shape[0],) + shape)))]
+
+
 LAYER_NORM = Rule(parse_layer_norm, layer_norm_uses)
 RMS_NORM = Rule(parse_rms_norm, rms_norm_uses)
 GROUP_NORM = Rule(parse_group_norm, group_norm_uses)
 MUL = Rule(parse_mul, mul_uses)
+CAT = Rule(parse_cat, cat_uses)
 ADD = Rule(parse_add, add_uses)

@@ -190,8 +190,10 @@ def conv_mass(use: Use) -> Tensor:
     return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
 
 
-def conv_sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Squared norms of one conv use, their margin, and the per-sample grads when ``keep_grads``."""
+def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared norms of one conv use, their margin (for a clipped sum in ``dtype``, default the
+    use's), and the per-sample grads when ``keep_grads``."""
+    dtype = use.u.dtype if dtype is None else dtype
     b = use.u.shape[0]
     if not _grouped_path(use):
         t, du, dv = use.t, use.shape[0], math.prod(use.shape[1:])
@@ -201,13 +203,13 @@ def conv_sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | 
         if gram and input_gram_cheaper(positions, c_in, k, t):
             # the patches' Gram from the input's own (fewer products, no patches in memory)
             per_sample = 2 * positions * positions + positions * c_in + 3 * t * t + t * du
-            parts = [from_grams(*conv_grams(use.rows(s, e)), use.u.dtype) for s, e in slices(b, per_sample)]
+            parts = [from_grams(*conv_grams(use.rows(s, e)), dtype) for s, e in slices(b, per_sample)]
             sqs, masses = zip(*parts)
             sq, mass = cat_rows(sqs), cat_rows(masses)
-            return sq, gram_margin(sq, mass, t, du, dv, use.u.dtype), None
+            return sq, gram_margin(sq, mass, t, du, dv, dtype), None
         # patches are unfolded a slice of the batch at a time (float64 ones for Grams)
         parts = [
-            pair_sq_norms(*conv_pair(use.rows(s, e), torch.float64 if gram else use.u.dtype), keep_grads, use.u.dtype)
+            pair_sq_norms(*conv_pair(use.rows(s, e), torch.float64 if gram else use.u.dtype), keep_grads, dtype)
             for s, e in slices(b, 2 * t * (t + du + dv) + t * dv if gram else du * dv + t * dv)
         ]
         sqs, margins, pers = zip(*parts)
@@ -225,7 +227,7 @@ def conv_sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | 
     sq = cat_rows(sqs)
     if per is not None:  # the clipped sum will use these very numbers: nothing to reconcile
         return sq, torch.zeros_like(sq), per
-    return sq, rounding_margin(use.t, sq.dtype) * conv_mass(use), None
+    return sq, rounding_margin(use.t, dtype) * conv_mass(use), None
 
 
 

@@ -44,7 +44,7 @@ def embedding_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) 
     return [(site.weight, Use(EMBEDDING, gg, tok, tuple(w.shape), w.shape[0]))]
 
 
-def embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+def embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """``||sum_t e_{tok_t} g_t^T||^2`` per sample, by summing the grads of equal (sample, token)
     pairs, and its margin. One flat sort of ``row * vocab + token`` groups the pairs; sizes stay
     static (at most ``B*T`` groups) for torch.compile, and no tensor is vocab-sized per sample."""
@@ -59,12 +59,12 @@ def embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int) -> tuple[Tensor, Tens
     sums = g.new_zeros(b * t, d).index_add_(0, group_of, g.reshape(-1, d))
     row_of_group = torch.zeros_like(group).scatter_(0, group, srt // vocab)  # unused groups: row 0, sum 0
     sq = g.new_zeros(b).index_add_(0, row_of_group, torch.linalg.vector_norm(sums, dim=1).square())
-    return sq, rounding_margin(t, g.dtype) * torch.linalg.vector_norm(g, dim=2).sum(1)
+    return sq, rounding_margin(t, g.dtype if dtype is None else dtype) * torch.linalg.vector_norm(g, dim=2).sum(1)
 
 
 
-def _sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, None]:
-    return (*embedding_sq_norms(use.u, use.v, use.extra), None)
+def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
+    return (*embedding_sq_norms(use.u, use.v, use.extra, dtype), None)
 
 
 def _per_sample(use: Use) -> Tensor:

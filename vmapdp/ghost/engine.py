@@ -21,7 +21,9 @@ from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
 from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
 from vmapdp.ghost.rules import RULES
+from vmapdp.ghost.linear import PAIR
 from vmapdp.ghost.uses import Use, rounding_margin
+from vmapdp.ghost.views import Shaped, disjoint, pad_to, place
 
 __all__ = ["ghost_norms_and_sum"]
 
@@ -66,8 +68,26 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | Non
     return use.kind.weighted(use, u * rows(w.to(u.dtype), u), v)
 
 
-def _use_margin(use: Use) -> Tensor:
-    return rounding_margin(use.t, use.u.dtype) * use.kind.mass(use)
+def _use_margin(use: Use, dtype: torch.dtype) -> Tensor:
+    return rounding_margin(use.t, dtype) * use.kind.mass(use)
+
+
+def _bound(uses: list[Use], sq: Tensor, margin: Tensor, dtype: torch.dtype, formed: bool) -> Tensor:
+    """The safe upper bound (float64) of the norm of one param (or block) whose squared norm is
+    ``sq``, with the ``margin`` of a clipped sum accumulated in ``dtype``.
+
+    A float64 book-keeping sum of float32 uses (``_sum_dtype``) rounds a sample's own share by
+    ``~ T eps64 mass`` only: ``margin`` is that small, so that long sequences are clipped
+    accurately. What that sum needs beyond it is a bound on each sample's *mass* (the cross-talk of
+    ``_sum_dtype``: ``w_i M_i <= C / (2 (T + 2) eps32)``), so the bound is at least
+    ``2 (T + 2) eps32 M_i`` (the float32 margin): for benign samples (mass ~ sqrt(T) norm) far
+    below the norm, for a sample whose huge terms cancel the same clip as a float32 margin gives.
+    ``formed``: the sum will use the per-sample grads themselves (no book-keeping)."""
+    safe = sq.clamp_min(0.0).double().sqrt() + margin.double()
+    if not formed and any(dtype != u.u.dtype for u in uses):
+        floor = sum(_use_margin(u, u.u.dtype).double() for u in uses if dtype != u.u.dtype)
+        safe = torch.maximum(safe, floor)
+    return safe
 
 
 def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[Use]:
@@ -86,12 +106,27 @@ def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], T
         return joined[key][1]
 
     first = uses[0]
-    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra)]
+    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra, first.index)]
+
+
+def _blocks(uses: list[Use]) -> dict[Any, list[Use]]:
+    """A param's uses by the block of it they use (views.py; None: the whole param)."""
+    out: dict[Any, list[Use]] = {}
+    for u in uses:
+        out.setdefault(u.index, []).append(u)
+    return out
 
 
 def _merge_all(uses: dict[str, list[Use]]) -> dict[str, list[Use]]:
     joined: dict = {}
-    return {key: _merged(u, joined) for key, u in uses.items()}
+    return {key: [m for block in _blocks(u).values() for m in _merged(block, joined)] for key, u in uses.items()}
+
+
+def _disjoint_blocks(uses: list[Use], other: bool) -> bool:
+    """The uses are of two or more pairwise disjoint blocks of the param (and it has no other uses):
+    their norms add in squares, each block's computed on its own."""
+    blocks = list(_blocks(uses))
+    return not other and len(blocks) > 1 and all(disjoint(a, b) for i, a in enumerate(blocks) for b in blocks[i + 1 :])
 
 
 def _held(uses: list[Use]) -> int:
@@ -99,23 +134,25 @@ def _held(uses: list[Use]) -> int:
     return sum(u.u.numel() + (0 if u.kind.indices else u.v.numel()) for u in uses)
 
 
-def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Squared per-sample norms of one param's gradient (the sum of all its uses, see
-    :func:`_merged`), the margin of the norm (see :func:`~vmapdp.ghost.uses.rounding_margin`), and the per-sample grads when
+def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Squared per-sample norms of one param's (of ``shape``) gradient (the sum of all its uses, see
+    :func:`_merged`; uses of blocks are placed in the param), the margin of the norm for a clipped
+    sum in ``dtype`` (see :func:`~vmapdp.ghost.uses.rounding_margin`), and the per-sample grads when
     they had to be formed and ``keep_grads`` allows keeping them (then the sum uses the same
     numbers and the margin is 0)."""
     if other is None and len(uses) == 1:
-        return uses[0].kind.sq_norms(uses[0], keep_grads)
+        sq, margin, per = uses[0].kind.sq_norms(uses[0], keep_grads, dtype)
+        return sq, margin, None if per is None else pad_to(per, uses[0].index, shape, 1)
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
-        p = u.kind.per_sample(u)
+        p = pad_to(u.kind.per_sample(u), u.index, shape, 1)
         total = p if total is None else total + p
     sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
     if keep_grads:
         return sq, torch.zeros_like(sq), total
     margin = torch.zeros_like(sq)
     for u in uses:  # the other uses' per-sample grads are summed as they are: no margin for them
-        margin = margin + _use_margin(u).to(sq.dtype)
+        margin = margin + _use_margin(u, dtype).to(sq.dtype)
     return sq, margin, None
 
 
@@ -177,7 +214,7 @@ def _tapped_uses(
     def fwd(taps, expanded, sample):
         run = Run(params, plan, taps, expanded)
         loss = run_loss(run, loss_fn, params, shared, sample)
-        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates):
+        if run.n != len(plan.sites) or run.n_cand != len(plan.candidates) or run.n_view != len(plan.views):
             raise RuntimeError(f"{call}: {CONTROL_FLOW}")
         if any(t._version != v for t, v in run.versions):
             raise RuntimeError(
@@ -198,8 +235,11 @@ def _tapped_uses(
 
     uses: dict[str, list[Use]] = {}
     for site, x, g in zip(plan.sites, saved, tap_grads):
-        for key, use in RULES[site.op].uses(site, x, g, params):
-            uses.setdefault(key, []).append(use)
+        wv, bv = site.views
+        shaped = params if wv is None and bv is None else {**params, **{k: Shaped(v.shape) for k, v in ((site.weight, wv), (site.bias, bv)) if v is not None}}
+        for key, use in RULES[site.op].uses(site, x, g, shaped):
+            view = wv if key == site.weight else bv if key == site.bias else None
+            uses.setdefault(key, []).append(use if view is None else place(use, view, PAIR))
     del saved, tap_grads  # from here on only `uses` holds layer inputs and output grads
     return losses, _merge_all(uses), other_grads  # (the per-use tensors that were joined are freed here, unless shared)
 
@@ -223,8 +263,16 @@ def _norms(
             # no larger than the output grads and inputs of their uses: those are then released,
             # which frees their memory unless other params' uses share them (a bias shares the
             # output grads, sibling layers an input); so keeping adds at most that much
+            wide = _sum_dtype(uses.get(key, []), key in other_grads, acc_dtype(params[key].dtype))
+            if _disjoint_blocks(uses.get(key, []), key in other_grads):  # (views.py) each block like a param of its own
+                for block in _blocks(uses[key]).values():
+                    sq_b, margin_b, _ = _sq_norms(block, None, False, tuple(params[key].shape), wide)
+                    sq_b = sq_b.to(sq.dtype).clamp_min(0.0)
+                    sq = sq + sq_b
+                    safe_sq = safe_sq + _bound(block, sq_b, margin_b, wide, False).square()
+                continue
             keep = keep_budget and (size <= budget or size <= limits.LIMITS.keep_ratio * _held(uses.get(key, [])))
-            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep)
+            sq_k, margin_k, per = _sq_norms(uses.get(key, []), other_grads.get(key), keep, tuple(params[key].shape), wide)
             if per is not None:
                 kept[key] = per
                 if size <= budget:
@@ -232,7 +280,7 @@ def _norms(
                 uses.pop(key, None)  # the clipped sum will come from `per`: free its inputs and output grads
             sq_k = sq_k.to(sq.dtype).clamp_min(0.0)  # (a float64 Gram sum can round below 0)
             sq = sq + sq_k
-            safe_sq = safe_sq + (sq_k.double().sqrt() + margin_k.double()).square()
+            safe_sq = safe_sq + _bound(uses.get(key, []), sq_k, margin_k, wide, per is not None).square()
     norms = torch.where(real, sq.sqrt(), 0.0)
     # the clip factor uses an upper bound on the norm that covers the rounding of the two
     # computations (norm, and clipped sum) ghost clipping does for a sample: see rounding_margin
@@ -263,6 +311,6 @@ def _clipped_sum(
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
             total = total + weighted_sum({key: other[key].to(wide)}, w)[key]
         for use in uses.get(key, []):
-            total = total + _weighted(use, w, zero, wide)
+            total = total + pad_to(_weighted(use, w, zero, wide), use.index, tuple(p.shape))
         summed[key] = total.to(dtype)
     return {k: summed[k] for k in params}

@@ -87,8 +87,8 @@ def pair_mass(u: Tensor, v: Tensor) -> Tensor:
 
 
 
-def _sq_norms(use: Use, keep_grads: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    sq, margin, per = pair_sq_norms(use.u, use.v, keep_grads)
+def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    sq, margin, per = pair_sq_norms(use.u, use.v, keep_grads, dtype)
     return sq, margin, None if per is None else per.reshape((per.shape[0],) + use.shape)
 
 
@@ -101,4 +101,4 @@ def _weighted(use: Use, uw: Tensor, v: Tensor) -> Tensor:
 
 
 PAIR = UseKind("pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v))
-LINEAR = Rule(parse_linear, linear_uses)
+LINEAR = Rule(parse_linear, linear_uses, transposable=True)

@@ -11,6 +11,7 @@ real run checks every call against the plan and refuses data-dependent control f
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,8 +25,9 @@ from torch.overrides import TorchFunctionMode
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.uses import Site, arg
+from vmapdp.ghost.views import VIEW_OPS, View, box_of
 
-__all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "rng_kept", "CONTROL_FLOW"]
+__all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "rng_kept", "CONTROL_FLOW", "TRACED_THROUGH"]
 
 
 _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
@@ -40,6 +42,8 @@ class Plan:
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
+    views: list[tuple[Callable, tuple[View, ...] | None]] = field(default_factory=list)  # per view op on a param: its outputs' views (None: not boxes)
+    traced_through: bool = False  # the loss called a function of TRACED_THROUGH (nn.MultiheadAttention)
 
     def describe(self, params: dict[str, Tensor]) -> str:
         """What ghost clipping covers of ``params`` and what it leaves to per-sample views, by name
@@ -63,7 +67,40 @@ class Mode(TorchFunctionMode):
         self.run = run
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        body = TRACED_THROUGH.get(func)
+        if body is not None:  # run its body with the mode on: the ops inside are seen one by one
+            self.run.plan.traced_through = True
+            with self:
+                return body(*args, **(kwargs or {}))
         return self.run.call(func, args, kwargs or {})
+
+
+def _body(func: Callable, **replaced: Any) -> Callable:
+    """A copy of a torch Python function that does not hand itself to ``__torch_function__`` (its
+    ``has_torch_function`` check answers False), with the globals in ``replaced`` replaced: called
+    under the mode, its ops are seen one by one. (``torch.overrides.redispatch_function`` does the
+    same in eager, but torch.compile refuses it inside a mode's handler.)"""
+    names = dict(func.__globals__, has_torch_function=lambda *a: False, **replaced)
+    copy = types.FunctionType(func.__code__, names, func.__name__, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return copy
+
+
+# Python functions that dispatch to ``__torch_function__`` as a whole although their bodies are
+# plain torch ops -> their bodies: the tracer sees their ops instead (``nn.MultiheadAttention``'s
+# body is ``F.linear`` on the packed in-projection, or on its slices, and on ``out_proj``)
+def _per_projection(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor | None = None) -> list[Tensor]:
+    """``F._in_projection_packed`` on its per-projection path (``w.chunk(3)``, three ``F.linear``):
+    the same q, k and v as its packed paths, whose ``Tensor.unflatten`` torch.compile cannot trace
+    inside a mode. (Ghost clipping then sees three disjoint blocks of the packed weight.)"""
+    if k is q:
+        k = k.view_as(k)
+    if v is q or v is k:
+        v = v.view_as(v)
+    return F._in_projection_packed(q, k, v, w, b)
+
+
+TRACED_THROUGH = {F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection)}
 
 
 def _has_tensor(out: Any) -> bool:
@@ -90,6 +127,12 @@ class Run:
 
     def __init__(self, params: dict[str, Tensor], plan: Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
         self.key_of = {id(v): k for k, v in params.items()}
+        self.shape_of = {k: tuple(v.shape) for k, v in params.items()}
+        # the views of params made so far (views.py), found by identity, not id(): under
+        # torch.compile the id of an intermediate tensor can be reused. Each is [tensor, param key,
+        # View, the flat param indices it holds (probe), its twin: the same view of the per-sample copy]
+        self.views: list[list] = []
+        self.n_view = 0  # view ops on params seen so far
         self.probe = plan is None
         self.plan = plan if plan is not None else Plan()
         self.taps = taps
@@ -104,16 +147,30 @@ class Run:
 
     # -- which params does a call use, and how --------------------------------------------------
     def _key(self, t: Any) -> str | None:
-        return self.key_of.get(id(t)) if isinstance(t, Tensor) else None
+        if not isinstance(t, Tensor):
+            return None
+        k = self.key_of.get(id(t))
+        if k is None:
+            entry = self._view(t)
+            k = None if entry is None else entry[1]
+        return k
+
+    def _view(self, t: Any) -> list | None:
+        """``t``'s entry in ``views`` when it is a view of a param."""
+        for entry in self.views:
+            if entry[0] is t:
+                return entry
+        return None
 
     def _keys_in(self, tree: Any) -> set[str]:
         """The params (by key) among the leaves of a call's arguments."""
         keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
         return {k for k in keys if k is not None}
 
-    def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[Tensor, str, str | None, tuple] | None:
-        """A covered op whose weight is a param, in the standard form its rule handles (the rule's
-        parse checks the shapes, a bias's included): ``(input, weight key, bias key, meta)``."""
+    def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[Tensor, str, str | None, tuple, tuple] | None:
+        """A covered op whose weight is a param (or a view of one, views.py), in the standard form
+        its rule handles (the rule's parse checks the shapes, a bias's included): ``(input, weight
+        key, bias key, meta, (weight view, bias view))``."""
         rule = RULES.get(func)
         parsed = None if rule is None else rule.parse(args, kwargs)
         if parsed is None:
@@ -124,7 +181,15 @@ class Run:
                 continue
             if b is not None and not isinstance(b, Tensor):
                 return None
-            return x, wk, self._key(b), meta
+            bk = self._key(b)
+            views = tuple(None if e is None else e[2] for e in (self._view(w), None if bk is None else self._view(b)))
+            if views[0] is not None and views[0].transposed and not rule.transposable:
+                continue
+            if bk == wk and views != (None, None):
+                return None  # a weight and a bias from one param: the generic path
+            if self._keys_in((args, kwargs)) - {wk, bk}:
+                continue  # another param among the arguments (two params in one cat): the generic path
+            return x, wk, bk, meta, views
         return None
 
     def _swap(self, tree: Any) -> Any:
@@ -134,7 +199,8 @@ class Run:
             k = self._key(v)
             if k is None or k not in self.expanded:
                 return v
-            e = self.expanded[k]
+            entry = self._view(v)
+            e = self.expanded[k] if entry is None else entry[4]
             return e if e.dtype == v.dtype else e.to(v.dtype)
 
         return optree.tree_map(one, tree, namespace="torch")
@@ -147,7 +213,7 @@ class Run:
             return out
         out = func(*self._swap(tuple(args)), **self._swap(kwargs))
         if _has_tensor(out) and not keys <= self.expanded.keys():  # (expanded: the plan's other-use keys)
-            raise RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
+            raise self._mismatch()
         return out
 
     def _uncovered(self, keys: set[str], op: str) -> None:
@@ -156,6 +222,19 @@ class Run:
             ops = self.plan.uncovered.setdefault(k, [])
             if op not in ops:
                 ops.append(op)
+
+    def _mismatch(self) -> RuntimeError:
+        """The real run differs from the plan: data-dependent control flow, or, under torch.compile,
+        an attention module's fused fast path (taken in eval mode when no ``__torch_function__``
+        override is visible, and torch.compile's tracing does not show the tracer's)."""
+        if self.plan.traced_through and torch.compiler.is_compiling() and torch.backends.mha.get_fastpath_enabled():
+            return RuntimeError(
+                "ghost clipping: under torch.compile, nn.MultiheadAttention / nn.TransformerEncoderLayer in eval mode "
+                "took their fused fast path, which the eager probe did not (the model's ops differ from the plan). "
+                "Call torch.backends.mha.set_fastpath_enabled(False) before the first compiled step, train in "
+                "train mode (model.train()), or use compile=False."
+            )
+        return RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
 
     # -- what the probe refuses or records -------------------------------------------------------
     def _inspect(self, func, args: tuple, kwargs: dict) -> None:
@@ -186,16 +265,23 @@ class Run:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
             out = func(*args, **kwargs)
             if isinstance(out, Tensor) and out is not args[0]:
-                self.key_of[id(out)] = self.key_of[id(args[0])]
-                self.aliases.append(out)
+                entry = self._view(args[0])
+                if entry is None:
+                    self.key_of[id(out)] = self.key_of[id(args[0])]
+                    self.aliases.append(out)
+                else:  # a cast of a view is the same view
+                    twin = None if entry[4] is None else func(entry[4], *args[1:], **kwargs)
+                    self.views.append([out, entry[1], entry[2], entry[3], twin])
             return out
+        if func in VIEW_OPS and args and self._key(args[0]) is not None:
+            return self._view_op(func, args, kwargs)
         cand = self._candidate(func, args, kwargs)
         if cand is None:
             keys = self._keys_in((args, kwargs))
             if func is F.embedding and arg(args, kwargs, 2, "padding_idx") is not None:
                 func, args, kwargs = embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
-        x, wk, bk, meta = cand
+        x, wk, bk, meta, views = cand
         keys = {wk} | ({bk} if bk else set())
         index = self.n_cand
         self.n_cand += 1
@@ -207,17 +293,17 @@ class Run:
             if not is_site:
                 self._uncovered(keys, f"{_name(func)} inside a transform of the loss's own")
                 return out
-            self.plan.sites.append(Site(func, wk, bk, tuple(out.shape), out.dtype, meta))
+            self.plan.sites.append(Site(func, wk, bk, tuple(out.shape), out.dtype, meta, views))
             return out
         if index >= len(self.plan.candidates):
-            raise RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
+            raise self._mismatch()
         if not self.plan.candidates[index]:
             if func is F.embedding and arg(args, kwargs, 2, "padding_idx") is not None:
                 func, args, kwargs = embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys)
         out = func(*args, **kwargs)
-        if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != Site(func, wk, bk, tuple(out.shape), out.dtype, meta):
-            raise RuntimeError(f"ghost clipping: {CONTROL_FLOW}")
+        if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != Site(func, wk, bk, tuple(out.shape), out.dtype, meta, views):
+            raise self._mismatch()
         tap = self.taps[self.n]
         self.n += 1
         if torch.compiler.is_compiling():
@@ -226,6 +312,51 @@ class Run:
             self.versions.append(_version_of(x))
         self.saved.append(x)
         return out + tap
+
+
+    def _view_op(self, func, args: tuple, kwargs: dict) -> Any:
+        """A view op (views.VIEW_OPS) on a param or a view of one. The probe finds the box each
+        output is (the op applied to the flat indices of the param) and records them; outputs that
+        are boxes become views (the weight or bias of a site, or, used otherwise, their twins: the
+        same view of the per-sample copy), else the call is an ordinary use of the param."""
+        key = self._key(args[0])
+        keys = self._keys_in((args, kwargs))
+        if self.probe:
+            out = func(*args, **kwargs)
+            leaves = optree.tree_leaves(out, namespace="torch")
+            views = idx = None
+            # (a tensor among the other arguments, W[idx], may select differently per sample: not a view)
+            if keys == {key} and not _has_tensor((args[1:], kwargs)):
+                entry = self._view(args[0])
+                base = None if entry is None else entry[3]
+                if base is None:  # the param itself (or a cast of it): its flat indices (int32 when they fit)
+                    n = args[0].numel()
+                    base = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(self.shape_of[key])
+                idx = optree.tree_leaves(func(base, *args[1:], **kwargs), namespace="torch")
+                views = tuple(box_of(j, self.shape_of[key]) if isinstance(j, Tensor) else None for j in idx)
+                if len(views) != len(leaves) or None in views:
+                    views = None
+            if views is None:
+                self.plan.views.append((func, None))
+                if _has_tensor(out):
+                    self._uncovered(keys, _name(func))
+                return out
+            self.plan.views.append((func, views))
+            self.views += [[t, key, v, j, None] for t, j, v in zip(leaves, idx, views)]
+            return out
+        if self.n_view >= len(self.plan.views) or self.plan.views[self.n_view][0] != func:
+            raise self._mismatch()
+        views = self.plan.views[self.n_view][1]
+        self.n_view += 1
+        if views is None:
+            return self._other_use(func, args, kwargs, keys)
+        out = func(*args, **kwargs)
+        leaves = optree.tree_leaves(out, namespace="torch")
+        if len(leaves) != len(views) or any(tuple(t.shape) != v.shape for t, v in zip(leaves, views)):
+            raise self._mismatch()
+        twins = optree.tree_leaves(func(*self._swap(tuple(args)), **self._swap(kwargs)), namespace="torch") if key in self.expanded else [None] * len(leaves)
+        self.views += [[t, key, v, None, e] for t, v, e in zip(leaves, views, twins)]
+        return out
 
 
 def _name(func: Callable) -> str:

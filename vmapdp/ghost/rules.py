@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vmapdp.ghost.affine import ADD, GROUP_NORM, LAYER_NORM, MUL, RMS_NORM
+from vmapdp.ghost.affine import ADD, CAT, GROUP_NORM, LAYER_NORM, MUL, RMS_NORM
 from vmapdp.ghost.conv import CONV_RULES
 from vmapdp.ghost.embedding import EMBEDDING_RULE
 from vmapdp.ghost.linear import LINEAR
@@ -31,6 +31,8 @@ RULES = {
     Tensor.__matmul__: MATMUL,
     torch.mm: MATMUL,
     Tensor.mm: MATMUL,
+    torch.bmm: MATMUL,
+    Tensor.bmm: MATMUL,
     torch.einsum: EINSUM,
     # affine.py: elementwise affines, their per-sample grads formed directly
     F.layer_norm: LAYER_NORM,
@@ -43,4 +45,7 @@ RULES = {
     Tensor.add: ADD,
     Tensor.__add__: ADD,
     Tensor.__radd__: ADD,
+    # a param (or a view of one) concatenated to activations: its slice of the output grad
+    torch.cat: CAT,
+    torch.concat: CAT,
 }

@@ -35,8 +35,9 @@ class Use:
     kind: "UseKind"
     u: Tensor
     v: Tensor
-    shape: tuple[int, ...]  # the param's shape
+    shape: tuple[int, ...]  # the param's shape (a view's: see ``index``)
     extra: Any = None
+    index: tuple[tuple[int, int], ...] | None = None  # the block of the param it is a use of (views.py); None: all of it
 
     @property
     def t(self) -> int:
@@ -45,7 +46,7 @@ class Use:
 
     def rows(self, s: int, e: int) -> "Use":
         """The use restricted to samples ``s:e``."""
-        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra)
+        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra, self.index)
 
 
 class UseKind(NamedTuple):
@@ -53,7 +54,8 @@ class UseKind(NamedTuple):
 
     name: str
     positions: Callable[[Use], int]  # T: the terms of a sample's per-sample grad
-    sq_norms: Callable[[Use, bool], tuple[Tensor, Tensor, Tensor | None]]  # (use, keep_grads) -> (sq, margin, per-sample grads or None)
+    # (use, keep_grads, dtype of the clipped sum) -> (sq, margin, per-sample grads or None)
+    sq_norms: Callable[[Use, bool, torch.dtype], tuple[Tensor, Tensor, Tensor | None]]
     per_sample: Callable[[Use], Tensor]  # the per-sample grads [B, *shape]
     weighted: Callable[[Use, Tensor, Tensor], Tensor]  # (use, u * w, v) -> sum_i w_i G_i, without G_i
     mass: Callable[[Use], Tensor]  # sum_t |u_t| |v_t| per sample (see rounding_margin)
@@ -70,6 +72,7 @@ class Site(NamedTuple):
     out_shape: tuple[int, ...]  # per-sample output shape (the tap's)
     out_dtype: torch.dtype
     meta: tuple = ()  # what the rule's parse returned for the call (conv: its geometry)
+    views: tuple = (None, None)  # the weight's and the bias's views.View when they are views of their params
 
 
 class Rule(NamedTuple):
@@ -82,6 +85,8 @@ class Rule(NamedTuple):
     parse: Callable[[tuple, dict], tuple[Any, Any, Any, tuple] | list[tuple[Any, Any, Any, tuple]] | None]
     # (site, saved input, tap grad [B, *out], params) -> the (param key, Use) pairs of the call
     uses: Callable[[Site, Tensor, Tensor, dict[str, Tensor]], list[tuple[str, Use]]]
+    # the weight may be a transposed view (views.py): its use is a "pair" (linear.PAIR)
+    transposable: bool = False
 
 
 def arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
@@ -121,7 +126,9 @@ def rounding_margin(t: int, dtype: torch.dtype) -> float:
     float computations; each can be off by ``~ T eps sum_t |u_t| |v_t|`` (worst case, when the
     terms cancel). The clip factor uses ``norm + margin * sum_t |u_t||v_t|`` so that the released
     contribution is within ``C`` however the rounding falls (an adversary can make the terms
-    cancel); benign samples see a relative change of ``~ T^1.5 eps``, 1e-4 or less in float32.
+    cancel); benign samples see a relative change of ``~ T^1.5 eps``, with ``eps`` that of the
+    clipped sum's dtype (float64 for sequences, whose float32 margin is only a floor: see
+    ``engine._bound``).
     """
     return 2.0 * (t + 2) * eps_of(dtype)
 
