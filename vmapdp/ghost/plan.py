@@ -90,6 +90,7 @@ class Run:
 
     def __init__(self, params: dict[str, Tensor], plan: Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
         self.key_of = {id(v): k for k, v in params.items()}
+        self.known = [(v, k) for k, v in params.items()]  # the same, by identity (for torch.compile: see _key)
         self.probe = plan is None
         self.plan = plan if plan is not None else Plan()
         self.taps = taps
@@ -104,7 +105,11 @@ class Run:
 
     # -- which params does a call use, and how --------------------------------------------------
     def _key(self, t: Any) -> str | None:
-        return self.key_of.get(id(t)) if isinstance(t, Tensor) else None
+        if not isinstance(t, Tensor):
+            return None
+        if torch.compiler.is_compiling():  # id() of a graph input (a clip norm, a buffer) guards on the object: every new one recompiled
+            return next((k for v, k in self.known if v is t), None)
+        return self.key_of.get(id(t))
 
     def _keys_in(self, tree: Any) -> set[str]:
         """The params (by key) among the leaves of a call's arguments."""
@@ -186,7 +191,8 @@ class Run:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
             out = func(*args, **kwargs)
             if isinstance(out, Tensor) and out is not args[0]:
-                self.key_of[id(out)] = self.key_of[id(args[0])]
+                self.key_of[id(out)] = self._key(args[0])
+                self.known.append((out, self.key_of[id(out)]))
                 self.aliases.append(out)
             return out
         cand = self._candidate(func, args, kwargs)
