@@ -7,7 +7,9 @@ builds ``vmapdp.make_train_step(compile=True, method=...)`` and times:
   Box-Muller transform (once per process) minus a second draw;
 * ``race_s``: ``"auto"``'s race (``vmapdp.clipped.race``, wrapped with a timer), zero for a named method;
 * ``first_step_s``: the first step, noise compile excluded (race, dynamo trace, Inductor compile
-  or cache load, first run);
+  or cache load, first run); ``compile_s`` of it in ``torch.compile`` (dynamo's
+  ``_compile.compile_inner``, all graphs), ``backend_s`` of that in AOTAutograd and Inductor
+  (``OutputGraph.call_user_compiler``);
 * ``second_step_s`` and ``steady_ms`` (median of ``--repeats`` later steps), and ``eager_ms``,
   the same step with ``compile=False`` (median, interleaved with the compiled one);
 * ``graphs``: dynamo's ``unique_graphs`` after the first step; ``recompiles``: graphs added by the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -118,9 +121,13 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
     masks[0][:] = True
     state = vmapdp.init_train_state(params, sgd, seed=0)
 
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    spent = lambda name: sum(metrics.get(name, ()))  # noqa: E731
+    compile_before, backend_before = spent("_compile.compile_inner"), spent("OutputGraph.call_user_compiler")
     start = time.perf_counter()
     state, _ = step(state, batches[0], masks[0], buffers)
     first_step_s = time.perf_counter() - start
+    compile_s, backend_s = spent("_compile.compile_inner") - compile_before, spent("OutputGraph.call_user_compiler") - backend_before
     graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     start = time.perf_counter()
     state, _ = step(state, batches[1], masks[1], buffers)
@@ -143,12 +150,14 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
         "noise_compile_s": round(noise_compile_s, 3),
         "race_s": round(race_s[0], 3),
         "first_step_s": round(first_step_s, 3),
+        "compile_s": round(compile_s, 3),
+        "backend_s": round(backend_s, 3),
         "second_step_s": round(second_step_s, 3),
         "steady_ms": round(statistics.median(compiled_ms), 2),
         "eager_ms": round(statistics.median(eager_ms), 2),
         "graphs": graphs,
         "recompiles": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - graphs,
-        "chosen": sorted(set(step.chosen_methods.values())) or [method],
+        "chosen": sorted(set(getattr(step, "chosen_runs", step.chosen_methods).values())) or [method],
     }
 
 
@@ -168,12 +177,12 @@ def run_child(name: str, method: str, args: argparse.Namespace, cache_dir: str) 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | method (ran) | cache | first step s | race s | noise compile s | process s | steady ms | eager ms | graphs | recompiles |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | method (ran) | cache | first step s | race s | compile s | noise compile s | process s | steady ms | eager ms | graphs | recompiles |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['method']} ({','.join(r['chosen'])}) | {r['cache']} | {r['first_step_s']:.1f} | {r['race_s']:.1f} | "
+            f"| {r['model']} | {r['method']} ({','.join(r['chosen'])}) | {r['cache']} | {r['first_step_s']:.1f} | {r['race_s']:.1f} | {r.get('compile_s', math.nan):.1f} | "
             f"{r['noise_compile_s']:.1f} | {r['process_s']:.1f} | {r['steady_ms']:.1f} | {r['eager_ms']:.1f} | {r['graphs']} | {r['recompiles']} |"
         )
     return "\n".join(lines)
