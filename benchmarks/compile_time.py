@@ -163,7 +163,9 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
 
 def run_child(name: str, method: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.root or str(HERE.parent), env.get("PYTHONPATH")]))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, method, str(args.batch_size), str(args.seq_len), str(args.repeats)]
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -172,6 +174,7 @@ def run_child(name: str, method: str, args: argparse.Namespace, cache_dir: str) 
         raise RuntimeError(f"compile_time child {name}/{method} failed:\n{out.stderr[-4000:]}")
     row = json.loads(out.stdout.strip().splitlines()[-1])
     row["process_s"] = round(wall, 3)
+    row["root"] = args.root or str(HERE.parent)
     return row
 
 
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="mnist only, batch 4, one repeat")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--root", default=None, help="import vmapdp from this checkout (to compare commits); default: this one")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the children; default: torch's")
     args = p.parse_args(argv)
     if args.smoke:
         args.models, args.batch_size, args.repeats = "mnist", 4, 1
