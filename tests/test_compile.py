@@ -153,3 +153,11 @@ def test_an_epoch_of_poisson_batches_compiles_once_with_a_traced_adaptive_clip_n
     states, recompiles = run(step, params, buffers, batches)
     assert graphs() - before == 1 and recompiles == 0
     assert len({float(s.clip_norm) for s in states}) == EPOCH  # a new threshold every step, one graph
+
+
+@pytest.mark.parametrize("vmap_seconds, winner", [(1.0, "vmap"), (1.8, "vmap"), (1.85, "ghost"), (2.5, "ghost")])
+def test_race_keeps_the_first_candidate_unless_another_is_more_than_the_margin_faster(monkeypatch, vmap_seconds, winner):
+    """Close timings flip with load; a flip between processes would miss the compile cache."""
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run_, device: {"ghost": 2.0, "vmap": vmap_seconds}[name])
+    assert clipped.RACE_MARGIN == 0.1
+    assert clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu")) == winner
