@@ -461,7 +461,7 @@ def make_train_step(
             chunk of each shape and keeps the faster (``step.chosen_methods``); with ``compile``
             only that winner is compiled, then timed against its own eager run, and the chunk
             runs eagerly where that is faster (``step.chosen_runs``: ``"<method>"`` or
-            ``"<method> eager"``), so compiling never makes an "auto" step slower than eager. What
+            ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. What
             each chunk shape ran (named or chosen) is recorded in the new state
             (``state.methods``): a step on a state that has a choice for the shape replays it
             without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
