@@ -161,3 +161,13 @@ def test_race_keeps_the_first_candidate_unless_another_is_more_than_the_margin_f
     monkeypatch.setattr(clipped, "_elapsed", lambda name, run_, device: {"ghost": 2.0, "vmap": vmap_seconds}[name])
     assert clipped.RACE_MARGIN == 0.1
     assert clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu")) == winner
+
+
+@pytest.mark.parametrize("seconds, rounds", [(1e-3, clipped.RACE_MAX_ROUNDS), (0.05, 3), (1.0, limits.LIMITS.auto_rounds)])
+def test_race_times_more_rounds_while_the_calls_are_short(monkeypatch, seconds, rounds):
+    """Millisecond calls get up to RACE_MAX_ROUNDS rounds (within RACE_SECONDS); long ones auto_rounds."""
+    timed = []
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run_, device: (timed.append(name), seconds)[1])
+    assert (clipped.RACE_SECONDS, clipped.RACE_MAX_ROUNDS) == (0.25, 20)
+    clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu"))
+    assert timed == ["ghost", "vmap"] * rounds

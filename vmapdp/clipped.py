@@ -36,6 +36,7 @@ __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto
 
 METHODS = ("auto", "vmap", "ghost", "two_pass")
 RACE_MARGIN = 0.1  # race keeps the earliest-listed candidate within this fraction of the fastest
+RACE_SECONDS, RACE_MAX_ROUNDS = 0.25, 20  # race times more rounds (up to the max) while it has spent less than this
 
 
 def auto_candidates(plan: Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
@@ -73,7 +74,9 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     """The name of the fastest of ``runs`` (zero-argument calls of exact methods on the same chunk).
 
     Each is called once to warm up (and compile, when compiled), then ``Limits.auto_rounds`` times in
-    turn; the best time of each decides, and of the candidates within ``RACE_MARGIN`` (10%) of the
+    turn, and more rounds (up to ``RACE_MAX_ROUNDS``) while the timed calls have taken less than
+    ``RACE_SECONDS`` in all (millisecond steps: one descheduling on a loaded machine otherwise
+    decided the race); the best time of each decides, and of the candidates within ``RACE_MARGIN`` (10%) of the
     fastest the one listed first wins: timings that close flip with the machine's load, and a
     choice that flips between two processes misses the compile cache the first one filled. The
     results are dropped: nothing is released. The global
@@ -93,9 +96,12 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
                     raise
                 del runs[name]
         best = {name: math.inf for name in runs}
-        for _ in range(limits.LIMITS.auto_rounds):
+        rounds, spent = 0, 0.0
+        while rounds < limits.LIMITS.auto_rounds or (spent < RACE_SECONDS and rounds < RACE_MAX_ROUNDS):
             for name, run in runs.items():
-                best[name] = min(best[name], _elapsed(name, run, device))
+                seconds = _elapsed(name, run, device)
+                best[name], spent = min(best[name], seconds), spent + seconds
+            rounds += 1
     floor = min(best.values())
     return next(name for name, t in best.items() if t <= floor * (1 + RACE_MARGIN))
 
