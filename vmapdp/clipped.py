@@ -181,7 +181,7 @@ def clipped_grad_sum(
       by 32 C, in float32 a sample with cancelling terms moved the others' by 1.015 C, and ops
       whose batched backward couples samples, such as ``scale_grad_by_freq``, broke the bound.)
     * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
-      timed on the first call for each input shape (each run once to warm up, then twice; see
+      timed on the first call for each input shape (each run once to warm up, then at least twice; see
       :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
       only when it covers any param. ``fn.chosen_methods`` holds the choices (a read-only view). The methods agree
       up to float rounding; for bitwise-reproducible runs (and resumes) name the method. Traced
