@@ -40,3 +40,134 @@ def test_compiled_grads_and_clipped_sum_equal_eager_without_graph_breaks():
     out2 = compiled(params, buffers, batch2, mask2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames_before
     assert_grads_close(out2[0], step(params, buffers, batch2, mask2)[0], rtol=1e-5, atol=1e-7)
+
+
+# --- the compiled DP step: what "auto" compiles, and recompiles over an epoch of Poisson batches ---
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from vmapdp import clipped, optim, train  # noqa: E402
+from vmapdp.data import PoissonSampler, gather  # noqa: E402
+from vmapdp.ghost import limits  # noqa: E402
+
+EPOCH = 20  # Poisson steps
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def problem():
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)))
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randn(60, 5, generator=g), torch.randint(0, 3, (60,), generator=g))
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    sampler = PoissonSampler(60, 0.1, EPOCH, torch.Generator().manual_seed(2))
+    batches = [(gather(data, i), m) for i, m in sampler]  # one epoch: masks (and some sizes) change
+    assert len({m.sum().item() for _, m in batches}) > 1
+    return params, buffers, loss_fn, sampler.capacity, batches
+
+
+def make(loss_fn, capacity, **kw):
+    return vmapdp.make_train_step(
+        loss_fn, optim.sgd(0.5), l2_clip_norm=1.0, noise_multiplier=0.7, expected_batch_size=6.0, sample_rate=0.1, physical_batch_size=capacity, **kw
+    )
+
+
+def run(step, params, buffers, batches, state=None):
+    """The states after each batch, and the graphs compiled after the first step (recompiles)."""
+    state = state or vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
+    states = []
+    for t, (batch, mask) in enumerate(batches):
+        state, _ = step(state, batch, mask, buffers)
+        states.append(state)
+        if t == 0:
+            after_first = graphs()
+    return states, graphs() - after_first
+
+
+def fake_clock(monkeypatch, seconds: dict[str, float]):
+    """``clipped._elapsed`` that runs each candidate and says it took ``seconds[name]``. The eager
+    race times ``"ghost"`` and ``"vmap"`` (eager runs); then the winner ``w`` compiled (``"w"``)
+    against its eager run (``"w eager"``)."""
+    timed = []
+
+    def elapsed(name, run_, device):
+        run_()
+        timed.append((name, torch.compiler.is_compiling()))
+        return seconds[name]
+
+    monkeypatch.setattr(clipped, "_elapsed", elapsed)
+    monkeypatch.setattr(train, "step_config", lambda _c=train.step_config, **kw: _c(**dict(kw, method="any")))  # compare noise across methods
+    return timed
+
+
+def test_compiled_auto_races_eagerly_and_compiles_only_the_winner(monkeypatch, problem):
+    params, buffers, loss_fn, capacity, batches = problem
+    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "ghost eager": 3.0})  # ghost wins; compiled beats eager
+    before = graphs()
+    auto = make(loss_fn, capacity, compile=True)
+    states, recompiles = run(auto, params, buffers, batches)
+    assert graphs() - before == 1 and recompiles == 0  # one chunk graph (ghost's), none over the epoch
+    rounds = limits.LIMITS.auto_rounds
+    assert sorted(n for n, _ in timed) == sorted(["ghost", "vmap"] * rounds + ["ghost", "ghost eager"] * rounds)
+    assert dict(auto.chosen_methods).popitem()[1] == "ghost" and dict(auto.chosen_runs).popitem()[1] == "ghost"
+    assert [m for _, m in states[-1].methods] == ["ghost"]
+    eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches)
+    for k in params:  # the compiled ghost graph ran: equal to eager ghost within float32 rounding
+        torch.testing.assert_close(states[-1].params[k], eager[-1].params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_auto_runs_eagerly_where_the_compiled_winner_is_slower(monkeypatch, problem):
+    params, buffers, loss_fn, capacity, batches = problem
+    timed = fake_clock(monkeypatch, {"ghost": 2.0, "vmap": 1.0, "vmap eager": 0.5})  # vmap wins; eager beats compiled
+    auto = make(loss_fn, capacity, compile=True)
+    states, recompiles = run(auto, params, buffers, batches[:4])
+    assert [m for _, m in states[-1].methods] == ["vmap eager"] and recompiles == 0
+    eager, _ = run(make(loss_fn, capacity, compile=False, method="vmap"), params, buffers, batches[:4])
+    for k in params:  # bitwise: the eager vmap computation ran
+        assert torch.equal(states[-1].params[k], eager[-1].params[k]), k
+    # a new compiled auto step on the saved state replays "vmap eager": no race, nothing compiled
+    timed.clear()
+    before = graphs()
+    resumed, _ = run(make(loss_fn, capacity, compile=True), params, buffers, batches[4:6], state=states[-1])
+    straight, _ = run(auto, params, buffers, batches[4:6], state=states[-1])
+    assert timed == [] and graphs() == before
+    for k in params:
+        assert torch.equal(resumed[-1].params[k], straight[-1].params[k]), k
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_an_epoch_of_poisson_batches_compiles_once_with_a_traced_adaptive_clip_norm(problem, method):
+    params, buffers, loss_fn, capacity, batches = problem
+    before = graphs()
+    step = make(loss_fn, capacity, compile=True, method=method, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=3.0))
+    states, recompiles = run(step, params, buffers, batches)
+    assert graphs() - before == 1 and recompiles == 0
+    assert len({float(s.clip_norm) for s in states}) == EPOCH  # a new threshold every step, one graph
+
+
+@pytest.mark.parametrize("vmap_seconds, winner", [(1.0, "vmap"), (1.8, "vmap"), (1.85, "ghost"), (2.5, "ghost")])
+def test_race_keeps_the_first_candidate_unless_another_is_more_than_the_margin_faster(monkeypatch, vmap_seconds, winner):
+    """Close timings flip with load; a flip between processes would miss the compile cache."""
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run_, device: {"ghost": 2.0, "vmap": vmap_seconds}[name])
+    assert clipped.RACE_MARGIN == 0.1
+    assert clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu")) == winner
+
+
+@pytest.mark.parametrize("seconds, rounds", [(1e-3, clipped.RACE_MAX_ROUNDS), (0.05, 3), (1.0, limits.LIMITS.auto_rounds)])
+def test_race_times_more_rounds_while_the_calls_are_short(monkeypatch, seconds, rounds):
+    """Millisecond calls get up to RACE_MAX_ROUNDS rounds (within RACE_SECONDS); long ones auto_rounds."""
+    timed = []
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run_, device: (timed.append(name), seconds)[1])
+    assert (clipped.RACE_SECONDS, clipped.RACE_MAX_ROUNDS) == (0.25, 20)
+    clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu"))
+    assert timed == ["ghost", "vmap"] * rounds

@@ -35,6 +35,8 @@ from vmapdp.precision import full_float32
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key"]
 
 METHODS = ("auto", "vmap", "ghost", "two_pass")
+RACE_MARGIN = 0.1  # race keeps the earliest-listed candidate within this fraction of the fastest
+RACE_SECONDS, RACE_MAX_ROUNDS = 0.25, 20  # race times more rounds (up to the max) while it has spent less than this
 
 
 def auto_candidates(plan: Plan | None, params: dict[str, Tensor], batch_rows: int) -> list[str]:
@@ -72,7 +74,12 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
     """The name of the fastest of ``runs`` (zero-argument calls of exact methods on the same chunk).
 
     Each is called once to warm up (and compile, when compiled), then ``Limits.auto_rounds`` times in
-    turn; the best time of each decides. The results are dropped: nothing is released. The global
+    turn, and more rounds (up to ``RACE_MAX_ROUNDS``) while the timed calls have taken less than
+    ``RACE_SECONDS`` in all (millisecond steps: one descheduling on a loaded machine otherwise
+    decided the race); the best time of each decides, and of the candidates within ``RACE_MARGIN`` (10%) of the
+    fastest the one listed first wins: timings that close flip with the machine's load, and a
+    choice that flips between two processes misses the compile cache the first one filled. The
+    results are dropped: nothing is released. The global
     RNGs (CPU and ``device``'s) are restored afterwards, so random layers (dropout) draw in the
     step as if no race had run. A candidate that runs out of memory drops out (unless it is the
     last one).
@@ -89,10 +96,14 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
                     raise
                 del runs[name]
         best = {name: math.inf for name in runs}
-        for _ in range(limits.LIMITS.auto_rounds):
+        rounds, spent = 0, 0.0
+        while rounds < limits.LIMITS.auto_rounds or (spent < RACE_SECONDS and rounds < RACE_MAX_ROUNDS):
             for name, run in runs.items():
-                best[name] = min(best[name], _elapsed(name, run, device))
-    return min(best, key=best.__getitem__)
+                seconds = _elapsed(name, run, device)
+                best[name], spent = min(best[name], seconds), spent + seconds
+            rounds += 1
+    floor = min(best.values())
+    return next(name for name, t in best.items() if t <= floor * (1 + RACE_MARGIN))
 
 
 def shape_key(args: tuple) -> tuple:
@@ -170,7 +181,7 @@ def clipped_grad_sum(
       by 32 C, in float32 a sample with cancelling terms moved the others' by 1.015 C, and ops
       whose batched backward couples samples, such as ``scale_grad_by_freq``, broke the bound.)
     * ``"auto"`` (default): the faster of ``"ghost"`` and ``"vmap"`` for this model and batch,
-      timed on the first call for each input shape (each run once to warm up, then twice; see
+      timed on the first call for each input shape (each run once to warm up, then at least twice; see
       :func:`race`); ``"vmap"`` is raced only while its per-sample grads fit 256 MiB, ``"ghost"``
       only when it covers any param. ``fn.chosen_methods`` holds the choices (a read-only view). The methods agree
       up to float rounding; for bitwise-reproducible runs (and resumes) name the method. Traced

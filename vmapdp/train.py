@@ -17,7 +17,8 @@ One logical step, in this fixed order (each line a stage of ``step``)::
 
 The tensor work of a chunk (norms, clipping, the masked sum) runs under
 ``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
-once. Noise is drawn outside the compiled graph, after aggregation, from a key derived from
+once; ``"auto"`` races the methods eagerly and compiles only the winner (kept eager where its
+compiled run is slower). Noise is drawn outside the compiled graph, after aggregation, from a key derived from
 ``(state.noise_seed, state.step)`` bound to the run (``state.run_id``, a digest of the initial
 params) and to the step's release-defining configuration (clip norm, noise multiplier, expected
 batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
@@ -388,6 +389,16 @@ def _fresh_function(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _parse_ran(ran: Any) -> tuple[str, bool] | None:
+    """A recorded choice (``TrainState.methods``) as ``(method, eager)``; None for anything else:
+    ``"<method>"`` ran as the step was made (compiled when ``compile``), ``"<method> eager"`` ran
+    eagerly in a compiled step, because "auto" timed it faster than the compiled one."""
+    if not isinstance(ran, str):
+        return None
+    name, _, how = ran.partition(" ")
+    return (name, how == "eager") if name in METHODS and name != "auto" and how in ("", "eager") else None
+
+
 def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, compile: bool) -> Callable:
     """``chunk_sums(params, mask, shared, chunk) -> (clipped sum, StepStats)`` of one physical
     chunk: pure tensor work, compiled (``fullgraph``, static shapes) when ``compile``. With
@@ -462,19 +473,26 @@ def make_train_step(
             chunk of whatever size the batch has.
         method: how each chunk's clipped sum is computed: ``"auto"`` (default), ``"vmap"``,
             ``"ghost"`` or ``"two_pass"``; all exact, they differ in speed and memory (see
-            :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times ghost and vmap, each as it will
-            run (compiled when ``compile``), on the first chunk of each shape and keeps the faster
-            (``step.chosen_methods``); the first step then compiles both. What each chunk shape
-            ran (named or chosen) is recorded in the new state (``state.methods``): a step on a
-            state that has a choice for the shape replays it without racing, so a resumed run
-            (``load_state``) is bit for bit the uninterrupted one.
+            :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times ghost and vmap eagerly on the first
+            chunk of each shape and keeps the faster (``step.chosen_methods``); with ``compile``
+            only that winner is compiled, then timed against its own eager run, and the chunk
+            runs eagerly where that is faster (``step.chosen_runs``: ``"<method>"`` or
+            ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. What
+            each chunk shape ran (named or chosen) is recorded in the new state
+            (``state.methods``): a step on a state that has a choice for the shape replays it
+            without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
         norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`. ``nonfinite="raise"`` is a debugging
             switch, not private: whether a step raises (and the row it names) depends on who is
             in the batch. The default ``"zero"`` drops such a sample (counted in ``metrics``).
         randomness: for random layers (dropout): ``"different"`` per sample; see
             :func:`vmapdp.per_sample_grads`.
-        compile: run each chunk's tensor work under ``torch.compile(fullgraph=True)``.
+        compile: run each chunk's tensor work under ``torch.compile(fullgraph=True, dynamic=False)``:
+            one graph per chunk shape and method (a run of Poisson steps padded to one capacity
+            compiles once, whatever the masks and the adaptive clip norm). A named method is
+            always compiled; ``"auto"`` may keep a chunk eager (see ``method``). Inductor's
+            caches (on disk, in ``TORCHINDUCTOR_CACHE_DIR``) make a second process's compile
+            warm; dynamo's tracing is redone in every process.
         budget: ``(epsilon, delta)``: a step that would take epsilon past it raises
             :class:`PrivacyBudgetExceeded` before computing anything. It is recorded in the new
             state (``state.budgets``, saved in checkpoints) and every budget a state holds is
@@ -616,24 +634,31 @@ def make_train_step(
         privatizer = _dist.privatized_on_rank0(privatizer)
         count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)
 
-    chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, compile=compile)
-    run_chunk = {m: chunk_fn(f) for m, f in sum_fns.items()}
-    # "auto"'s method per chunk shape; distributed, every rank runs rank 0's choice (each timed its own rows)
-    chooser = AutoChooser(agree=(lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None)
+    chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None)
+    chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
+    # "auto"'s choices per chunk shape: the method (raced eagerly), then, when compiling, whether the compiled
+    # winner beats its eager run; distributed, every rank runs rank 0's choice (each timed its own rows)
+    agree = (lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None
+    chooser, compiled_or_eager = AutoChooser(agree=agree), AutoChooser(agree=agree)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
 
-    def runner(name: str) -> Callable:
-        """The (compiled) chunk function of ``name``; made on first use for a method replayed from a state."""
-        if name not in run_chunk:
-            sum_fns[name] = clipped_grad_sum(
-                sum_loss, l2_clip_norm=sum_clip, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
-            )
-            run_chunk[name] = chunk_fn(sum_fns[name])
-        return run_chunk[name]
+    def runner(ran: str) -> Callable:
+        """The chunk function of a recorded choice ``ran``: ``"<method>"`` (compiled when ``compile``)
+        or ``"<method> eager"`` (a compiled step's "auto" found the eager run faster)."""
+        name, eager = _parse_ran(ran)
+        compiled = compile and not eager
+        if (name, compiled) not in chunk_fns:
+            if name not in sum_fns:
+                sum_fns[name] = clipped_grad_sum(
+                    sum_loss, l2_clip_norm=sum_clip, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
+                )
+            chunk_fns[name, compiled] = chunk_fn(sum_fns[name], compile=compiled)
+        return chunk_fns[name, compiled]
 
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
-        """The chunk's method and its shape digest; its plan made eagerly, once per shape, to keep
-        the compiled graph free of it. ``recorded``: the state's methods (replayed by "auto")."""
+        """What the chunk runs (``"<method>"`` or, chosen by a compiled "auto", ``"<method> eager"``)
+        and its shape digest; its plan made eagerly, once per shape, to keep the compiled graph free
+        of it. ``recorded``: the state's choices (replayed by "auto")."""
         key = shape_key((params, *shared, chunk))
         if key not in digests:
             digests[key] = _shape_digest(key)
@@ -642,15 +667,23 @@ def make_train_step(
             sum_fns[method].prepare(params, *shared, chunk)
             return method, digest
         name = chooser.get(key)  # (a later chunk of this shape finds the plan made here)
-        if name is None and recorded.get(digest) in METHODS and recorded[digest] != "auto":  # replay the state's choice: no race
-            name = chooser.replay(key, recorded[digest])
-            runner(name)
+        if name is None and _parse_ran(recorded.get(digest)) is not None:  # replay the state's choice: no race
+            ran = recorded[digest]
+            name = chooser.replay(key, _parse_ran(ran)[0])
+            compiled_or_eager.replay(key, ran)
+            runner(ran)
             sum_fns[name].prepare(params, *shared, chunk)
         elif name is None:
+            # the race runs each candidate eagerly: only the winner is ever compiled
             plan = sum_fns["ghost"].prepare(params, *shared, chunk)
             names = auto_candidates(plan, params, batch_size(chunk, call=call))
-            name = chooser.choose(key, names, {m: functools.partial(run_chunk[m], params, mask, shared, chunk) for m in names}, mask.device)
-        return name, digest
+            runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
+            name = chooser.choose(key, names, runs, mask.device)
+        ran = compiled_or_eager.get(key)
+        if ran is None:  # compiled: keep the compiled winner only where it beats the eager one
+            names = [name, f"{name} eager"] if compile else [name]
+            ran = compiled_or_eager.choose(key, names, {r: functools.partial(runner(r), params, mask, shared, chunk) for r in names}, mask.device)
+        return ran, digest
 
     def clipped_sums(state: TrainState, params: dict, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
         """The clipped sum and telemetry of the batch at ``params`` (the full ones), chunk by
@@ -704,4 +737,5 @@ def make_train_step(
 
 
     step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
+    step.chosen_runs = compiled_or_eager.chosen  # type: ignore[attr-defined]
     return step

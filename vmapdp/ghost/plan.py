@@ -127,6 +127,7 @@ class Run:
 
     def __init__(self, params: dict[str, Tensor], plan: Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
         self.key_of = {id(v): k for k, v in params.items()}
+        self.known = [(v, k) for k, v in params.items()]  # the same, by identity (for torch.compile: see _key)
         self.shape_of = {k: tuple(v.shape) for k, v in params.items()}
         # the views of params made so far (views.py), found by identity, not id(): under
         # torch.compile the id of an intermediate tensor can be reused. Each is [tensor, param key,
@@ -149,7 +150,10 @@ class Run:
     def _key(self, t: Any) -> str | None:
         if not isinstance(t, Tensor):
             return None
-        k = self.key_of.get(id(t))
+        if torch.compiler.is_compiling():  # id() of a graph input (a clip norm, a buffer) guards on the object: every new one recompiled
+            k = next((k for v, k in self.known if v is t), None)
+        else:
+            k = self.key_of.get(id(t))
         if k is None:
             entry = self._view(t)
             k = None if entry is None else entry[1]
@@ -267,7 +271,9 @@ class Run:
             if isinstance(out, Tensor) and out is not args[0]:
                 entry = self._view(args[0])
                 if entry is None:
-                    self.key_of[id(out)] = self.key_of[id(args[0])]
+                    key = self._key(args[0])
+                    self.key_of[id(out)] = key
+                    self.known.append((out, key))
                     self.aliases.append(out)
                 else:  # a cast of a view is the same view
                     twin = None if entry[4] is None else func(entry[4], *args[1:], **kwargs)
