@@ -17,7 +17,9 @@ all-gathered params and clipped sums, gloo's buffers); ``ms``, the median step t
 shared CPU are noisy (see ``--repeats``); nothing here is asserted.
 
     python benchmarks/fsdp.py                        # worlds 1, 2, 4; 8 layers of width 1024 (8.4M params)
-    python benchmarks/fsdp.py --quick                # smoke size: worlds 1, 2; 2 layers of width 64
+    python benchmarks/fsdp.py --quick                # small: worlds 1, 2; 2 layers of width 64
+    python benchmarks/fsdp.py --smoke                # the test's size: every mode in ONE set of processes
+                                                     # per world (no peak: it would mix the modes), eager noise
     python benchmarks/fsdp.py --out results.json
 """
 
@@ -68,14 +70,33 @@ def _tensor_bytes(tree) -> int:
     return total
 
 
-def _worker(rank: int, world: int, init_file: str, out: str, mode: str, cfg: dict) -> None:
+def _worker(rank: int, world: int, init_file: str, out: str, modes: list[str], cfg: dict) -> None:
+    """Every mode of ``modes`` in turn in this process (one, except ``--smoke``: a peak is then not
+    measured, it would be that of all of them)."""
+    import vmapdp
+    from vmapdp import distributed as vdist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    if cfg.get("eager_noise"):  # the fused noise kernel's compile costs a fresh process seconds; eager is a few ulps apart
+        vmapdp.noise.gaussian._fused_ok = False
+    try:
+        for mode in modes:
+            row = _run_mode(rank, world, mode, cfg)
+            if len(modes) > 1:
+                row["peak_kib"] = None
+            with open(os.path.join(out, f"{mode}-{world}-{rank}.json"), "w") as f:
+                json.dump(row, f)
+    finally:
+        vdist.shutdown()
+
+
+def _run_mode(rank: int, world: int, mode: str, cfg: dict) -> dict:
     import vmapdp
     from vmapdp import distributed as vdist
     from vmapdp.data import PoissonSampler, gather
     from vmapdp.sharding import Sharding, local_bytes
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     n, q, classes = cfg["samples"], cfg["sample_rate"], 10
     g = torch.Generator().manual_seed(1)
     data = (torch.randn(n, cfg["width"], generator=g), torch.randint(0, classes, (n,), generator=g))
@@ -126,15 +147,12 @@ def _worker(rank: int, world: int, init_file: str, out: str, mode: str, cfg: dic
             times.append(time.perf_counter() - t0)
         state_bytes = local_bytes(state.params) + local_bytes(state.opt_state)
     peak = _rss_kib("VmHWM") - base
-    row = {"rank": rank, "state_bytes": state_bytes, "peak_kib": peak, "times": times[cfg["warmup"]:]}
-    with open(os.path.join(out, f"{mode}-{world}-{rank}.json"), "w") as f:
-        json.dump(row, f)
-    vdist.shutdown()
+    return {"rank": rank, "state_bytes": state_bytes, "peak_kib": peak, "times": times[cfg["warmup"]:]}
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--worlds", default=None, help="default: 1,2,4 (--quick, --smoke: 1,2)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -143,20 +161,28 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="worlds 1, 2; 2 layers of width 64; 2 timed steps")
+    parser.add_argument("--smoke", action="store_true", help="worlds 1, 2; 1 layer of width 16; 1 step; every mode in one set of processes; no peak")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.worlds, args.width, args.layers, args.repeats, args.warmup, args.samples = "1,2", 64, 2, 2, 1, 256
-    cfg = {"width": args.width, "layers": args.layers, "samples": args.samples, "sample_rate": args.sample_rate, "repeats": args.repeats, "warmup": args.warmup}
+        args.width, args.layers, args.repeats, args.warmup, args.samples = 64, 2, 2, 1, 256
+    if args.smoke:
+        args.width, args.layers, args.repeats, args.warmup, args.samples, args.sample_rate = 16, 1, 1, 0, 64, 1 / 8
+    args.worlds = args.worlds or ("1,2" if args.quick or args.smoke else "1,2,4")
+    cfg = {"eager_noise": args.smoke, "width": args.width, "layers": args.layers, "samples": args.samples, "sample_rate": args.sample_rate, "repeats": args.repeats, "warmup": args.warmup}
     params = sum(p.numel() for p in _model(args.width, args.layers, 10).parameters())
     print(f"MLP {args.layers} x Linear({args.width}, {args.width}) + head: {params:,} params; Adam; gloo on {os.cpu_count()} CPUs; torch {torch.__version__}")
     print("| mode | world | state MiB / rank | x world | peak MiB / rank | median ms / step |")
     print("|---|---:|---:|---:|---:|---:|")
     rows = []
     with tempfile.TemporaryDirectory() as out:
+        modes = args.modes.split(",")
         for world in (int(w) for w in args.worlds.split(",")):
-            for mode in args.modes.split(","):
-                mp.spawn(_worker, args=(world, os.path.join(out, f"init-{mode}-{world}"), out, mode, cfg), nprocs=world, join=True)
+            if args.smoke:  # one set of processes for all modes
+                mp.spawn(_worker, args=(world, os.path.join(out, f"init-{world}"), out, modes, cfg), nprocs=world, join=True)
+            for mode in modes:
+                if not args.smoke:  # a fresh set of processes per mode: each peak is that mode's own
+                    mp.spawn(_worker, args=(world, os.path.join(out, f"init-{mode}-{world}"), out, [mode], cfg), nprocs=world, join=True)
                 ranks = []
                 for r in range(world):
                     with open(os.path.join(out, f"{mode}-{world}-{r}.json")) as f:
@@ -166,11 +192,12 @@ def main(argv=None) -> list[dict]:
                     "world": world,
                     "params": params,
                     "state_mib": max(r["state_bytes"] for r in ranks) / 2**20,
-                    "peak_mib": max(r["peak_kib"] for r in ranks) / 1024,
+                    "peak_mib": None if ranks[0]["peak_kib"] is None else max(r["peak_kib"] for r in ranks) / 1024,
                     "ms": 1e3 * statistics.median(ranks[0]["times"]),
                 }
                 rows.append(row)
-                print(f"| {mode} | {world} | {row['state_mib']:.2f} | {row['state_mib'] * world:.2f} | {row['peak_mib']:.1f} | {row['ms']:.1f} |", flush=True)
+                peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.1f}"
+                print(f"| {mode} | {world} | {row['state_mib']:.2f} | {row['state_mib'] * world:.2f} | {peak} | {row['ms']:.1f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
