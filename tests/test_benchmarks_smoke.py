@@ -152,3 +152,6 @@ def test_fsdp_benchmark_smoke_run(tmp_path):
     assert bytes_of(rows["sharded"]) == 3 * 4 * (n // 2) + 4
     assert bytes_of(rows["fsdp2"]) == 3 * 4 * (n // 2) + 4 * 4
     assert "| sharded | 2 |" in done.stdout and "n/a" in done.stdout
+    # the heap probe of one more step (glibc): it saw the step's temporaries, per phase for the sharded step
+    assert all(r["transient"] > 0 for r in rows.values())
+    assert set(rows["sharded"]["phases"]) == {"step", "gather", "clip", "reduce_scatter", "update"} and rows["ddp"]["phases"] is None
