@@ -487,6 +487,24 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         _, buffers, data, _, _ = problem("mlp")
         with pytest.raises(ValueError, match="the shard of .* has shape"):
             step(state, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers)
+        # writing params back: into a module with other parameters, or an FSDP2 layout other than Shard(0) on a 1-D mesh
+        shards = sharding.shard({k: v + 1 for k, v in params.items()})
+        with pytest.raises(ValueError, match="are not the sharded ones"):
+            sharding.write_to_module(nn.Linear(2, 2), shards)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        before = [p.to_local().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"'0.weight' is sharded \(Shard\(dim=1\),\).*only fully_shard's default layout"):
+            sharding.write_to_module(model, shards)
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+        plain = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))  # a plain module takes the full values
+        sharding.write_to_module(plain, shards)
+        assert all(torch.equal(p, params[k] + 1) for k, p in plain.named_parameters())
         with pytest.raises(ValueError, match="no vmapdp-meta"):
             sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
     finally:

@@ -217,16 +217,15 @@ class Sharding:
         targets = _checks.fsdp_module_params(call, module, self.names)
         full = self.gather(local)
         with torch.no_grad():
+            pairs = []  # (destination, value), every shape checked before the first write
             for k in self.names:
                 p = targets[k]
-                if _is_dtensor(p):
-                    mine = p.to_local()
-                    rows = _fsdp_rows(p, full[k])
-                    if tuple(rows.shape) != tuple(mine.shape):  # (FSDP2 changed its layout: refuse rather than scramble)
-                        raise RuntimeError(f"{call}: {k!r}: FSDP2's local shard is {tuple(mine.shape)}, its rows of the full parameter are {tuple(rows.shape)}.")
-                    mine.copy_(rows)
-                else:
-                    p.copy_(full[k])
+                dest, value = (p.to_local(), _fsdp_rows(p, full[k])) if _is_dtensor(p) else (p, full[k])
+                if tuple(value.shape) != tuple(dest.shape):  # (FSDP2 changed its layout: refuse rather than scramble)
+                    raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(value.shape)}.")
+                pairs.append((dest, value))
+            for dest, value in pairs:
+                dest.copy_(value)
 
     def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any) -> tuple[dict[str, Tensor], Any]:
         """The sharded step's reduction: first a check that every rank steps the same state (``same``:
