@@ -244,6 +244,8 @@ class Sharding:
 
 
 def _is_dtensor(t: Any) -> bool:
+    if not dist.is_available():  # a torch built without distributed has no DTensor
+        return False
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
