@@ -6,7 +6,8 @@ Three spawns run every multi-process check and write their results to files that
 * world 4: an MLP (Adam) and a GPT-2-like block (SGD with momentum) trained for a few steps; a
   checkpoint at step 2, resumed on the same 4 ranks;
 * world 2: the same two runs; the world-4 checkpoint resumed on 2 ranks; ranks that disagree;
-  then a run whose rank 1 dies while a checkpoint is being written (the spawn fails there);
+  the MLP wrapped with FSDP2's fully_shard, read by functionalize, trained and written back; the
+  noise of secure=True (each owner's CSPRNG) on zero gradients; then a run whose rank 1 dies while a checkpoint is being written (the spawn fails there);
 * world 2 again: the restart from the last complete checkpoint, to the end.
 """
 
@@ -38,7 +39,8 @@ SAMPLER_KEY = b"sharding-test-sampler"
 DELTA = 1e-5
 
 
-def problem(kind):
+def problem(kind, wrap=None):
+    """``wrap(model)``: applied to the model before functionalize (fully_shard)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if kind == "mlp":
@@ -50,6 +52,8 @@ def problem(kind):
         model = build()
         inputs = make(N, 5, g)
         opt = optim.sgd(0.2, momentum=0.9)
+    if wrap is not None:
+        wrap(model)
     apply, params, buffers = vmapdp.functionalize(model)
     data = (inputs, torch.randint(0, 3, (N,), generator=g))
 
@@ -60,10 +64,10 @@ def problem(kind):
     return params, buffers, data, loss_fn, opt
 
 
-def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None):
+def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None):
     """``steps`` DP steps (Poisson batches, the same sampler key everywhere); sharded: this rank's
     share of each batch, the state sharded. Returns (state, sharding, sampler)."""
-    params, buffers, data, loss_fn, opt = problem(kind)
+    params, buffers, data, loss_fn, opt = problem(kind, wrap)
     sharding = Sharding(params) if sharded else None
     step = vmapdp.make_train_step(
         loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
@@ -92,6 +96,71 @@ def summary(state, sharding):
         "param_bytes": local_bytes(state.params),
         "opt_bytes": local_bytes(state.opt_state),
     }
+
+
+X_FORWARD = torch.randn(6, 5, generator=torch.Generator().manual_seed(7))
+
+
+def fsdp_run():
+    """The MLP under FSDP2 (each Linear and the root fully_shard-ed), read by functionalize, trained
+    by the sharded step, written back; the module's own forward on X_FORWARD afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh, wrapped = init_device_mesh("cpu", (dist.get_world_size(),)), []
+
+    def wrap(model):
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model[2], mesh=mesh)
+        wrapped.append(fully_shard(model, mesh=mesh))
+
+    state, sharding, _ = train("mlp", sharded=True, wrap=wrap)
+    model = wrapped[0]
+    before = {k: p.to_local().clone() for k, p in model.named_parameters()}
+    bad = {**state.params, "0.bias": state.params["0.bias"][:0]}
+    res = {"bad_error": _error(lambda: sharding.write_to_module(model, bad))}  # refused before anything is written
+    res["untouched"] = all(torch.equal(p.to_local(), before[k]) for k, p in model.named_parameters())
+    sharding.write_to_module(model, state.params)
+    with torch.no_grad():
+        res["forward"] = model(X_FORWARD).clone()
+    res["still_fsdp"] = isinstance(model, FSDPModule) and isinstance(model[0], FSDPModule)
+    res["summary"] = summary(state, sharding)
+    return res
+
+
+SECURE_STD, SECURE_STEPS = 2.0, 2
+
+
+def secure_problem():
+    """Zero gradients (the loss times 0) through a Linear(200, 100) (20,100 noised elements): with
+    sgd(1), expected_batch_size 1, each step's parameter change is minus its noise."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Linear(200, 100))
+
+    def loss_fn(p, b, x):
+        return 0.0 * apply(p, b, x[None]).sum()
+
+    return params, buffers, loss_fn, optim.sgd(1.0)
+
+
+def secure_step(sharding):
+    params, buffers, loss_fn, opt = secure_problem()
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=SECURE_STD, expected_batch_size=1.0, sample_rate=Q,
+                                  physical_batch_size=4, compile=False, method="ghost", secure=True, sharding=sharding)
+    return params, buffers, step, vmapdp.init_train_state(params, opt, secure=True, sharding=sharding)
+
+
+def secure_run():
+    """Each step's noise on this rank's shards (old minus new params), and the ledger."""
+    params = secure_problem()[0]
+    sharding = Sharding(params)
+    _, buffers, step, state = secure_step(sharding)
+    noises = []
+    for _ in range(SECURE_STEPS):
+        new, _ = step(state, torch.randn(4, 200), torch.ones(4, dtype=torch.bool), buffers)
+        noises.append({k: state.params[k] - new.params[k] for k in sharding.names})
+        state = new
+    return {"noises": noises, "ledger": state.ledger.to_json(), "epsilon": state.epsilon(DELTA), "seed": state.noise_seed}
 
 
 def _error(fn):
@@ -172,6 +241,8 @@ def _worker2(rank, world, init_file, out):
         res["ledger_error"] = _error(lambda: train("mlp", sharded=True, steps=1, state=forged))
         # an existing checkpoint is never overwritten
         res["exists_error"] = _error(lambda: sc.save_sharded(os.path.join(out, "ckpt4"), loaded, sharding, sampler=sampler))
+        res["fsdp"] = fsdp_run()
+        res["secure"] = secure_run()
         torch.save(res, os.path.join(out, f"w2-rank{rank}.pt"))
         dist.barrier()
         # the faulty run: a checkpoint every 2 steps; rank 1 dies while the step-4 one is written
@@ -314,6 +385,54 @@ def test_restart_after_a_rank_died_mid_checkpoint_equals_an_uninterrupted_run(ru
         assert r["final"]["epsilon"] == uninterrupted.epsilon(DELTA)
 
 
+def test_a_fully_shard_model_trains_through_the_sharded_step_and_takes_the_params_back(runs):
+    single, _, _ = train("mlp", sharded=False)
+    model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+    model.load_state_dict(single.params)
+    expected = model(X_FORWARD).detach()
+    for r in runs["w2"]:
+        f = r["fsdp"]
+        _close(f["summary"]["params"], single.params)  # functionalize gathered the same initial params, same noise
+        assert f["summary"]["ledger"] == single.ledger.to_json() and f["summary"]["run_id"] == single.run_id
+        assert f["bad_error"] is not None and "the shard of '0.bias' has shape" in f["bad_error"] and f["untouched"]
+        assert f["still_fsdp"]
+        torch.testing.assert_close(f["forward"], expected, rtol=1e-5, atol=1e-6)  # FSDP2's own forward, trained params
+
+
+def _chi2_p(z, std):
+    """Two-sided p-value of sum((z/std)^2) under chi-square with z.numel() degrees of freedom."""
+    from scipy import stats
+
+    t = float(((z.double() / std) ** 2).sum())
+    return 2 * min(stats.chi2.cdf(t, z.numel()), stats.chi2.sf(t, z.numel()))
+
+
+def test_secure_sharded_noise_has_the_right_std_differs_per_owner_and_the_ledger_is_global(runs):
+    ranks = [r["secure"] for r in runs["w2"]]
+    params = secure_problem()[0]
+    noise = [[torch.cat([n[k] for k in params]) for n in r["noises"]] for r in ranks]  # [rank][step]: that rank's shards
+    assert sum(x.numel() for x in (noise[0][0], noise[1][0])) == sum(v.numel() for v in params.values())
+    # the std of every owner's noise at every step: chi-square, false alarm 1e-4 for the 4 tests together
+    alpha = 1e-4 / (len(ranks) * SECURE_STEPS)
+    for rank in noise:
+        for z in rank:
+            assert _chi2_p(z, SECURE_STD) > alpha
+    # no two owners (and no two steps) share noise: not equal, and uncorrelated (|r| < 5 / sqrt(m): false alarm < 1e-6)
+    pairs = [(noise[0][0], noise[1][0]), (noise[0][1], noise[1][1]), (noise[0][0], noise[0][1]), (noise[1][0], noise[1][1])]
+    for a, b in pairs:
+        m = min(a.numel(), b.numel())
+        a, b = a[:m].double(), b[:m].double()
+        assert not torch.equal(a, b) and not torch.equal(a, -b)
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 5 / m**0.5
+    # the ledger: that of the unsharded secure run, on every rank; no seed is held
+    _, buffers, step, state = secure_step(None)
+    for _ in range(SECURE_STEPS):
+        state, _ = step(state, torch.randn(4, 200), torch.ones(4, dtype=torch.bool), buffers)
+    for r in ranks:
+        assert r["seed"] is None and r["ledger"] == state.ledger.to_json() and r["epsilon"] == state.epsilon(DELTA)
+    assert state.step == SECURE_STEPS and state.epsilon(DELTA) > 0
+
+
 # ---- in one process ----
 
 
@@ -368,6 +487,24 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         _, buffers, data, _, _ = problem("mlp")
         with pytest.raises(ValueError, match="the shard of .* has shape"):
             step(state, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers)
+        # writing params back: into a module with other parameters, or an FSDP2 layout other than Shard(0) on a 1-D mesh
+        shards = sharding.shard({k: v + 1 for k, v in params.items()})
+        with pytest.raises(ValueError, match="are not the sharded ones"):
+            sharding.write_to_module(nn.Linear(2, 2), shards)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)), shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+        before = [p.to_local().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"'0.weight' is sharded \(Shard\(dim=1\),\).*only fully_shard's default layout"):
+            sharding.write_to_module(model, shards)
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+        plain = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))  # a plain module takes the full values
+        sharding.write_to_module(plain, shards)
+        assert all(torch.equal(p, params[k] + 1) for k, p in plain.named_parameters())
         with pytest.raises(ValueError, match="no vmapdp-meta"):
             sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
     finally:

@@ -290,6 +290,40 @@ def sharding(call: str, value: Any, *, privatizer: Any = None, adaptive_clipping
     return value
 
 
+def fsdp_module_params(call: str, module: Any, names: Sequence[str]) -> dict[str, Any]:
+    """The trainable parameters of ``module`` by name, for writing params back: exactly ``names``;
+    under FSDP2 every one a ``DTensor`` sharded ``Shard(0)`` on a 1-D mesh (``fully_shard``'s
+    default layout, the one whose rows :meth:`Sharding.write_to_module` computes)."""
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(module, nn.Module):
+        raise _type_error(call, "module", module, "an nn.Module (the one functionalize read the params from)")
+    params = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    if set(params) != set(names):
+        raise ValueError(
+            f"{call}: the module's trainable parameters {sorted(params)} are not the sharded ones {sorted(names)}. "
+            "Pass the module that vmapdp.functionalize read the params from."
+        )
+    fsdp = any(isinstance(m, FSDPModule) for m in module.modules())
+    for k, p in params.items():
+        if not isinstance(p, DTensor):
+            if fsdp:
+                raise ValueError(
+                    f"{call}: {k!r} of this fully_shard module is not a DTensor: the module is unsharded (after a forward "
+                    "with reshard_after_forward=False, or unshard()). Call module.reshard() first."
+                )
+            continue
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"{call}: {k!r} is sharded {tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh; only fully_shard's default "
+                "layout (Shard(0) on a 1-D mesh) is supported. Wrap the model with fully_shard(module, mesh=<1-D mesh>) and "
+                "no shard_placement_fn, or load the params into a plain module."
+            )
+    return params
+
+
 def batch_scheme(call: str, rate: Any, sampler: Any) -> tuple[float, Any]:
     """Which batch scheme a step runs: ``(rate, sampler)`` from ``sample_rate=`` and/or ``sampler=``.
 

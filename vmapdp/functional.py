@@ -14,6 +14,12 @@
 
 The dicts hold detached tensors that share storage with the module (no copy). vmapdp never
 writes into them in place; if you do, the module sees it.
+
+A module under FSDP2's ``fully_shard`` (``DTensor`` parameters) is read differently: ``params``
+are the full parameters, all-gathered (copies; a collective, so every rank calls
+``functionalize``), and ``apply`` runs a plain copy of the module tree without FSDP2's hooks.
+Shard them with :class:`vmapdp.sharding.Sharding` and write the trained shards back with
+``Sharding.write_to_module`` (see :mod:`vmapdp.sharding`).
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
         ``(apply, params, buffers)`` where ``apply(params, buffers, *args, **kwargs)`` equals
         ``module(*args, **kwargs)``; ``params`` holds the parameters with ``requires_grad=True``
         (tied weights once, under their first name), ``buffers`` the registered buffers and the
-        frozen parameters. Values are detached tensors sharing storage with the module.
+        frozen parameters. Values are detached tensors sharing storage with the module (under
+        FSDP2: full copies, gathered; see above).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -115,17 +122,24 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize(module): expected an nn.Module, got {type(module).__name__}.")
+    from vmapdp.sharding import is_fsdp_module, plain_twin
+
+    fsdp = is_fsdp_module(module)
     params: Params = {}
     frozen: Buffers = {}
     for name, p in module.named_parameters():
-        (params if p.requires_grad else frozen)[name] = p.detach()
+        # FSDP2 (fully_shard): the full parameter, all-gathered (a collective: every rank calls functionalize)
+        value = p.full_tensor() if fsdp and hasattr(p, "full_tensor") else p
+        (params if p.requires_grad else frozen)[name] = value.detach()
     buffers: Buffers = {name: b.detach() for name, b in module.named_buffers()}
     buffers.update(frozen)
     from vmapdp.validation import with_vmap_recurrent
 
+    # FSDP2's forward hooks all-gather inside the forward (no collective can run under vmap): apply
+    # runs a plain copy of the module tree without them (vmapdp.sharding.plain_twin)
     # torch's RNN/GRU/LSTM kernels cannot be batched by vmap: apply runs a copy with vmapdp.nn's
     # twins in their place (same parameter names, equal outputs); params stay the module's own
-    apply = FunctionalModel(with_vmap_recurrent(module), tuple(params), tuple(buffers))
+    apply = FunctionalModel(with_vmap_recurrent(plain_twin(module) if fsdp else module), tuple(params), tuple(buffers))
     _quiet_transformers_logging_under_compile(module)
     return apply, params, buffers
 

@@ -28,17 +28,30 @@ Memory: the parameters, the optimizer state and the noise are 1/W per rank (up t
 per parameter of padding). The compute is not: the step gathers the whole model before the
 forward and holds the full clipped sum until the reduce-scatter, so the transient peak is that of
 the unsharded step plus one copy of the params (not per-layer unsharding; see the README).
+
+A model already under ``torch.distributed.fsdp.fully_shard`` (FSDP2): :func:`vmapdp.functionalize`
+reads it (its parameters are ``DTensor`` s): ``apply`` runs the module's forward without FSDP2's
+hooks (no collective inside ``vmap``), and ``params`` are the FULL parameters, all-gathered once
+(``DTensor.full_tensor()``, a collective: every rank calls ``functionalize``). FSDP2 shards each
+parameter on dim 0 (``torch.chunk`` of the rows, padded), vmapdp on the flattened parameter; the
+two layouts differ (``Linear(5, 9).weight`` on 2 ranks: FSDP2 rows 0-4 | 5-8, i.e. elements
+0-24 | 25-44; vmapdp elements 0-22 | 23-44), so the conversion is explicit: ``Sharding(params)``
+and ``init_train_state(params, ..., sharding=)`` shard the gathered params in vmapdp's layout,
+and :meth:`Sharding.write_to_module` writes a state's shards back into the module's FSDP2 shards
+(a gather, then each rank copies its rows), after which the module's own forward is the trained
+model. The module keeps its FSDP2 shards while vmapdp trains its own (1/W each).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import optree
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from vmapdp import distributed as _dist
 
@@ -190,6 +203,30 @@ class Sharding:
                 pos += self.chunk(k)
         return out
 
+    def write_to_module(self, module: nn.Module, local: Mapping[str, Tensor]) -> None:
+        """Write the params whose shards ``local`` holds (``state.params``) into ``module``: a
+        collective (every rank calls it; one gather of the full params, transient). A module under
+        ``fully_shard`` gets, on each rank, FSDP2's rows of each parameter copied into its
+        ``DTensor``'s local shard (FSDP2's dim-0 layout, not vmapdp's); a plain module gets the
+        full values. Afterwards ``module(x)`` runs the trained model. Every check runs before
+        anything is written."""
+        call = "Sharding.write_to_module(module, shards)"
+        self.check_local(call, local)
+        from vmapdp import _checks
+
+        targets = _checks.fsdp_module_params(call, module, self.names)
+        full = self.gather(local)
+        with torch.no_grad():
+            pairs = []  # (destination, value), every shape checked before the first write
+            for k in self.names:
+                p = targets[k]
+                dest, value = (p.to_local(), _fsdp_rows(p, full[k])) if _is_dtensor(p) else (p, full[k])
+                if tuple(value.shape) != tuple(dest.shape):  # (FSDP2 changed its layout: refuse rather than scramble)
+                    raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(value.shape)}.")
+                pairs.append((dest, value))
+            for dest, value in pairs:
+                dest.copy_(value)
+
     def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any) -> tuple[dict[str, Tensor], Any]:
         """The sharded step's reduction: first a check that every rank steps the same state (``same``:
         seed, step, noise binding and ledger; ValueError on every rank otherwise), then each rank's
@@ -204,6 +241,77 @@ class Sharding:
             device=optree.tree_leaves(stats, namespace="torch")[0].device,
         )
         return self.reduce_scatter(summed), _dist.all_reduce_sum(stats)
+
+
+def _is_dtensor(t: Any) -> bool:
+    if not dist.is_available():  # a torch built without distributed has no DTensor
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _fsdp_rows(p: Tensor, full: Tensor) -> Tensor:
+    """This rank's rows of ``full`` in FSDP2's layout of ``p`` (``Shard(0)`` on a 1-D mesh: the
+    rows ``torch.chunk`` gives its mesh rank, empty past the end)."""
+    mesh = p.device_mesh
+    r, w = mesh.get_local_rank(0), mesh.size(0)
+    rows = full.shape[0]
+    c = -(-rows // w)
+    return full[min(r * c, rows) : min((r + 1) * c, rows)]
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``module`` holds ``DTensor`` parameters (``fully_shard``, FSDP2)."""
+    return any(_is_dtensor(p) for p in module.parameters())
+
+
+_FSDP_ATTRS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def _fsdp_hook(hook: Any) -> bool:
+    fn = getattr(hook, "func", hook)
+    return getattr(fn, "__module__", "").startswith("torch.distributed.fsdp")
+
+
+def plain_twin(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """A copy of the module tree of an FSDP2 ``module`` as plain modules: the original classes (not
+    ``FSDP<cls>``), FSDP2's forward and backward hooks dropped (other hooks kept), each ``DTensor``
+    parameter replaced by a ``meta`` tensor of the full shape (``functional_call`` supplies every
+    parameter), buffers shared. Its forward runs no collective, so ``vmap`` can batch it. Used by
+    :func:`vmapdp.functionalize`; ``module`` is not changed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    memo = {} if memo is None else memo
+    if id(module) in memo:
+        return memo[id(module)]
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(b for b in cls.__bases__ if b is not FSDPModule)
+    twin = cls.__new__(cls)
+    memo[id(module)] = twin
+    d = {k: v for k, v in module.__dict__.items() if k not in _FSDP_ATTRS}
+    dropped: set[int] = set()
+    for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+        hooks = OrderedDict(getattr(module, attr))
+        for key in [key for key, h in hooks.items() if _fsdp_hook(h)]:
+            del hooks[key]
+            dropped.add(key)
+        d[attr] = hooks
+    for attr in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        if attr in d:
+            d[attr] = OrderedDict((key, v) for key, v in d[attr].items() if key not in dropped)
+    params = {}
+    for name, p in module._parameters.items():
+        if p is not None and _is_dtensor(p):
+            if id(p) not in memo:  # a tied parameter stays tied
+                memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+            p = memo[id(p)]
+        params[name] = p
+    d["_parameters"] = params
+    d["_modules"] = {name: None if child is None else plain_twin(child, memo) for name, child in module._modules.items()}
+    twin.__dict__.update(d)
+    return twin
 
 
 def local_bytes(tree: Any) -> int:
