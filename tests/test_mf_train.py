@@ -216,6 +216,7 @@ def test_refusals_name_the_fix():
     state = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=priv)
     for idx, mask in s:
         state, _ = step(state, gather((X, Y), idx), mask)
+    idx, mask = s.sample()  # a third batch
     with pytest.raises(ValueError, match="past steps=2"):
         step(state, gather((X, Y), idx), mask)
 
@@ -268,6 +269,9 @@ def test_the_sensitivity_self_check_holds_with_correlated_noise():
     vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
     # after a step the buffers are not zero; the noise still cancels between the two runs
     state, _ = step(state, batch, mask)
+    idx, mask = s.sample()  # the next step's batch (the step refuses a sampler behind the state)
+    mask = torch.cat([mask, torch.zeros(1, dtype=torch.bool)])
+    batch = gather((X, Y), torch.cat([idx, idx[:1]]))
     vmapdp.testing.check_sensitivity(step, state, batch, mask, lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size)
 
 
@@ -330,6 +334,8 @@ def test_the_noise_and_ledger_self_checks_cover_correlated_noise():
     idx, mask = s.sample()
     batch = gather((X, Y), idx)
     after, _ = step(state, batch, mask)
+    idx, mask = s.sample()  # the batch of the step from `after` (the step refuses a sampler behind the state)
+    batch = gather((X, Y), idx)
     fresh = vmapdp.mf.fresh_noise_multiplier(BANDED, noise_multiplier=NM, sampler=s, steps=STEPS)
     assert fresh == pytest.approx(NM * math.sqrt(1 + 0.6**2 + 0.25**2))
     kw = dict(lr=0.5, l2_clip_norm=CLIP, expected_batch_size=s.expected_batch_size, min_samples=1200)
@@ -399,3 +405,39 @@ def test_float64_leaves_get_float64_noise_and_buffers():
     Z = torch.stack([keyed_normal((5,), f"k{t}".encode(), dtype=torch.float64) for t in range(4)])
     want = NM * CLIP * sens_oracle(BLT) * torch.linalg.solve_triangular(BLT.matrix(4), Z, upper=False)
     torch.testing.assert_close(torch.stack(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_bound_privatizer_is_refused_where_it_would_be_charged_as_gaussian_noise():
+    """A privatizer returned by .bind() carries no accounting of its own: passed back to
+    make_train_step it would be charged as plain DP-SGD (a BLT, or banded noise under Poisson
+    sampling, with an epsilon far below the truth). Refused; so is rebinding it."""
+    opt = optim.sgd(0.1)
+    bound, _, _ = correlated_noise(BLT, steps=STEPS).bind("test", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=None, sampler=sampler(), secure=False)
+    with pytest.raises(ValueError, match="already bound"):
+        vmapdp.make_train_step(zero_loss, opt, l2_clip_norm=CLIP, noise_multiplier=NM, sampler=PoissonSampler(N_DATA, 1.0, STEPS, key=b"k"), privatizer=bound, compile=False)
+    with pytest.raises(ValueError, match="already bound"):
+        bound.bind("test", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=None, sampler=sampler(), secure=False)
+
+
+def test_a_fresh_sampler_on_a_resumed_run_is_refused(tmp_path):
+    """A resumed run whose sampler restarted would put an example's participations closer than
+    the band (group 0 again after step 4): the step refuses before anything is released; a
+    checkpoint that holds a secure cyclic sampler's groups cannot be loaded without a sampler."""
+    half, _, s = run(BANDED, STEPS // 2)
+    fresh = sampler()
+    _, step = make(BANDED, fresh, recording_sgd([]))
+    idx, mask = fresh.sample()  # drawn 1 batch; the state is at step 4
+    with pytest.raises(ValueError, match="has drawn only 1 batches"):
+        step(half, gather((X, Y), idx), mask)
+    # the sampler resumed with the state is accepted
+    _, step = make(BANDED, s, recording_sgd([]))
+    idx, mask = s.sample()
+    step(half, gather((X, Y), idx), mask)
+    secure = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, secure=True)
+    secure.sample()
+    opt = optim.sgd(0.1)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=SEED)
+    path = tmp_path / "secure.pt"
+    vmapdp.save_state(path, state, sampler=secure)
+    with pytest.raises(ValueError, match="holds the sampler's state"):
+        vmapdp.load_state(path)

@@ -324,7 +324,8 @@ def state_from_payload(call: str, payload: dict[str, Any], *, sampler: Any = Non
         check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen
     saved = payload["sampler"]
-    holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None)
+    # a sampler with a position (keyed samplers record "step": a secure cyclic one its groups too) or RNG state
+    holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None or "step" in saved)
     if sampler is not None:
         if saved is None:
             raise ValueError(f"{call}: a sampler was given but the checkpoint holds no sampler state (save with sampler=...); nothing was loaded.")

@@ -302,6 +302,13 @@ class _KeyedSampler:
     def _load_extra(self, state: dict[str, Any]) -> None:
         pass
 
+    @property
+    def steps_drawn(self) -> int:
+        """The batches drawn so far (restored by :meth:`load_state_dict`): ``make_train_step``
+        refuses a step whose state is further on than this sampler (a fresh sampler on a resumed
+        run would repeat the groups or epoch positions that the ledger has already charged)."""
+        return self._step
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bitwise (keyed or generator-driven; a secure sampler
         resumes its current epoch from the saved assignment, then draws fresh)."""

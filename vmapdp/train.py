@@ -374,6 +374,30 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
 
 
 
+def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool) -> None:
+    """Refuse a step whose state is further on than the sampler that drew its batch.
+
+    A sampler with a position (groups, epochs: ``steps_drawn``) must have drawn at least
+    ``step + 1`` batches for the state's next step. One that has drawn fewer restarted: a fresh
+    sampler on a resumed run starts again at group 0 (cyclic Poisson) or a new epoch, so an
+    example can participate closer together than the ledger's events assume (for banded
+    correlated noise, inside one band). Poisson samplers are memoryless and have no position.
+    With ``distributed``, only rank 0 checks (a secure sampler's batches are drawn there). A
+    sampler that has drawn nothing is not checked: the step was given it for its events only, and
+    its batches come from another object (made alike)."""
+    drawn = getattr(sampler, "steps_drawn", None)
+    if not drawn or (distributed and _dist.rank() != 0):
+        return
+    if drawn < step + 1:
+        raise ValueError(
+            f"{call}: the state is at step {step} but its sampler has drawn only {drawn} batches, so this batch is not the "
+            f"state's step {step + 1}. Draw each step's batch from the sampler (a self-check too: draw the next batch before "
+            "running a step from a later state). A sampler that restarted (a fresh one on a resumed run) would repeat the groups "
+            "or epoch positions the ledger has already charged: resume it with the state (save_state(..., sampler=) and "
+            "load_state(..., sampler=)). Nothing was released."
+        )
+
+
 def _shape_digest(key: tuple) -> str:
     """A stable, serialisable name for a ``shape_key`` (kept in ``TrainState.methods``)."""
     return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
@@ -708,6 +732,7 @@ def make_train_step(
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
         n, mask = _checked_inputs(scall, state, batch, mask, secure)
+        _check_sampler_position(scall, sampler, state.step, distributed)
         ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
         clip = None
         if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor

@@ -89,7 +89,14 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
     def unbound(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
         raise ValueError(
             f"{call}: this privatizer is bound to the step's noise multiplier, clip norm and sampler by make_train_step; "
-            "pass it as make_train_step(..., privatizer=) (or call its .bind(...) first)."
+            "pass it as make_train_step(..., privatizer=)."
+        )
+
+    def bound_again(where: str, **kwargs: Any) -> tuple[Privatizer, Callable[[], Any], str]:
+        raise ValueError(
+            f"{where}: this correlated noise was already bound (by make_train_step or .bind()); a bound one carries no "
+            "accounting of its own and would be charged as independent Gaussian noise. Pass the unbound "
+            "correlated_noise(strategy, steps=) to make_train_step(..., privatizer=)."
         )
 
     def bind(where: str, *, noise_multiplier: float, l2_sensitivity: float, sample_rate: float, sampler: Any, secure: bool) -> tuple[Privatizer, Callable[[], Any], str]:
@@ -97,7 +104,7 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
             raise ValueError(f"{where}: correlated noise needs noise_multiplier > 0, got {noise_multiplier!r}; for a non-private run drop privatizer=.")
         event = mf_event(where, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
         std = noise_multiplier * l2_sensitivity * noise_sensitivity(strategy, event, steps)
-        return Privatizer(init, _privatize(strategy, steps, std, secure)), (lambda: event), describe(strategy, steps)
+        return Privatizer(init, _privatize(strategy, steps, std, secure), bound_again), (lambda: event), describe(strategy, steps)
 
     return Privatizer(init, unbound, bind)
 
