@@ -28,7 +28,6 @@ across processes; what the warm run saves is Inductor's code generation and C++ 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -42,17 +41,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # models.py
 MODEL_NAMES = ("mnist", "cifar10", "embedding", "lstm", "gpt2")
-
-
-def _load(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _problem(name: str, batch_size: int, seq_len: int):
@@ -75,7 +65,7 @@ def _problem(name: str, batch_size: int, seq_len: int):
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
         return loss_fn, params, buffers, make_batch
-    models = _load("vmapdp_benchmarks_models", "models.py")
+    import models
     spec = models.MODELS[name]
     vmodel, _ = models.for_vmapdp(spec.build())
     apply, params, buffers = vmapdp.functionalize(vmodel)

@@ -22,7 +22,6 @@ of interleaved rounds; ratios are to the non-private step.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -36,21 +35,10 @@ from typing import Any, Callable
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import train_step  # noqa: E402  (the step builders, interleaved timing and the fresh-process memory probe)
 
-
-def _load(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-models = _load("vmapdp_benchmarks_models", "models.py")
-psg_bench = _load("vmapdp_benchmarks_per_sample_grads", "per_sample_grads.py")
-train_step = _load("vmapdp_benchmarks_train_step", "train_step.py")
+models, psg_bench = train_step.models, train_step.psg_bench
 
 MECHANISMS = ("torch", "dpsgd", "banded4", "banded16", "blt4")
 HEADERS = {"torch": "torch (non-private)", "dpsgd": "DP-SGD", "banded4": "banded b=4", "banded16": "banded b=16", "blt4": "BLT 4 buffers"}
