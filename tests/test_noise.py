@@ -299,3 +299,25 @@ def test_transform_known_answers_and_the_open_interval(dtype):
         assert float(cos[2]) == pytest.approx((2 * math.log(2)) ** 0.5, rel=1e-6)
     # the largest |z| over many draws stays below the bound
     assert float(keyed_normal((200_000,), KEY, dtype=dtype).abs().max()) < (128 * math.log(2)) ** 0.5
+
+
+def test_keyed_noise_on_a_dict_is_the_same_before_and_after_the_first_vmap():
+    """optree flattens a dict in sorted key order until torch.utils._cxx_pytree is imported (the
+    first vmap imports it) and in insertion order after: without vmapdp fixing the order at
+    import, the same add_noise call drew different leaves' streams before and after a vmap.
+    Run in a fresh interpreter, where no vmap has run yet."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, vmapdp\n"
+        "tree = {'b': torch.zeros(3), 'a': torch.zeros(5)}\n"
+        "before = vmapdp.add_noise(tree, 1.0, key=7)\n"
+        "torch.func.vmap(torch.sin)(torch.ones(2, 2))\n"
+        "after = vmapdp.add_noise(tree, 1.0, key=7)\n"
+        "assert 'torch.utils._cxx_pytree' in __import__('sys').modules\n"
+        "print(all(torch.equal(before[k], after[k]) for k in tree))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

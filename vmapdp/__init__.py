@@ -5,6 +5,7 @@ per-sample gradients are ``vmap(grad(loss_fn))`` (:func:`per_sample_grads`); cli
 accounting and sampling are pure functions over pytrees that compose into a DP-SGD step.
 """
 
+from vmapdp import _tree  # noqa: F401  (first: it fixes the order in which dicts flatten; see its docstring)
 from vmapdp import accounting, data, datasets, hf, mf, nn, optim, sharded_checkpoint, sharding, testing
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.clipping import (

@@ -1,4 +1,14 @@
-"""Small pytree helpers shared by the engine (optree underneath)."""
+"""Small pytree helpers shared by the engine (optree underneath).
+
+The order of a dict's leaves: ``optree`` with ``namespace="torch"`` flattens a dict in SORTED key
+order until ``torch.utils._cxx_pytree`` is imported, and in INSERTION order after that (that
+module registers torch's dict types in the namespace; the first ``vmap`` of a process imports
+it). The leaf order decides which keyed noise stream each leaf draws (:func:`vmapdp.add_noise`:
+the leaf's index in the flattened tree), so an ``add_noise`` made before any ``vmap`` would draw
+differently from the same call made after one. Importing it here, when vmapdp is imported, fixes
+the order to insertion order for the whole process: the order every train step has always used
+(its noise is drawn after the per-sample ``vmap``), so no run's noise changes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.utils._cxx_pytree  # noqa: F401  (fixes the dict leaf order: see the docstring)
 from torch import Tensor
 
 
