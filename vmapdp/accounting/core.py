@@ -7,6 +7,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from vmapdp import _checks as _shared_checks
 from vmapdp.accounting import _checks, gdp as _gdp, pld as _pld, rdp as _rdp
 from vmapdp.accounting import events as _events
 from vmapdp.accounting.events import (
@@ -196,8 +197,8 @@ def _refuse(where, plan: _Plan, accountant: str) -> None:
     """The accountant cannot bound this plan: say why and which one can."""
     if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and (plan.poisson or plan.allocations):
         raise ValueError(
-            f"{where}: accountant='pld' has no privacy loss distribution for Poisson or balls-in-bins "
-            "(BallsInBinsGaussianEvent) events in a ledger that is replace-one because of other events "
+            f"{where}: accountant='pld' has no privacy loss distribution for Poisson events (nor for "
+            "BallsInBinsGaussianEvent epochs) in a ledger that is replace-one because of other events "
             "(fixed-size or shuffled steps, or old balls-in-bins EpochGaussianEvents), so it cannot bound this "
             "ledger. Pass accountant='rdp' (add/remove events converted to replace-one), or keep one sampler per ledger."
         )
@@ -531,6 +532,7 @@ def calibrate_noise(
     value_discretization_interval: float | None = None,
     num_samples: int | None = None,
     rtol: float = 0.01,
+    sampling: str = "poisson",
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
@@ -554,6 +556,10 @@ def calibrate_noise(
         value_discretization_interval, num_samples: as in :func:`epsilon` (steps >= 1,
         sample_rate > 0).
       rtol: accepted relative shortfall of the achieved epsilon below the target.
+      sampling: ``"poisson"`` (the default), or ``"balls_in_bins"``: ``steps`` steps of
+        :class:`vmapdp.data.BallsInBinsSampler` with ``steps_per_epoch = 1 / sample_rate`` (an
+        integer), accounted as :class:`BallsInBinsGaussianEvent` (a partial last epoch charged
+        whole). With ``"pld"`` every trial noise computes new epoch distributions (seconds each).
 
     Returns:
       noise_multiplier (float).
@@ -583,14 +589,28 @@ def calibrate_noise(
     if rtol >= 1.0:
         raise ValueError(f"{where}: rtol={rtol!r} must be below 1, e.g. 0.01.")
     _checks.check_num_samples(where, num_samples, delta)
+    _shared_checks.choice(where, "sampling", sampling, ("poisson", "balls_in_bins"), why="it names the sampler the noise is calibrated for")
+    if sampling == "balls_in_bins":
+        per_epoch = round(1.0 / q)
+        if abs(per_epoch * q - 1.0) > 1e-9:
+            raise ValueError(
+                f"{where}: sampling='balls_in_bins' needs sample_rate = 1 / steps_per_epoch for an integer "
+                f"steps_per_epoch; got sample_rate={q!r}. Pass sample_rate=sampler.sample_rate."
+            )
     if accountant == "gdp":
         _gdp.warn_gdp(where)
+        if sampling != "poisson":
+            raise ValueError(f"{where}: accountant='gdp' applies to sampling='poisson' only; pass accountant='pld' or 'rdp'.")
 
     cache: dict[float, float] = {}
 
     def f(sigma: float) -> float:
         if sigma not in cache:
-            cache[sigma] = _epsilon([(sigma, q, steps)], delta, accountant, orders, eps_error, h)
+            if sampling == "poisson":
+                plan = [(sigma, q, steps)]
+            else:
+                plan = _plan(Ledger((BallsInBinsGaussianEvent(sigma, per_epoch, count=steps),)))
+            cache[sigma] = _epsilon(plan, delta, accountant, orders, eps_error, h)
         return cache[sigma]
 
     # bracket: lo infeasible (eps > target), hi feasible (eps <= target)

@@ -343,7 +343,7 @@ class BallsInBinsGaussianEvent:
       loss rounded up (:mod:`vmapdp.accounting.allocation`), so the result is a certified upper
       bound up to float64 rounding in the FFT; ``epsilon_bounds`` also gives the lower bound
       from the same construction rounded down. E.g. 1.11 (bracket [1.108, 1.112]) at noise 2,
-      10 steps per epoch, 3 epochs, delta 1e-5, where one Gaussian per epoch gives 3.99 under
+      10 steps per epoch, 3 epochs, delta 1e-5, where one Gaussian per epoch gives 3.71 under
       add/remove (8.39 under replace-one). ``accountant="rdp"`` and the mu of
       ``vmapdp.accounting.mu_gdp`` charge each epoch as one Gaussian mechanism with
       sensitivity 1 (mu = 1 / noise_multiplier): valid, without amplification.
