@@ -20,15 +20,20 @@ one of them (which one does not matter) is N(+1 / (2 s^2), 1 / s^2) instead. So
 
 Discretisation (certified: every loss is rounded in the pessimistic direction, pointwise):
 
-* Each ``Z`` is put on a linear grid ``{k d}`` from its exact bin masses (normal CDF of
-  ``log Z``): rounded UP for the remove law (so ``S`` and ``L`` only grow; the mass of ``Z``
-  above the grid's top goes to an infinite loss) and DOWN for the add law (``S`` only shrinks,
-  ``-L`` only grows; ``Z`` below the first grid point becomes 0 and ``S = 0`` an infinite loss;
-  ``Z`` above the top is clamped to the top).
-* The ``t`` terms are summed by FFT convolution with binary exponentiation. After every
-  convolution the sum is moved to a coarser grid (spacing doubled) in the same direction
-  whenever it holds more than ``_MAX_POINTS`` points, and cut where the mass beyond is below
-  ``_CUT`` (remove: that mass goes to the infinite loss; add: it is clamped to the top point).
+* Each ``Z`` is put on a linear grid ``{k d}`` of _MAX_POINTS points from its exact bin masses
+  (normal CDF of ``log Z``): rounded UP for the remove law (so ``S`` and ``L`` only grow) and
+  DOWN for the add law (``S`` only shrinks, ``-L`` only grows; ``Z`` below the first grid point
+  becomes 0 and ``S = 0`` an infinite loss; ``Z`` above the grid's top is clamped to the top).
+* Remove law: the lognormal upper tail is long, so a term above ``b`` (where the P term
+  exceeds b with probability Phi(-6)) is *big*. The parts "no big term" (fine grid on [0, b]),
+  "exactly the P term big" and "exactly one Q term big" (grid spacing ``b * _BIG_REL``: then
+  ``S > b``, so the relative rounding of S stays below _BIG_REL) are summed separately; "two or
+  more big" is charged its union bound as an infinite loss; a big term above the point where
+  the t terms' tail mass is _Z_TAIL is an infinite loss.
+* The ``t`` terms are summed by FFT convolution with binary exponentiation. After a
+  convolution the sum is cut where the mass beyond is below _CUT (rounded up: charged as an
+  infinite sum; rounded down: clamped to the top point) and moved to a grid of doubled spacing,
+  in the same direction, while it holds more than _MAX_POINTS points.
 * ``L`` is then rounded up to the loss grid ``{k h}`` of :mod:`vmapdp.accounting.pld`.
 
 The result is a loss distribution whose every loss is at least the true one under a coupling,

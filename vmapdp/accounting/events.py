@@ -14,7 +14,8 @@ Neighbouring relation (``event.adjacency``, explicit per event type):
   analysed under it; every accountant reports the worse of the two directions.
 * ``"replace_one"``: the neighbouring dataset has the same size and one example replaced.
   Schemes whose batch size or epoch structure depends on the dataset size (fixed-size
-  batches without replacement, shuffled epochs, balls-in-bins) are analysed under it. One
+  batches without replacement, shuffled epochs; balls-in-bins in ledgers written before
+  :class:`BallsInBinsGaussianEvent`) are analysed under it. One
   replacement moves a clipped sum by up to 2 * l2_clip_norm (twice the add/remove
   sensitivity), and the accountants use that sensitivity.
 

@@ -571,9 +571,12 @@ def pld_epsilon_bounds(
     """Epsilon bracket for a composition of Poisson-subsampled Gaussian steps, or of
     fixed-size (without replacement) Gaussian steps under replace-one.
 
-    ``relation="add_remove"``: each event is Poisson-subsampled with (noise multiplier, rate);
+    ``relation="add_remove"``: each event is Poisson-subsampled with (noise multiplier, rate),
+    or an :class:`Allocation` (balls-in-bins epochs, :mod:`vmapdp.accounting.allocation`);
     both directions are composed and the worse is reported; ``lower`` and ``upper`` bracket
-    the true epsilon up to the discretisation.
+    the true epsilon up to the discretisation. An epoch's grid of sums is fixed, so with
+    allocation events and no ``eps_error`` the grid is refined only while the gap shrinks, and
+    the bracket is returned as it is (it can be wider than 1%; both ends stay certified).
 
     ``relation="replace_one"``: each event is a step on a batch of ``b`` examples drawn
     without replacement from ``n``, passed as ``(noise_multiplier / 2, b / n, count)`` (the
