@@ -148,3 +148,13 @@ def test_calibration_never_overshoots():
     assert sigma == pytest.approx(acc.calibrate_noise(target_epsilon=target, delta=DELTA, sample_rate=1.0, steps=3, accountant="rdp"), rel=0.02)
     with pytest.raises(ValueError, match=r"sample_rate = 1 / steps_per_epoch"):
         acc.calibrate_noise(target_epsilon=target, delta=DELTA, sample_rate=0.3, steps=25, sampling="balls_in_bins")
+
+
+def test_low_noise_falls_back_to_the_unamplified_bound():
+    """At noise 0.5 the fixed grid of sums is too coarse (the random-allocation bound is
+    infinite at delta 1e-5); epsilon reports the smaller of the two valid bounds."""
+    ledger = _ledger(0.5, 10, 2)
+    assert math.isinf(acc.epsilon_bounds(ledger, delta=DELTA).upper)
+    gaussians = Ledger((EpochGaussianEvent(1.0, 10, "shuffle", count=20, epochs=2),))  # noise 0.5, sensitivity 1
+    exact = acc.epsilon(gaussians, delta=DELTA)  # closed form
+    assert exact <= acc.epsilon(ledger, delta=DELTA) <= exact * (1 + 1e-3)  # the PLD of the two Gaussians

@@ -217,10 +217,21 @@ def _core_epsilon(plan: _Plan, delta, accountant, orders, eps_error, h) -> float
         if plan.adjacency == _events.REPLACE_ONE and not plan.fixed and not plan.allocations:  # only Gaussian epochs: exact (Balle and Wang 2018)
             return _gdp.gdp_epsilon(plan.mu_epochs, delta)
         events, relation = _pld_events(plan)
-        return _pld.pld_epsilon_bounds(
+        eps = _pld.pld_epsilon_bounds(
             events, delta=delta, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
+        if plan.allocations:  # also valid: each epoch one Gaussian; the smaller of two upper bounds
+            eps = min(eps, _core_epsilon(_unamplified(plan), delta, accountant, orders, eps_error, h))
+        return eps
     return _gdp.gdp_epsilon(_gdp.gdp_mu(plan.poisson), delta)
+
+
+def _unamplified(plan: _Plan) -> _Plan:
+    """The plan with each balls-in-bins epoch charged as one Gaussian mechanism (sensitivity 1,
+    add/remove): a valid bound without amplification, at most the random-allocation PLD's true
+    value's upper bound where that PLD's fixed grid is too coarse (low noise)."""
+    gauss = tuple((s, 1.0, e) for s, _, e in plan.allocations if e > 0)
+    return plan._replace(poisson=plan.poisson + gauss, allocations=())
 
 
 def _core_delta(plan: _Plan, epsilon, accountant, orders, eps_error, h) -> float:
@@ -230,9 +241,12 @@ def _core_delta(plan: _Plan, epsilon, accountant, orders, eps_error, h) -> float
         if plan.adjacency == _events.REPLACE_ONE and not plan.fixed and not plan.allocations:
             return _gdp.gdp_delta(plan.mu_epochs, epsilon)
         events, relation = _pld_events(plan)
-        return _pld.pld_delta_bounds(
+        d = _pld.pld_delta_bounds(
             events, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
+        if plan.allocations:  # the smaller of two upper bounds (see _core_epsilon)
+            d = min(d, _core_delta(_unamplified(plan), epsilon, accountant, orders, eps_error, h))
+        return d
     return _gdp.gdp_delta(_gdp.gdp_mu(plan.poisson), epsilon)
 
 

@@ -343,7 +343,10 @@ class BallsInBinsGaussianEvent:
       mechanisms (Zhu, Dong, Wang 2022). The pair's loss distribution is discretised with every
       loss rounded up (:mod:`vmapdp.accounting.allocation`), so the result is a certified upper
       bound up to float64 rounding in the FFT; ``epsilon_bounds`` also gives the lower bound
-      from the same construction rounded down. E.g. 1.11 (bracket [1.108, 1.112]) at noise 2,
+      from the same construction rounded down. Where the discretisation is too coarse (low
+      noise: the bracket widens, e.g. [3.8, 14.0] at noise 0.6, 100 steps per epoch, 10 epochs;
+      infinite at noise 0.5, 10 steps, 2 epochs) the accountants report the smaller of this bound
+      and the unamplified one below (both valid). E.g. 1.11 (bracket [1.108, 1.112]) at noise 2,
       10 steps per epoch, 3 epochs, delta 1e-5, where one Gaussian per epoch gives 3.71 under
       add/remove (8.39 under replace-one). ``accountant="rdp"`` and the mu of
       ``vmapdp.accounting.mu_gdp`` charge each epoch as one Gaussian mechanism with
