@@ -10,6 +10,7 @@ from torch import nn
 import vmapdp
 from vmapdp import accounting, optim
 from vmapdp.accounting import (
+    BallsInBinsGaussianEvent,
     CyclicPoissonGaussianEvent,
     EpochGaussianEvent,
     FixedSizeGaussianEvent,
@@ -59,7 +60,9 @@ def expected_ledger(name, steps):
         return Ledger((TruncatedPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, max_batch_size=24, num_samples=N, count=steps),))
     if name == "cyclic":  # 3 groups of 8: any example in at most ceil(7 / 3) = 3 Poisson steps
         return Ledger((CyclicPoissonGaussianEvent(noise_multiplier=NOISE, sample_rate=0.25, cycle=3, count=steps),))
-    spe = 3 if name == "shuffle" else 4  # ceil(24 / 8) steps, or 4 bins; two epochs opened
+    if name == "balls_in_bins":  # 4 bins; two epochs opened
+        return Ledger((BallsInBinsGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=4, count=steps, epochs=2),))
+    spe = 3  # ceil(24 / 8) steps; two epochs opened
     return Ledger((EpochGaussianEvent(noise_multiplier=NOISE, steps_per_epoch=spe, scheme=name, count=steps, epochs=2),))
 
 

@@ -155,7 +155,7 @@ def test_sampler_events_give_the_ledger_each_scheme_needs():
         (PoissonSampler(100, 0.1, 20, key=KEY), acc.PoissonGaussianEvent, "add_remove"),
         (FixedSizeSampler(100, 10, 20, key=KEY), acc.FixedSizeGaussianEvent, "replace_one"),
         (ShuffledSampler(100, 10, epochs=2, key=KEY), acc.EpochGaussianEvent, "replace_one"),
-        (BallsInBinsSampler(100, 10, epochs=2, key=KEY), acc.EpochGaussianEvent, "replace_one"),
+        (BallsInBinsSampler(100, 10, epochs=2, key=KEY), acc.BallsInBinsGaussianEvent, "add_remove"),
         (TruncatedPoissonSampler(100, 0.1, 20, key=KEY), acc.TruncatedPoissonGaussianEvent, "add_remove"),
         (CyclicPoissonSampler(100, 0.1, 4, 20, key=KEY), acc.CyclicPoissonGaussianEvent, "add_remove"),
     ]:
@@ -164,7 +164,7 @@ def test_sampler_events_give_the_ledger_each_scheme_needs():
             ledger = ledger.append(sampler.event(sigma))  # the step records its event before release
         (event,) = ledger.events
         assert isinstance(event, kind) and event.count == 20 and ledger.adjacency == adjacency
-        if kind is acc.EpochGaussianEvent:
+        if kind in (acc.EpochGaussianEvent, acc.BallsInBinsGaussianEvent):
             assert event.epochs == 2 and event.charged_epochs == 2
         assert 0 < acc.epsilon(ledger, delta=1e-5, accountant="rdp") < math.inf
     with pytest.raises(ValueError, match=r"ShuffledSampler.event: no step drawn yet"):

@@ -418,13 +418,17 @@ class _EpochSampler(_KeyedSampler):
 
     def event(self, noise_multiplier: float):
         """The accounting event of the step last returned by :meth:`sample` (record it before
-        releasing that step): an :class:`~vmapdp.accounting.EpochGaussianEvent` that says whether
-        the step opened an epoch."""
-        from vmapdp.accounting import EpochGaussianEvent
-
+        releasing that step), saying whether the step opened an epoch: an
+        :class:`~vmapdp.accounting.EpochGaussianEvent` for shuffled epochs, a
+        :class:`~vmapdp.accounting.BallsInBinsGaussianEvent` for balls-in-bins."""
         if self._step == 0:
             raise ValueError(f"{type(self).__name__}.event: no step drawn yet; call sample() (or iterate) first, then record the event of that step.")
-        return EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, scheme=self._SCHEME, epochs=int(self._opened_epoch))
+        return self._event(noise_multiplier, int(self._opened_epoch))
+
+    def _event(self, noise_multiplier: float, opened: int):
+        from vmapdp.accounting import EpochGaussianEvent
+
+        return EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, scheme=self._SCHEME, epochs=opened)
 
     def _extra_state(self):
         return {"assignment": self._assignment, "opened_epoch": self._opened_epoch}
@@ -486,9 +490,9 @@ class BallsInBinsSampler(_EpochSampler):
     Yields ``(indices, mask)`` padded to ``capacity`` like :class:`PoissonSampler` (a step with
     more than ``capacity`` examples spans extra chunks; nothing is dropped).
 
-    Accounting: :meth:`event` gives an :class:`~vmapdp.accounting.EpochGaussianEvent` (one
-    Gaussian mechanism per epoch, replace-one). Chua et al. (2025) show balls-in-bins is nearly as
-    private as Poisson, but only by Monte-Carlo estimates; those are not reported here.
+    Accounting: :meth:`event` gives a :class:`~vmapdp.accounting.BallsInBinsGaussianEvent`
+    (add/remove; each epoch the random allocation of 1 of ``steps_per_epoch``, accounted by a
+    certified privacy loss distribution; see there).
 
     Args:
       num_samples: dataset size. steps_per_epoch: steps (bins) per epoch. epochs: epochs to
@@ -528,6 +532,11 @@ class BallsInBinsSampler(_EpochSampler):
 
     def _batch(self, bins: Tensor, j: int) -> Tensor:
         return (bins == j).nonzero().flatten()
+
+    def _event(self, noise_multiplier: float, opened: int):
+        from vmapdp.accounting import BallsInBinsGaussianEvent
+
+        return BallsInBinsGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, epochs=opened)
 
 
 class TruncatedPoissonSampler(PoissonSampler):

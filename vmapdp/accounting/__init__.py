@@ -26,6 +26,7 @@ Neighbouring relation: add/remove one example, Poisson subsampling.
 
 from vmapdp.accounting.core import calibrate_noise, delta, epsilon, epsilon_bounds, epsilon_grid, within_budget
 from vmapdp.accounting.events import (
+    BallsInBinsGaussianEvent,
     CyclicPoissonGaussianEvent,
     EpochGaussianEvent,
     Event,
@@ -40,6 +41,7 @@ from vmapdp.accounting.pld import PLDBounds
 from vmapdp.accounting.rdp import DEFAULT_ORDERS, rdp_poisson_gaussian
 
 __all__ = [
+    "BallsInBinsGaussianEvent",
     "CyclicPoissonGaussianEvent",
     "DEFAULT_ORDERS",
     "EpochGaussianEvent",

@@ -7,9 +7,11 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from vmapdp import _checks as _shared_checks
 from vmapdp.accounting import _checks, gdp as _gdp, pld as _pld, rdp as _rdp
 from vmapdp.accounting import events as _events
 from vmapdp.accounting.events import (
+    BallsInBinsGaussianEvent,
     EpochGaussianEvent,
     FixedSizeGaussianEvent,
     Ledger,
@@ -79,10 +81,18 @@ class _Plan(NamedTuple):
     epochs: tuple = ()  # (noise_multiplier, charged epochs): replace-one Gaussian mechanisms, sensitivity 2
     fail: float = 0.0  # probability that the truncated run differs from the Poisson run
     adjacency: str = _events.ADD_REMOVE
+    allocations: tuple = ()  # (noise_multiplier, steps_per_epoch, charged epochs): balls-in-bins, add/remove
 
     @property
     def empty(self) -> bool:
-        return not (self.poisson or self.fixed or self.epochs)
+        return not (self.poisson or self.fixed or self.epochs or self.allocations)
+
+    @property
+    def mu_allocations(self) -> float:
+        """mu of the balls-in-bins epochs charged as one Gaussian each (sensitivity 1, or 2 in a
+        replace-one ledger): valid, without amplification."""
+        sens = 1.0 if self.adjacency == _events.ADD_REMOVE else 2.0
+        return math.sqrt(sum(e * (sens / s) ** 2 for s, _, e in self.allocations))
 
     @property
     def mu_epochs(self) -> float:
@@ -91,7 +101,7 @@ class _Plan(NamedTuple):
 
 
 def _plan(ledger: Ledger) -> _Plan:
-    poisson, fixed, epochs, fail = [], [], [], 0.0
+    poisson, fixed, epochs, fail, alloc = [], [], [], 0.0, []
     for e in _events.accounted_events(ledger.events):  # registered events (vmapdp.mf) as the ones below
         if isinstance(e, NonPrivateEvent):
             return _Plan(non_private=True, adjacency=ledger.adjacency)
@@ -106,7 +116,9 @@ def _plan(ledger: Ledger) -> _Plan:
             fixed.append((e.noise_multiplier, e.sample_rate, e.count))
         elif isinstance(e, EpochGaussianEvent):
             epochs.append((e.noise_multiplier, e.charged_epochs))
-    return _Plan(False, tuple(poisson), tuple(fixed), tuple(epochs), min(fail, 1.0), ledger.adjacency)
+        elif isinstance(e, BallsInBinsGaussianEvent):
+            alloc.append((e.noise_multiplier, e.steps_per_epoch, e.charged_epochs))
+    return _Plan(False, tuple(poisson), tuple(fixed), tuple(epochs), min(fail, 1.0), ledger.adjacency, tuple(alloc))
 
 
 def _poisson_plan(triples) -> _Plan:
@@ -151,9 +163,11 @@ def _total_rdp(triples, orders) -> torch.Tensor:
 def _plan_rdp(plan: _Plan, orders) -> torch.Tensor:
     """Total RDP of the plan at ``orders``, for the plan's neighbouring relation."""
     orders = tuple(orders)
+    mu_alloc = plan.mu_allocations  # balls-in-bins epochs: one Gaussian each, rdp(a) = a mu^2 / 2
+    alloc = torch.tensor(orders, dtype=_F64) * (0.5 * mu_alloc * mu_alloc)
     if plan.adjacency == _events.ADD_REMOVE:
-        return _total_rdp(plan.poisson, orders)
-    total = torch.zeros(len(orders), dtype=_F64)
+        return _total_rdp(plan.poisson, orders) + alloc
+    total = alloc.clone()
     if plan.poisson:  # converted: a replacement is a removal and an addition
         total += _rdp.rdp_replace_one_from_add_remove(lambda o: _total_rdp(plan.poisson, o), orders)
     for s, q, c in plan.fixed:
@@ -172,8 +186,8 @@ def _pld_events(plan: _Plan):
     ``(noise / 2, 1, epochs)`` (sensitivity 2 clip norms; see ``pld.pld_epsilon_bounds``).
     """
     if plan.adjacency == _events.ADD_REMOVE:
-        return plan.poisson, "add_remove"
-    if plan.poisson:
+        return plan.poisson + tuple(_pld.Allocation(s, t, e) for s, t, e in plan.allocations if e > 0), "add_remove"
+    if plan.poisson or plan.allocations:
         return None
     events = [(s / 2.0, q, c) for s, q, c in plan.fixed] + [(s / 2.0, 1.0, e) for s, e in plan.epochs if e > 0]
     return tuple(events), "replace_one"
@@ -181,14 +195,14 @@ def _pld_events(plan: _Plan):
 
 def _refuse(where, plan: _Plan, accountant: str) -> None:
     """The accountant cannot bound this plan: say why and which one can."""
-    if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and plan.poisson:
+    if accountant == "pld" and plan.adjacency == _events.REPLACE_ONE and (plan.poisson or plan.allocations):
         raise ValueError(
-            f"{where}: accountant='pld' has no privacy loss distribution for Poisson events in a ledger that "
-            "is replace-one because of other events (fixed-size, shuffled or balls-in-bins steps), so it "
-            "cannot bound this ledger. Pass accountant='rdp' (Poisson events converted to replace-one by "
-            "the weak triangle inequality), or keep one sampler per ledger."
+            f"{where}: accountant='pld' has no privacy loss distribution for Poisson events (nor for "
+            "BallsInBinsGaussianEvent epochs) in a ledger that is replace-one because of other events "
+            "(fixed-size or shuffled steps, or old balls-in-bins EpochGaussianEvents), so it cannot bound this "
+            "ledger. Pass accountant='rdp' (add/remove events converted to replace-one), or keep one sampler per ledger."
         )
-    if accountant == "gdp" and (plan.fixed or plan.epochs or plan.fail > 0):
+    if accountant == "gdp" and (plan.fixed or plan.epochs or plan.allocations or plan.fail > 0):
         raise ValueError(
             f"{where}: accountant='gdp' is the central limit approximation of plain Poisson subsampling; it "
             "does not apply to fixed-size, shuffled, balls-in-bins or truncated sampling. Pass accountant='pld' "
@@ -200,25 +214,39 @@ def _core_epsilon(plan: _Plan, delta, accountant, orders, eps_error, h) -> float
     if accountant == "rdp":
         return float(_rdp.rdp_to_epsilon(_plan_rdp(plan, orders), orders, delta))
     if accountant == "pld":
-        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed:  # only Gaussian epochs: exact (Balle and Wang 2018)
+        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed and not plan.allocations:  # only Gaussian epochs: exact (Balle and Wang 2018)
             return _gdp.gdp_epsilon(plan.mu_epochs, delta)
         events, relation = _pld_events(plan)
-        return _pld.pld_epsilon_bounds(
+        eps = _pld.pld_epsilon_bounds(
             events, delta=delta, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
+        if plan.allocations:  # also valid: each epoch one Gaussian; the smaller of two upper bounds
+            eps = min(eps, _core_epsilon(_unamplified(plan), delta, accountant, orders, eps_error, h))
+        return eps
     return _gdp.gdp_epsilon(_gdp.gdp_mu(plan.poisson), delta)
+
+
+def _unamplified(plan: _Plan) -> _Plan:
+    """The plan with each balls-in-bins epoch charged as one Gaussian mechanism (sensitivity 1,
+    add/remove): a valid bound without amplification, at most the random-allocation PLD's true
+    value's upper bound where that PLD's fixed grid is too coarse (low noise)."""
+    gauss = tuple((s, 1.0, e) for s, _, e in plan.allocations if e > 0)
+    return plan._replace(poisson=plan.poisson + gauss, allocations=())
 
 
 def _core_delta(plan: _Plan, epsilon, accountant, orders, eps_error, h) -> float:
     if accountant == "rdp":
         return float(_rdp.rdp_to_delta(_plan_rdp(plan, orders), orders, epsilon))
     if accountant == "pld":
-        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed:
+        if plan.adjacency == _events.REPLACE_ONE and not plan.fixed and not plan.allocations:
             return _gdp.gdp_delta(plan.mu_epochs, epsilon)
         events, relation = _pld_events(plan)
-        return _pld.pld_delta_bounds(
+        d = _pld.pld_delta_bounds(
             events, epsilon=epsilon, eps_error=eps_error, value_discretization_interval=h, relation=relation
         ).upper
+        if plan.allocations:  # the smaller of two upper bounds (see _core_epsilon)
+            d = min(d, _core_delta(_unamplified(plan), epsilon, accountant, orders, eps_error, h))
+        return d
     return _gdp.gdp_delta(_gdp.gdp_mu(plan.poisson), epsilon)
 
 
@@ -518,6 +546,7 @@ def calibrate_noise(
     value_discretization_interval: float | None = None,
     num_samples: int | None = None,
     rtol: float = 0.01,
+    sampling: str = "poisson",
 ) -> float:
     """The smallest noise multiplier whose epsilon is at most ``target_epsilon``.
 
@@ -541,6 +570,10 @@ def calibrate_noise(
         value_discretization_interval, num_samples: as in :func:`epsilon` (steps >= 1,
         sample_rate > 0).
       rtol: accepted relative shortfall of the achieved epsilon below the target.
+      sampling: ``"poisson"`` (the default), or ``"balls_in_bins"``: ``steps`` steps of
+        :class:`vmapdp.data.BallsInBinsSampler` with ``steps_per_epoch = 1 / sample_rate`` (an
+        integer), accounted as :class:`BallsInBinsGaussianEvent` (a partial last epoch charged
+        whole). With ``"pld"`` every trial noise computes new epoch distributions (seconds each).
 
     Returns:
       noise_multiplier (float).
@@ -570,14 +603,28 @@ def calibrate_noise(
     if rtol >= 1.0:
         raise ValueError(f"{where}: rtol={rtol!r} must be below 1, e.g. 0.01.")
     _checks.check_num_samples(where, num_samples, delta)
+    _shared_checks.choice(where, "sampling", sampling, ("poisson", "balls_in_bins"), why="it names the sampler the noise is calibrated for")
+    if sampling == "balls_in_bins":
+        per_epoch = round(1.0 / q)
+        if abs(per_epoch * q - 1.0) > 1e-9:
+            raise ValueError(
+                f"{where}: sampling='balls_in_bins' needs sample_rate = 1 / steps_per_epoch for an integer "
+                f"steps_per_epoch; got sample_rate={q!r}. Pass sample_rate=sampler.sample_rate."
+            )
     if accountant == "gdp":
         _gdp.warn_gdp(where)
+        if sampling != "poisson":
+            raise ValueError(f"{where}: accountant='gdp' applies to sampling='poisson' only; pass accountant='pld' or 'rdp'.")
 
     cache: dict[float, float] = {}
 
     def f(sigma: float) -> float:
         if sigma not in cache:
-            cache[sigma] = _epsilon([(sigma, q, steps)], delta, accountant, orders, eps_error, h)
+            if sampling == "poisson":
+                plan = [(sigma, q, steps)]
+            else:
+                plan = _plan(Ledger((BallsInBinsGaussianEvent(sigma, per_epoch, count=steps),)))
+            cache[sigma] = _epsilon(plan, delta, accountant, orders, eps_error, h)
         return cache[sigma]
 
     # bracket: lo infeasible (eps > target), hi feasible (eps <= target)

@@ -190,6 +190,9 @@ def mu_gdp(ledger, /) -> float:
     * Shuffled / balls-in-bins epochs only: EXACT, ``mu = sqrt(sum over epochs of (2 / sigma)^2)``
       (each epoch one Gaussian mechanism of sensitivity 2 under replace-one; see
       :class:`EpochGaussianEvent`); no warning.
+    * Balls-in-bins epochs (:class:`BallsInBinsGaussianEvent`): an upper bound, each epoch
+      charged as one Gaussian mechanism, ``mu = 1 / sigma`` (sensitivity 1, add/remove; 2 in a
+      replace-one ledger), without amplification; no warning.
     * Plain Poisson steps: the central-limit APPROXIMATION ``mu = q sqrt(T (e^(1/sigma^2) - 1))``
       (Bu, Dong, Long, Su 2020): NOT a bound (it can under-report), with a UserWarning.
 
@@ -206,8 +209,8 @@ def mu_gdp(ledger, /) -> float:
         return math.inf
     if plan.empty:
         return 0.0
-    if plan.epochs and not (plan.poisson or plan.fixed):
-        return plan.mu_epochs
+    if (plan.epochs or plan.allocations) and not (plan.poisson or plan.fixed):
+        return math.hypot(plan.mu_epochs, plan.mu_allocations)
     if plan.poisson and not (plan.fixed or plan.epochs) and plan.fail == 0.0:
         _gdp.warn_gdp(where)
         return _gdp.gdp_mu(plan.poisson)

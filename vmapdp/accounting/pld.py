@@ -55,7 +55,7 @@ import torch
 
 from vmapdp.accounting import _special, rdp as _rdp
 
-__all__ = ["PLDBounds", "pld_epsilon_bounds", "pld_delta_bounds"]
+__all__ = ["Allocation", "PLDBounds", "pld_epsilon_bounds", "pld_delta_bounds"]
 
 _F64 = torch.float64
 _X_TAIL = 10.0  # single-step grid covers x in [-10 s, 1 + 10 s]; beyond: < 1e-23 mass (kept, see below)
@@ -64,6 +64,16 @@ _MAX_BINS = 1 << 21  # per single-step distribution
 _MAX_FFT = 1 << 24
 _T_GRID = torch.logspace(-3, 5, 41, dtype=_F64)
 _MERGE_SWEEPS = 4
+
+
+class Allocation(NamedTuple):
+    """``count`` epochs of balls-in-bins (random allocation of 1 of ``steps_per_epoch``) with
+    the Gaussian mechanism, each with a fresh assignment; add/remove neighbouring
+    (:mod:`vmapdp.accounting.allocation`)."""
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    count: int
 
 
 class PLDBounds(NamedTuple):
@@ -396,8 +406,27 @@ class _Composed(NamedTuple):
     slack: float  # delta correction: + for the upper bound, - for the lower bound
 
 
+def _allocation_pmf(s: float, t: int, h: float, direction: str) -> _StepPMF:
+    """One balls-in-bins epoch as a step: its upper and lower loss distributions."""
+    from vmapdp.accounting.allocation import allocation_pmf
+
+    up = allocation_pmf(s, t, h, direction, True)
+    lo = allocation_pmf(s, t, h, direction, False)
+    return _StepPMF(up.lo, up.mass, up.p_inf, lo.lo, lo.mass, 0.0)
+
+
+def _part(e, h: float, direction: str):
+    """(step distributions, count) of one event: a Poisson triple or an :class:`Allocation`."""
+    if isinstance(e, Allocation):
+        if direction not in ("remove", "add"):
+            raise ValueError("pld: balls-in-bins epochs are analysed under add/remove only.")
+        return _allocation_pmf(e.noise_multiplier, e.steps_per_epoch, h, direction), e.count
+    s, q, c = e
+    return _step_pmf(s, q, h, direction), c
+
+
 def _compose_direction(events, h: float, direction: str) -> tuple[_Composed, _Composed]:
-    parts = [(_step_pmf(s, q, h, direction), c) for s, q, c in events]
+    parts = [_part(e, h, direction) for e in events]
     w_lo, w_hi = _window(parts, h)
     size = _fft_size(w_hi - w_lo + 1)
     if size > _MAX_FFT:
@@ -474,8 +503,26 @@ def _read(parts, relation, value):
 
 
 def _private_events(events):
-    """events: sequence of (noise_multiplier, sample_rate, count) with 0 < q, finite noise."""
-    return [(float(s), float(q), int(c)) for s, q, c in events if q > 0.0 and c > 0]
+    """events: (noise_multiplier, sample_rate, count) triples with 0 < q, finite noise, and
+    :class:`Allocation` epochs."""
+    out = []
+    for e in events:
+        if isinstance(e, Allocation):
+            if e.count > 0:
+                out.append(Allocation(float(e.noise_multiplier), int(e.steps_per_epoch), int(e.count)))
+            continue
+        s, q, c = e
+        if q > 0.0 and c > 0:
+            out.append((float(s), float(q), int(c)))
+    return out
+
+
+def _as_poisson(e):
+    """A Poisson triple standing in for ``e`` where only a scale is needed (the first grid):
+    an epoch of t steps as t steps at rate 1 / t."""
+    if isinstance(e, Allocation):
+        return (e.noise_multiplier, 1.0 / e.steps_per_epoch, e.steps_per_epoch * e.count)
+    return e
 
 
 def _initial_interval(events, tol: float) -> float:
@@ -486,6 +533,10 @@ def _initial_interval(events, tol: float) -> float:
     single-step distributions are cheap, so h is tuned on them before any FFT. The first
     guess resolves one step's loss (about sample_rate * sqrt(exp(1 / noise^2) - 1) in size).
     """
+    alloc = sum(e.count for e in events if isinstance(e, Allocation))  # epochs: loss rounding only
+    events = [e for e in events if not isinstance(e, Allocation)]
+    if not events:  # the epochs' grid of sums is fixed; the loss grid adds at most h per epoch
+        return min(max(0.25 * tol / alloc, 1e-5), 1e-2)
     steps = sum(c for _, _, c in events)
     scale = min(q * math.sqrt(math.expm1(min(1.0 / (s * s), 700.0))) for s, q, _ in events)
     h = min(max(min(math.sqrt(tol / (4.0 * steps)), scale / 10.0), 1e-6), 0.05)
@@ -497,6 +548,7 @@ def _initial_interval(events, tol: float) -> float:
                 upper_loss = (torch.arange(p.upper.shape[0], dtype=_F64) + p.upper_lo) * h
                 lower_loss = (torch.arange(p.lower.shape[0], dtype=_F64) + p.lower_lo) * h + p.shift
                 shift = max(shift, c * float((p.upper * upper_loss).sum() - (p.lower * lower_loss).sum()))
+        shift += alloc * h
         if shift <= 0.0:
             break
         ratio = math.sqrt(0.5 * tol / shift)
@@ -519,9 +571,12 @@ def pld_epsilon_bounds(
     """Epsilon bracket for a composition of Poisson-subsampled Gaussian steps, or of
     fixed-size (without replacement) Gaussian steps under replace-one.
 
-    ``relation="add_remove"``: each event is Poisson-subsampled with (noise multiplier, rate);
+    ``relation="add_remove"``: each event is Poisson-subsampled with (noise multiplier, rate),
+    or an :class:`Allocation` (balls-in-bins epochs, :mod:`vmapdp.accounting.allocation`);
     both directions are composed and the worse is reported; ``lower`` and ``upper`` bracket
-    the true epsilon up to the discretisation.
+    the true epsilon up to the discretisation. An epoch's grid of sums is fixed, so with
+    allocation events and no ``eps_error`` the grid is refined only while the gap shrinks, and
+    the bracket is returned as it is (it can be wider than 1%; both ends stay certified).
 
     ``relation="replace_one"``: each event is a step on a batch of ``b`` examples drawn
     without replacement from ``n``, passed as ``(noise_multiplier / 2, b / n, count)`` (the
@@ -582,16 +637,23 @@ def pld_epsilon_bounds(
         return run(value_discretization_interval)[0]
     tol_of = (lambda up: eps_error) if eps_error is not None else (lambda up: max(0.01 * up, 1e-4))
     # scale from RDP (an upper bound) to pick the first grid
-    r = sum(c * torch.tensor(_rdp._rdp_cached(s, q, _rdp.DEFAULT_ORDERS), dtype=_F64) for s, q, c in events)
+    r = sum(c * torch.tensor(_rdp._rdp_cached(s, q, _rdp.DEFAULT_ORDERS), dtype=_F64) for s, q, c in map(_as_poisson, events))
     eps_rdp = float(_rdp.rdp_to_epsilon(r, _rdp.DEFAULT_ORDERS, delta))
     if math.isinf(eps_rdp):
         eps_rdp = 100.0
     h = _initial_interval(events, tol_of(eps_rdp))
+    fixed_part = eps_error is None and any(isinstance(e, Allocation) for e in events)
+    last_gap = math.inf
     for _ in range(6):
         res, gap = run(h)  # the discretisation error (for replace-one: of the remove pair)
         tol = tol_of(res.upper)
         if gap <= tol or math.isinf(res.upper):
             return res
+        if fixed_part and gap > 0.8 * last_gap:
+            # balls-in-bins epochs: their grid of sums is fixed, so the gap stops shrinking with
+            # h; by default the bracket is reported as it is (still certified both ways)
+            return res
+        last_gap = gap
         h = max(h * min(math.sqrt(0.7 * tol / gap), 0.8), h / 8)
     warnings.warn(
         f"epsilon(accountant='pld'): discretisation error {gap:.3g} is above the requested "
@@ -634,9 +696,10 @@ def pld_delta_bounds(
     err = eps_error if eps_error is not None else max(0.01 * epsilon, 1e-4)
     eps_lo = max(epsilon - err, 0.0)
     h = _initial_interval(events, err)
-    for _ in range(6):
+    fixed_part = eps_error is None and any(isinstance(e, Allocation) for e in events)
+    for i in range(6):
         res, certified = run(h, eps_lo)  # for replace-one: the remove pair's discretisation
-        if certified or res.upper == 0.0:
+        if certified or res.upper == 0.0 or (fixed_part and i >= 1):  # epochs: see pld_epsilon_bounds
             return res
         h = h / 2
     warnings.warn(

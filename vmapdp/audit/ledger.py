@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from vmapdp import _checks, accounting
-from vmapdp.accounting import EpochGaussianEvent, Ledger, NonPrivateEvent, PoissonGaussianEvent
+from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 
 __all__ = ["LedgerReport", "check_ledger", "ledger_epsilon"]
@@ -54,7 +54,8 @@ def ledger_epsilon(ledger: Ledger, *, delta: float, accountant: str) -> float:
 def sampler_events(sampler: Any, steps: int, noise_multiplier: float) -> Ledger:
     """The ledger of the last ``steps`` batches ``sampler`` drew at ``noise_multiplier``, written
     from the scheme's definition: the sampler's (stateless) event per step, and for an epoch
-    sampler one :class:`EpochGaussianEvent` per step whose ``epochs`` counts the draws
+    sampler one event per step (:class:`EpochGaussianEvent`, or :class:`BallsInBinsGaussianEvent`
+    for balls-in-bins) whose ``epochs`` counts the draws
     ``i = draws - steps, ..., draws - 1`` (0-based) with ``i % steps_per_epoch == 0``."""
     spe = getattr(sampler, "steps_per_epoch", None)
     if spe is None:
@@ -64,7 +65,7 @@ def sampler_events(sampler: Any, steps: int, noise_multiplier: float) -> Ledger:
         raise ValueError(f"check_ledger: the sampler drew {drawn} batch(es), fewer than steps={steps}; pass the sampler the steps' batches came from, after the steps.")
     ledger = Ledger()
     for i in range(drawn - steps, drawn):
-        ledger = ledger.append(EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=spe, scheme=sampler._SCHEME, epochs=int(i % spe == 0)))
+        ledger = ledger.append(sampler._event(noise_multiplier, int(i % spe == 0)))  # the scheme's event, this step's epoch flag
     return ledger
 
 
