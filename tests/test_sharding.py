@@ -588,17 +588,21 @@ def test_secure_correlated_noise_and_adaptive_clipping_on_shards(runs, singles):
 # ---- in one process ----
 
 
-@pytest.mark.parametrize("noise", list(MF))
+BAND16 = BandedToeplitz(tuple(0.8**k for k in range(16)))  # 15 buffer rows: a matrix product over them rounds slices differently
+
+
+@pytest.mark.parametrize("noise", [*MF, "band16"])
 def test_each_owner_releases_the_slice_of_the_one_process_correlated_noise_bitwise(noise):
     """White-box: the bound privatizer on each rank's shards of a sum, over 3 steps, releases the
     slices of the one-process release and keeps the slices of its buffers, bit for bit."""
     params = problem("gpt2")[0]
     g = torch.Generator().manual_seed(3)
     sums = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(3)]
-    priv = correlated_noise(MF[noise], steps=STEPS)
+    strategy = BAND16 if noise == "band16" else MF[noise]
+    priv = correlated_noise(strategy, steps=STEPS)
 
     def bound(**layout):
-        s = make_sampler(noise, STEPS)
+        s = CyclicPoissonSampler(N, MF_Q, 16, STEPS, key=SAMPLER_KEY) if noise == "band16" else make_sampler(noise, STEPS)
         return priv.bind("test", noise_multiplier=1.1, l2_sensitivity=1.0, sample_rate=MF_Q, sampler=s, secure=False, **layout)[0]
 
     one, state, released = bound(), priv.init(params), []
@@ -701,5 +705,17 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         assert all(torch.equal(p, params[k] + 1) for k, p in plain.named_parameters())
         with pytest.raises(ValueError, match="no vmapdp-meta"):
             sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
+        # a noise state (identity's: buffers of 0 rows) is saved; a run without it (or with another one) cannot load it
+        for name, other in (("identity", "banded"), ("banded", None)):
+            priv = correlated_noise(MF[name], steps=STEPS)
+            state = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv, sharding=sharding)
+            state = state._replace(noise_state={**state.noise_state, "buffers": {k: torch.randn_like(v) for k, v in state.noise_state["buffers"].items()}})
+            sc.save_sharded(tmp_path / name, state, sharding)
+            loaded = sc.load_sharded(tmp_path / name, like=vmapdp.init_train_state(params, opt, seed=1, privatizer=priv, sharding=sharding), sharding=sharding)
+            assert same_state(loaded, state)
+            other = None if other is None else correlated_noise(MF[other], steps=STEPS)
+            like = vmapdp.init_train_state(params, opt, seed=1, privatizer=other, sharding=sharding)
+            with pytest.raises(ValueError, match=r"tensors do not fit this run's state .*init_train_state\(\.\.\., privatizer=\)"):
+                sc.load_sharded(tmp_path / name, like=like, sharding=sharding)
     finally:
         vdist.shutdown()

@@ -20,11 +20,11 @@ directories); an existing ``path`` is never overwritten (save each checkpoint un
 ``checkpoint_path(root, step)``).
 
 ``load_sharded(path, like=, sharding=, sampler=)`` verifies the metadata's digest and every
-file's SHA-256 (each rank some of the files), checks the layout, reads the tensors into the
-shards of ``like`` (a fresh ``init_train_state(..., privatizer=, sharding=)`` of this world: any
-world size),
-checks the result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a
-rollback) and restores the sampler last; a refused load changes nothing. On the world size that
+file's SHA-256 (each rank some of the files), checks the layout and that the saved tensors are
+``like``'s (names, global shapes, dtypes), reads them into the shards of ``like`` (a fresh
+``init_train_state(..., privatizer=, sharding=)`` of this world: any world size), checks the
+result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a rollback) and
+restores the sampler last; a refused load changes nothing. On the world size that
 saved it, the state is bitwise the saved one, so a resumed run continues bit for bit.
 """
 
@@ -88,6 +88,15 @@ def _state_leaves(call: str, state: TrainState, sharding: Sharding) -> list[tupl
             if not isinstance(leaf, Tensor):
                 raise TypeError(f"{call}: the {what} holds a {type(leaf).__name__} at {path_str(path)}; a sharded checkpoint holds tensors only ({fix}).")
             out.append((f"{prefix}/{path_str(path)}", leaf, sharding.owner(path, leaf)))
+    return out
+
+
+def _entries(call: str, state: TrainState, sharding: Sharding) -> list[list]:
+    """``[name, global shape, dtype]`` of each tensor a checkpoint of ``state`` holds (:func:`_state_dict`'s keys), in order."""
+    out = [[f"params/{k}", [sharding.numels[k]], str(sharding.dtypes[k])] for k in sharding.names]
+    for name, leaf, owner in _state_leaves(call, state, sharding):
+        shape = list(leaf.shape) if owner is None else [*leaf.shape[:-1], sharding.numels[owner]]
+        out.append([name, shape, str(leaf.dtype)])
     return out
 
 
@@ -170,7 +179,7 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
         try:
             files = {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
             payload["params"], payload["opt_state"], payload["noise_state"] = {}, (), ()  # the tensors are DCP's (the clip norm, replicated, is here)
-            payload["sharded"] = {"world_size": sharding.world_size, "layout": _layout(sharding), "files": files}
+            payload["sharded"] = {"world_size": sharding.world_size, "layout": _layout(sharding), "files": files, "entries": _entries(call, state, sharding)}
             _ckpt.write_payload(os.path.join(tmp, _META), payload, secret)
             os.rename(tmp, path)  # the checkpoint appears whole, or not at all
             fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -198,15 +207,18 @@ def load_sharded(
         path: the checkpoint directory.
         like: this rank's state of the run to continue: ``init_train_state(params, optimizer,
             sharding=sharding)`` (with the run's ``privatizer=`` for correlated noise) for a fresh
-            process (its shards give the layout to read into; any world size), or the run's current state (then the checkpoint must be of the same
-            run and not behind it, as with ``load_state(like=)``).
+            process (its shards give the layout to read into; any world size), or the run's
+            current state (then the checkpoint must be of the same run and not behind it, as with
+            ``load_state(like=)``).
         sharding: this world's :class:`vmapdp.sharding.Sharding` (the one ``like`` was made with).
         sampler, key, ignore_sampler: as for :func:`vmapdp.load_state`.
 
     Raises:
         ValueError: (on every rank; nothing restored) the metadata or a tensor file is corrupted
-            or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, or the state
-            does not fit ``like`` or the sampler.
+            or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, the saved tensors
+            are not those of ``like``'s optimizer and noise state (checked before reading any:
+            another optimizer, a correlated-noise run loaded without its ``privatizer=`` or the
+            reverse), or the state does not fit ``like`` or the sampler.
     """
     path = os.path.abspath(os.fspath(path))
     call = f"load_sharded({path!r})"
@@ -215,6 +227,7 @@ def load_sharded(
     secret = _ckpt.checked_key(call, key)
     if not isinstance(like, TrainState):
         raise TypeError(f"{call}: like must be a vmapdp.TrainState (init_train_state(params, optimizer, sharding=sharding)), got {type(like).__name__}.")
+    entries = _entries(call, like, sharding)
     error, payload = None, None
     try:
         meta = os.path.join(path, _META)
@@ -226,6 +239,15 @@ def load_sharded(
             raise ValueError(f"{call}: {meta} is not the metadata of a sharded checkpoint (a load_state file?); nothing was loaded.")
         if info.get("layout") != _layout(sharding):
             raise ValueError(f"{call}: the checkpoint's params (names, shapes, dtypes) are not this sharding's; it was saved from another model. Nothing was loaded.")
+        saved = info.get("entries", entries)  # (absent from checkpoints written before the noise state was saved)
+        if saved != entries:
+            ours, theirs = ({e[0]: f"{tuple(e[1])} {e[2]}" for e in x} for x in (entries, saved))
+            differ = "; ".join(f"{k}: {theirs.get(k, 'absent')} saved, {ours.get(k, 'absent')} here" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+            raise ValueError(
+                f"{call}: the checkpoint's tensors do not fit this run's state ({differ}): "
+                "it was saved by a run with another optimizer or noise state. Make like with the optimizer and "
+                "init_train_state(..., privatizer=) of the run that saved it. Nothing was loaded."
+            )
         files = info["files"]
         present = sorted(n for n in os.listdir(path) if n != _META)
         if present != sorted(files):

@@ -60,6 +60,8 @@ def _weighted_rows(weights: tuple[float, ...], buffer: Tensor) -> Tensor:
     matrix product, whose blocking may round a column differently with the matrix's width)."""
     w = torch.tensor(weights, dtype=buffer.dtype, device=buffer.device)
     acc = buffer[0] * w[0]
-    for k in range(1, len(weights)):
-        acc = acc + buffer[k] * w[k]
+    term = torch.empty_like(acc)
+    for k in range(1, len(weights)):  # a multiply, then an add: never add(alpha=), whose vector path may fuse them
+        torch.mul(buffer[k], w[k], out=term)
+        acc.add_(term)
     return acc
