@@ -670,6 +670,9 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                    sharding=sharding, privatizer=vmapdp.noise.gaussian_privatizer(1.0))
         priv = correlated_noise(MF["banded"], steps=STEPS)
+        bound = priv.bind("test", noise_multiplier=1.0, l2_sensitivity=1.0, sample_rate=MF_Q, sampler=make_sampler("banded", STEPS), secure=False)[0]
+        with pytest.raises(ValueError, match="already bound"):  # its own refusal, not the shard layout's
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS), sharding=sharding, privatizer=bound)
         with pytest.raises(ValueError, match="no published analysis covers the pair"):  # still refused, sharded or not
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS), sharding=sharding,
                                    privatizer=priv, adaptive_clipping=ADAPTIVE)

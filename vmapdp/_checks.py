@@ -284,7 +284,8 @@ def sharding(call: str, value: Any, *, privatizer: Any = None) -> Any:
         import inspect
 
         bind = getattr(privatizer, "bind", None)
-        if bind is None or "offsets" not in inspect.signature(bind).parameters:
+        takes = {} if bind is None else inspect.signature(bind).parameters
+        if "offsets" not in takes and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):
             raise ValueError(
                 f"{call}: with sharding= each rank noises its own shards, so the privatizer must be told the shard layout; "
                 "this one has no bind hook that takes offsets= and would give every shard the noise of the parameter's start "
