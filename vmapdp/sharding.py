@@ -22,7 +22,11 @@ as the element offset: :func:`vmapdp.noise.keyed_normal` regenerates any element
 bit), the sum over ranks is a sum (only its order differs), and the optimizers of
 :mod:`vmapdp.optim` are element-wise, so updating a shard is the slice of the full update. The
 run id is that of the full initial params, so the noise keys, the ledger and epsilon are those of
-the unsharded run.
+the unsharded run. Correlated noise (:func:`vmapdp.mf.correlated_noise`) is bound with the same
+offsets: each owner keeps the streaming buffers of its shards only and runs the element-wise
+recursion on them, so its noise and buffers are the slices of the unsharded ones. Adaptive
+clipping's count of unclipped samples is summed over ranks with the telemetry and noised once
+under the step's key (with ``secure``, by rank 0), so every rank gets the same next clip norm.
 
 Memory: the parameters, the optimizer state and the noise are 1/W per rank (up to one element
 per parameter of padding). The compute is not: the step gathers the whole model before the
