@@ -30,13 +30,18 @@ from transformer_blocks import BLOCKS
 from vmapdp import distributed as vdist
 from vmapdp import optim
 from vmapdp import sharded_checkpoint as sc
-from vmapdp.data import PoissonSampler, gather
+from vmapdp.data import CyclicPoissonSampler, PoissonSampler, gather
+from vmapdp.mf import BandedToeplitz, BufferedToeplitz, correlated_noise
 from vmapdp.noise import add_noise
 from vmapdp.sharding import Sharding, local_bytes
 
 N, Q, STEPS, CAPACITY, SEED = 48, 0.25, 4, 16, 1234
 SAMPLER_KEY = b"sharding-test-sampler"
 DELTA = 1e-5
+# correlated noise: banded (band 3 <= cycle: amplified) and BLT, on cyclic Poisson batches of ~6 rows
+MF = {"banded": BandedToeplitz((1.0, 0.6, 0.25)), "blt": BufferedToeplitz((0.9, 0.5), (0.3, 0.1)), "identity": BandedToeplitz((1.0,))}
+MF_Q, CYCLE = 0.5, 4
+ADAPTIVE = vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, learning_rate=0.5)
 
 
 def problem(kind, wrap=None):
@@ -64,20 +69,31 @@ def problem(kind, wrap=None):
     return params, buffers, data, loss_fn, opt
 
 
-def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None):
+def make_sampler(noise, steps, key=SAMPLER_KEY):
+    """Poisson batches; cyclic Poisson ones for correlated noise (its accounting needs them)."""
+    if noise is None:
+        return PoissonSampler(N, Q, steps, key=key, capacity=CAPACITY)
+    return CyclicPoissonSampler(N, MF_Q, CYCLE, steps, key=key, capacity=CAPACITY)
+
+
+def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None, noise=None, adaptive=False, secure=False):
     """``steps`` DP steps (Poisson batches, the same sampler key everywhere); sharded: this rank's
-    share of each batch, the state sharded. Returns (state, sharding, sampler)."""
+    share of each batch, the state sharded. ``noise``: a key of ``MF`` (correlated noise over a run
+    of ``STEPS``); ``adaptive``: adaptive clipping. Returns (state, sharding, sampler)."""
     params, buffers, data, loss_fn, opt = problem(kind, wrap)
     sharding = Sharding(params) if sharded else None
+    priv = None if noise is None else correlated_noise(MF[noise], steps=STEPS)
+    if sampler is None:
+        sampler = make_sampler(noise, steps)
+    scheme = {"sample_rate": Q, "expected_batch_size": N * Q} if noise is None else {"sampler": sampler}
     step = vmapdp.make_train_step(
-        loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+        loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, **scheme, privatizer=priv, secure=secure,
+        adaptive_clipping=ADAPTIVE if adaptive else None,
         physical_batch_size=vdist.local_capacity(CAPACITY) if sharded else CAPACITY,
         compile=False, method="ghost", sharding=sharding,
     )
     if state is None:
-        state = vmapdp.init_train_state(params, opt, seed=seed, sharding=sharding)
-    if sampler is None:
-        sampler = PoissonSampler(N, Q, steps, key=SAMPLER_KEY, capacity=CAPACITY)
+        state = vmapdp.init_train_state(params, opt, seed=None if secure else seed, secure=secure, privatizer=priv, sharding=sharding)
     for indices, mask in vdist.sharded(sampler) if sharded else sampler:
         state, _ = step(state, gather(data, indices), mask, buffers)
         if on_step is not None:
@@ -86,8 +102,14 @@ def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, un
 
 
 def summary(state, sharding):
-    """What the parent compares: the full params, the ledger, epsilon, this rank's bytes."""
+    """What the parent compares: the full params, the ledger, epsilon, this rank's bytes, this
+    rank's noise buffers (correlated noise) with its bounds, the clip norm (adaptive clipping)."""
+    noise = state.noise_state
     return {
+        "buffers": {k: v.clone() for k, v in noise["buffers"].items()} if noise else None,
+        "noise_t": int(noise["t"]) if noise else None,
+        "bounds": {k: sharding.bounds(k) for k in sharding.names},
+        "clip_norm": state.clip_norm,
         "params": {k: v.clone() for k, v in sharding.gather(state.params).items()},
         "ledger": state.ledger.to_json(),
         "epsilon": state.epsilon(DELTA),
@@ -163,6 +185,55 @@ def secure_run():
     return {"noises": noises, "ledger": state.ledger.to_json(), "epsilon": state.epsilon(DELTA), "seed": state.noise_seed}
 
 
+RUNS = {"banded": {"noise": "banded"}, "blt": {"noise": "blt"}, "adaptive": {"adaptive": True}}
+
+
+def resume(path, *, noise=None, adaptive=False):
+    """A fresh state of this world loaded from the step-2 checkpoint ``path``, then trained to STEPS."""
+    params, _, _, _, opt = problem("mlp")
+    sharding = Sharding(params)
+    priv = None if noise is None else correlated_noise(MF[noise], steps=STEPS)
+    like = vmapdp.init_train_state(params, opt, seed=SEED, privatizer=priv, sharding=sharding)
+    sampler = make_sampler(noise, STEPS - 2, key=b"overwritten-by-the-load")
+    loaded = sc.load_sharded(path, like=like, sharding=sharding, sampler=sampler)
+    resumed, _, _ = train("mlp", sharded=True, state=loaded, sampler=sampler, noise=noise, adaptive=adaptive)
+    return loaded, resumed, sharding
+
+
+def same_state(a, b):
+    """Bitwise: params, optimizer state, noise state, clip norm, step and ledger."""
+    la, lb = (optree.tree_leaves((s.params, s.opt_state, s.noise_state), namespace="torch") for s in (a, b))
+    clips = (a.clip_norm is None and b.clip_norm is None) or torch.equal(a.clip_norm, b.clip_norm)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb)) and clips and a.step == b.step and a.ledger.to_json() == b.ledger.to_json()
+
+
+def mf_adaptive_runs(out, world):
+    """Correlated noise (banded, BLT) and adaptive clipping, sharded; world 4 also checkpoints the
+    BLT and adaptive runs at step 2 and resumes them here, world 2 resumes those checkpoints on 2
+    ranks and runs both kinds with secure=True for 2 steps."""
+    res = {}
+    for tag, kw in RUNS.items():
+        state, sharding, _ = train("mlp", sharded=True, **kw)
+        res[tag] = summary(state, sharding)
+    for tag in ("blt", "adaptive"):
+        path = os.path.join(out, f"ckpt4-{tag}")
+        if world == 4:
+            half, sharding, sampler = train("mlp", sharded=True, steps=2, **RUNS[tag])
+            sc.save_sharded(path, half, sharding, sampler=sampler)
+            loaded, resumed, sharding = resume(path, **RUNS[tag])
+            res[f"{tag}-loaded_equal"] = same_state(loaded, half)
+            res[f"{tag}-resumed"] = summary(resumed, sharding)
+        else:
+            loaded, resumed, sharding = resume(path, **RUNS[tag])
+            res[f"{tag}-resharded_step"] = loaded.step
+            res[f"{tag}-resharded"] = summary(resumed, sharding)
+    if world == 2:
+        for tag in ("banded", "adaptive"):
+            state, sharding, _ = train("mlp", sharded=True, steps=2, secure=True, **RUNS[tag])
+            res[f"{tag}-secure"] = summary(state, sharding)
+    return res
+
+
 def _error(fn):
     try:
         fn()
@@ -196,6 +267,7 @@ def _worker4(rank, world, init_file, out):
         res["loaded_equal"] = all(torch.equal(loaded.params[k], half.params[k]) for k in half.params)
         resumed, _, _ = train("mlp", sharded=True, state=loaded, sampler=sampler)
         res["resumed"] = summary(resumed, sharding)
+        res.update(mf_adaptive_runs(out, world))
         torch.save(res, os.path.join(out, f"w4-rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -243,6 +315,7 @@ def _worker2(rank, world, init_file, out):
         res["exists_error"] = _error(lambda: sc.save_sharded(os.path.join(out, "ckpt4"), loaded, sharding, sampler=sampler))
         res["fsdp"] = fsdp_run()
         res["secure"] = secure_run()
+        res.update(mf_adaptive_runs(out, world))
         torch.save(res, os.path.join(out, f"w2-rank{rank}.pt"))
         dist.barrier()
         # the faulty run: a checkpoint every 2 steps; rank 1 dies while the step-4 one is written
@@ -433,7 +506,122 @@ def test_secure_sharded_noise_has_the_right_std_differs_per_owner_and_the_ledger
     assert state.step == SECURE_STEPS and state.epsilon(DELTA) > 0
 
 
+@pytest.fixture(scope="module")
+def singles():
+    """The one-process runs of RUNS (4 steps, and 2 for the secure ledgers), drawing noise with the
+    eager Box-Muller as the ranks do: the same bits, so the noise buffers compare bitwise."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(vmapdp.noise.gaussian, "_fused_ok", False)
+        out = {tag: train("mlp", sharded=False, **kw)[0] for tag, kw in RUNS.items()}
+        out.update({f"{tag}-2": train("mlp", sharded=False, steps=2, **RUNS[tag])[0] for tag in ("banded", "adaptive")})
+    return out
+
+
+def _noise_slices_are_bitwise(r, single):
+    """This rank's correlated-noise buffers are the slices [:, start:stop] of the one-process ones."""
+    assert r["noise_t"] == single.noise_state["t"]
+    for k, full in single.noise_state["buffers"].items():
+        start, stop = r["bounds"][k]
+        assert torch.equal(r["buffers"][k], full.flatten(1)[:, start:stop]), k
+
+
+def _equals_one_process(r, single, tag):
+    _close(r["params"], single.params)  # the sums differ in summation order only
+    assert r["ledger"] == single.ledger.to_json() and r["epsilon"] == single.epsilon(DELTA) and r["run_id"] == single.run_id
+    if tag == "adaptive":
+        torch.testing.assert_close(r["clip_norm"], single.clip_norm, rtol=1e-6, atol=0)
+    else:
+        _noise_slices_are_bitwise(r, single)
+
+
+@pytest.mark.parametrize("tag", list(RUNS))
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_correlated_noise_and_adaptive_clipping_on_shards_equal_one_process(runs, singles, world, tag):
+    single, ranks = singles[tag], runs[world]
+    for r in ranks:
+        assert r[tag]["step"] == STEPS
+        _equals_one_process(r[tag], single, tag)
+    if tag == "adaptive":  # one noisy count for all ranks: the same next clip norm, bitwise; it moved
+        assert all(torch.equal(r[tag]["clip_norm"], ranks[0][tag]["clip_norm"]) for r in ranks)
+        assert float(single.clip_norm) != 1.0
+    else:  # each rank holds its shards' buffers only: together exactly the one-process buffers
+        assert single.noise_state["buffers"]["0.weight"].shape[0] == 2  # (band 3 / two thetas: 2 rows)
+        total = sum(v.numel() for v in single.noise_state["buffers"].values())
+        assert sum(v.numel() for r in ranks for v in r[tag]["buffers"].values()) == total
+        slack = 2 * 4 * len(single.params)  # at most one float32 element per row and parameter above an even split
+        assert all(local_bytes(r[tag]["buffers"]) <= local_bytes(single.noise_state["buffers"]) / len(ranks) + slack for r in ranks)
+
+
+def test_noise_state_and_clip_norm_checkpoints_resume_bitwise_and_on_another_world(runs, singles):
+    for r in runs["w4"]:  # step 2 saved and loaded on 4 ranks: bitwise the saved state, and the resumed run continues bit for bit
+        for tag in ("blt", "adaptive"):
+            assert r[f"{tag}-loaded_equal"]
+            resumed, whole = r[f"{tag}-resumed"], r[tag]
+            assert all(torch.equal(resumed["params"][k], v) for k, v in whole["params"].items())
+            assert resumed["ledger"] == whole["ledger"]
+            if tag == "blt":
+                assert all(torch.equal(resumed["buffers"][k], v) for k, v in whole["buffers"].items())
+            else:
+                assert torch.equal(resumed["clip_norm"], whole["clip_norm"])
+    for r in runs["w2"]:  # the same checkpoints read into 2 ranks' shards (the buffers reshard like the params)
+        for tag in ("blt", "adaptive"):
+            assert r[f"{tag}-resharded_step"] == 2
+            _equals_one_process(r[f"{tag}-resharded"], singles[tag], tag)
+
+
+def test_secure_correlated_noise_and_adaptive_clipping_on_shards(runs, singles):
+    ranks = [r["adaptive-secure"] for r in runs["w2"]]
+    # each owner drew its own gradient noise, but rank 0 drew the one count: the same clip norm everywhere
+    # (a second step ran, so the ranks also passed its agreement check on the clip norm), and it moved
+    assert torch.equal(ranks[0]["clip_norm"], ranks[1]["clip_norm"]) and float(ranks[0]["clip_norm"]) != 1.0
+    assert all(r["ledger"] == singles["adaptive-2"].ledger.to_json() for r in ranks)
+    ranks = [r["banded-secure"] for r in runs["w2"]]
+    assert all(r["noise_t"] == 2 and r["ledger"] == singles["banded-2"].ledger.to_json() for r in ranks)
+    # the oldest row of the buffers is y_1 = z_1 (c_0 = 1): standard normal over the owners' shards together
+    # (chi-square, false alarm 1e-4), and not the keyed one-process draw
+    y1 = torch.cat([r["buffers"][k][1] for r in ranks for k in r["buffers"]])
+    assert y1.numel() == sum(v.numel() for v in singles["banded"].params.values()) and _chi2_p(y1, 1.0) > 1e-4
+    keyed = torch.cat([singles["banded-2"].noise_state["buffers"][k][1].reshape(-1)[slice(*r["bounds"][k])] for r in ranks for k in r["buffers"]])
+    assert not torch.equal(y1, keyed)
+
+
 # ---- in one process ----
+
+
+BAND16 = BandedToeplitz(tuple(0.8**k for k in range(16)))  # 15 buffer rows: a matrix product over them rounds slices differently
+
+
+@pytest.mark.parametrize("noise", [*MF, "band16"])
+def test_each_owner_releases_the_slice_of_the_one_process_correlated_noise_bitwise(noise):
+    """White-box: the bound privatizer on each rank's shards of a sum, over 3 steps, releases the
+    slices of the one-process release and keeps the slices of its buffers, bit for bit."""
+    params = problem("gpt2")[0]
+    g = torch.Generator().manual_seed(3)
+    sums = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(3)]
+    strategy = BAND16 if noise == "band16" else MF[noise]
+    priv = correlated_noise(strategy, steps=STEPS)
+
+    def bound(**layout):
+        s = CyclicPoissonSampler(N, MF_Q, 16, STEPS, key=SAMPLER_KEY) if noise == "band16" else make_sampler(noise, STEPS)
+        return priv.bind("test", noise_multiplier=1.1, l2_sensitivity=1.0, sample_rate=MF_Q, sampler=s, secure=False, **layout)[0]
+
+    one, state, released = bound(), priv.init(params), []
+    for t, summed in enumerate(sums):
+        out, state = one.privatize(summed, state, b"step-%d" % t)
+        released.append(out)
+    for world in (2, 3, 4):
+        for rank in range(world):
+            sharding = Sharding(params, rank=rank, world_size=world)
+            mine, shard_state = bound(offsets=sharding.offsets), priv.init(sharding.shard(params))
+            for t, summed in enumerate(sums):
+                out, shard_state = mine.privatize(sharding.shard(summed), shard_state, b"step-%d" % t)
+                for k in params:
+                    start, stop = sharding.bounds(k)
+                    assert torch.equal(out[k], released[t][k].reshape(-1)[start:stop]), (noise, world, rank, t, k)
+            for k, full in state["buffers"].items():
+                start, stop = sharding.bounds(k)
+                assert torch.equal(shard_state["buffers"][k], full.flatten(1)[:, start:stop])
+            assert int(shard_state["t"]) == int(state["t"]) == 3
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -478,9 +666,22 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         sharding = Sharding(params)
-        with pytest.raises(ValueError, match="a custom privatizer .* does not know the shard layout"):
+        with pytest.raises(ValueError, match="has no bind hook that takes offsets=.*Leave privatizer=None"):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                    sharding=sharding, privatizer=vmapdp.noise.gaussian_privatizer(1.0))
+        priv = correlated_noise(MF["banded"], steps=STEPS)
+        bound = priv.bind("test", noise_multiplier=1.0, l2_sensitivity=1.0, sample_rate=MF_Q, sampler=make_sampler("banded", STEPS), secure=False)[0]
+        with pytest.raises(ValueError, match="already bound"):  # its own refusal, not the shard layout's
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS), sharding=sharding, privatizer=bound)
+        with pytest.raises(ValueError, match="no published analysis covers the pair"):  # still refused, sharded or not
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS), sharding=sharding,
+                                   privatizer=priv, adaptive_clipping=ADAPTIVE)
+        mf_step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS),
+                                         sharding=sharding, privatizer=priv, compile=False, method="ghost")
+        unsharded = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv)._replace(params=sharding.shard(params))
+        opt_state = opt.init(unsharded.params)
+        with pytest.raises(ValueError, match=r"the buffer of .* privatizer=, sharding=\) for a sharded step"):
+            mf_step(unsharded._replace(opt_state=opt_state), gather(problem("mlp")[2], torch.arange(4)), torch.ones(4, dtype=torch.bool), problem("mlp")[1])
         state = vmapdp.init_train_state(params, opt, seed=1)  # unsharded: the step refuses it
         step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                       sharding=sharding, compile=False, method="ghost")
@@ -507,5 +708,17 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         assert all(torch.equal(p, params[k] + 1) for k, p in plain.named_parameters())
         with pytest.raises(ValueError, match="no vmapdp-meta"):
             sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
+        # a noise state (identity's: buffers of 0 rows) is saved; a run without it (or with another one) cannot load it
+        for name, other in (("identity", "banded"), ("banded", None)):
+            priv = correlated_noise(MF[name], steps=STEPS)
+            state = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv, sharding=sharding)
+            state = state._replace(noise_state={**state.noise_state, "buffers": {k: torch.randn_like(v) for k, v in state.noise_state["buffers"].items()}})
+            sc.save_sharded(tmp_path / name, state, sharding)
+            loaded = sc.load_sharded(tmp_path / name, like=vmapdp.init_train_state(params, opt, seed=1, privatizer=priv, sharding=sharding), sharding=sharding)
+            assert same_state(loaded, state)
+            other = None if other is None else correlated_noise(MF[other], steps=STEPS)
+            like = vmapdp.init_train_state(params, opt, seed=1, privatizer=other, sharding=sharding)
+            with pytest.raises(ValueError, match=r"tensors do not fit this run's state .*init_train_state\(\.\.\., privatizer=\)"):
+                sc.load_sharded(tmp_path / name, like=like, sharding=sharding)
     finally:
         vdist.shutdown()

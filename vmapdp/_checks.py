@@ -268,7 +268,7 @@ def privatizer(call: str, value: Any) -> Any:
     return value
 
 
-def sharding(call: str, value: Any, *, privatizer: Any = None, adaptive_clipping: Any = None) -> Any:
+def sharding(call: str, value: Any, *, privatizer: Any = None) -> Any:
     """A :class:`vmapdp.sharding.Sharding` for this process group, with what sharded steps support."""
     from vmapdp import distributed
     from vmapdp.sharding import Sharding
@@ -281,12 +281,17 @@ def sharding(call: str, value: Any, *, privatizer: Any = None, adaptive_clipping
             f"{distributed.world_size()}. Build Sharding(params) after torch.distributed.init_process_group, in every process."
         )
     if privatizer is not None:
-        raise ValueError(
-            f"{call}: sharding= adds each shard's slice of the keyed Gaussian noise itself; a custom privatizer (correlated "
-            "noise, ...) does not know the shard layout. Leave privatizer=None, or train unsharded (distributed=True)."
-        )
-    if adaptive_clipping is not None:
-        raise ValueError(f"{call}: adaptive_clipping is not supported with sharding= (nor distributed=True). Use a fixed l2_clip_norm.")
+        import inspect
+
+        bind = getattr(privatizer, "bind", None)
+        takes = {} if bind is None else inspect.signature(bind).parameters
+        if "offsets" not in takes and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):
+            raise ValueError(
+                f"{call}: with sharding= each rank noises its own shards, so the privatizer must be told the shard layout; "
+                "this one has no bind hook that takes offsets= and would give every shard the noise of the parameter's start "
+                "(the same noise on every rank). Leave privatizer=None (the keyed Gaussian, sliced per shard), pass "
+                "vmapdp.mf.correlated_noise(...), or train unsharded (distributed=True)."
+            )
     return value
 
 

@@ -2,13 +2,16 @@
 
 ``save_sharded(path, state, sharding, sampler=)`` writes, collectively on every rank, a directory:
 
-* the tensors (each rank's shards of the params and of the optimizer state) with
-  ``torch.distributed.checkpoint`` (DCP), each shard as a ``DTensor`` of the flattened parameter
-  (``Shard(0)``), so DCP can read them back into another world size's layout;
+* the tensors (each rank's shards of the params, of the optimizer state and of the noise state,
+  i.e. correlated noise's buffers) with ``torch.distributed.checkpoint`` (DCP), each shard as a
+  ``DTensor`` of the flattened parameter (``Shard(0)``; a buffer ``[rows, c]`` as ``Shard(1)`` of
+  ``[rows, numel]``), so DCP can read them back into another world size's layout; replicated
+  leaves (step counts, the noise's fingerprint) as plain tensors;
 * ``vmapdp-meta``: everything else, once (rank 0), in :mod:`vmapdp.checkpoint`'s verified file
   format (a SHA-256, or an HMAC-SHA256 under ``key=``, over every byte): the noise seed, the
-  step, the ledger, the run id, the budgets, the methods ``"auto"`` chose, the sampler's state,
-  the layout (names, shapes, dtypes, world size) and the SHA-256 of every file DCP wrote.
+  step, the ledger, the run id, the budgets, the methods ``"auto"`` chose, the adaptive clip
+  norm, the sampler's state, the layout (names, shapes, dtypes, world size) and the SHA-256 of
+  every file DCP wrote.
 
 Atomic: every rank writes into ``path + ".tmp-<nonce>"``; rank 0 renames it to ``path`` only
 after every rank has finished and the manifest is written. A rank that dies or raises before
@@ -17,10 +20,11 @@ directories); an existing ``path`` is never overwritten (save each checkpoint un
 ``checkpoint_path(root, step)``).
 
 ``load_sharded(path, like=, sharding=, sampler=)`` verifies the metadata's digest and every
-file's SHA-256 (each rank some of the files), checks the layout, reads the tensors into the
-shards of ``like`` (a fresh ``init_train_state(..., sharding=)`` of this world: any world size),
-checks the result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a
-rollback) and restores the sampler last; a refused load changes nothing. On the world size that
+file's SHA-256 (each rank some of the files), checks the layout and that the saved tensors are
+``like``'s (names, global shapes, dtypes), reads them into the shards of ``like`` (a fresh
+``init_train_state(..., privatizer=, sharding=)`` of this world: any world size), checks the
+result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a rollback) and
+restores the sampler last; a refused load changes nothing. On the world size that
 saved it, the state is bitwise the saved one, so a resumed run continues bit for bit.
 """
 
@@ -32,6 +36,7 @@ import secrets
 from typing import Any
 
 import optree
+import torch
 from torch import Tensor
 
 from vmapdp import _checks
@@ -68,24 +73,36 @@ def _mesh(device_type: str) -> Any:
     return init_device_mesh(device_type, (_dist.world_size(),))
 
 
-def _opt_leaves(call: str, opt_state: Any, sharding: Sharding) -> list[tuple[str, Tensor, str | None]]:
-    """``(name, tensor, param)`` per leaf of the optimizer state; ``param`` is the parameter whose
-    shard the leaf is (a 1-D leaf of that shard's length under a key naming it), None for a
-    replicated leaf (a step count)."""
-    paths, leaves, _ = optree.tree_flatten_with_path(opt_state, namespace="torch")
+_TREES = (("opt", "opt_state", "optimizer state", "use vmapdp.optim's sgd/adam/adamw"), ("noise", "noise_state", "noise state", "use vmapdp.mf.correlated_noise"))
+
+
+def _state_leaves(call: str, state: TrainState, sharding: Sharding) -> list[tuple[str, Tensor, str | None]]:
+    """``(name, tensor, param)`` per leaf of the optimizer and noise states; ``param`` is the
+    parameter whose shard the leaf holds along its last dim (:meth:`Sharding.owner`: Adam's
+    moments, correlated noise's buffers), None for a replicated leaf (a step count, the noise's
+    step count and fingerprint)."""
     out = []
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, Tensor):
-            raise TypeError(f"{call}: the optimizer state holds a {type(leaf).__name__} at {path_str(path)}; a sharded checkpoint holds tensors only (use vmapdp.optim's sgd/adam/adamw).")
-        owner = next((p for p in path if isinstance(p, str) and p in sharding.shapes), None)
-        if owner is not None and tuple(leaf.shape) != sharding.local_shape(owner):
-            owner = None
-        out.append(("opt/" + path_str(path), leaf, owner))
+    for prefix, field, what, fix in _TREES:
+        paths, leaves, _ = optree.tree_flatten_with_path(getattr(state, field), namespace="torch")
+        for path, leaf in zip(paths, leaves):
+            if not isinstance(leaf, Tensor):
+                raise TypeError(f"{call}: the {what} holds a {type(leaf).__name__} at {path_str(path)}; a sharded checkpoint holds tensors only ({fix}).")
+            out.append((f"{prefix}/{path_str(path)}", leaf, sharding.owner(path, leaf)))
+    return out
+
+
+def _entries(call: str, state: TrainState, sharding: Sharding) -> list[list]:
+    """``[name, global shape, dtype]`` of each tensor a checkpoint of ``state`` holds (:func:`_state_dict`'s keys), in order."""
+    out = [[f"params/{k}", [sharding.numels[k]], str(sharding.dtypes[k])] for k in sharding.names]
+    for name, leaf, owner in _state_leaves(call, state, sharding):
+        shape = list(leaf.shape) if owner is None else [*leaf.shape[:-1], sharding.numels[owner]]
+        out.append([name, shape, str(leaf.dtype)])
     return out
 
 
 def _state_dict(call: str, state: TrainState, sharding: Sharding, *, copy: bool) -> dict[str, Any]:
-    """The DCP state dict of ``state``: shards as DTensors of the flattened params, the rest plain."""
+    """The DCP state dict of ``state``: shards as DTensors of the flattened params (a leaf
+    ``[*lead, c]`` as ``Shard(len(lead))`` of ``[*lead, numel]``), the rest plain."""
     from torch.distributed.tensor import DTensor, Shard
 
     device = next(iter(state.params.values())).device
@@ -93,10 +110,12 @@ def _state_dict(call: str, state: TrainState, sharding: Sharding, *, copy: bool)
 
     def shard(local: Tensor, name: str) -> Any:
         local = local.detach().clone() if copy else local.detach()
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(sharding.numels[name],), stride=(1,))
+        shape = (*local.shape[:-1], sharding.numels[name])
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(local, mesh, [Shard(local.dim() - 1)], run_check=False, shape=shape, stride=stride)
 
     sd: dict[str, Any] = {f"params/{k}": shard(state.params[k], k) for k in sharding.names}
-    for name, leaf, owner in _opt_leaves(call, state.opt_state, sharding):
+    for name, leaf, owner in _state_leaves(call, state, sharding):
         sd[name] = shard(leaf, owner) if owner is not None else (leaf.detach().clone() if copy else leaf.detach())
     return sd
 
@@ -141,12 +160,11 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     secret = _ckpt.checked_key(call, key)
     payload = _ckpt.state_payload(call, state, sampler)
     sharding.check_local(call, state.params)
-    if state.noise_state != () or state.clip_norm is not None:
-        raise ValueError(f"{call}: a sharded run keeps no noise state or adaptive clip norm (they are refused by make_train_step(sharding=)); this state has one.")
+    clip = None if state.clip_norm is None else float(state.clip_norm)
     _dist.check_same(
         call,
         "the state's step, run and ledger (and the checkpoint path)",
-        (state.step, state.run_id, state.ledger.to_json(), state.noise_seed, path),
+        (state.step, state.run_id, state.ledger.to_json(), state.noise_seed, path, sharding.replicated(state.noise_state), clip),
         fix="Call save_sharded on every rank with the same path and the state every rank stepped together.",
     )
     exists = os.path.exists(path)
@@ -160,8 +178,8 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     if _dist.rank() == 0:
         try:
             files = {name: _sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-            payload["params"], payload["opt_state"] = {}, ()  # the tensors are DCP's
-            payload["sharded"] = {"world_size": sharding.world_size, "layout": _layout(sharding), "files": files}
+            payload["params"], payload["opt_state"], payload["noise_state"] = {}, (), ()  # the tensors are DCP's (the clip norm, replicated, is here)
+            payload["sharded"] = {"world_size": sharding.world_size, "layout": _layout(sharding), "files": files, "entries": _entries(call, state, sharding)}
             _ckpt.write_payload(os.path.join(tmp, _META), payload, secret)
             os.rename(tmp, path)  # the checkpoint appears whole, or not at all
             fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -188,16 +206,19 @@ def load_sharded(
     Args:
         path: the checkpoint directory.
         like: this rank's state of the run to continue: ``init_train_state(params, optimizer,
-            sharding=sharding)`` for a fresh process (its shards give the layout to read into;
-            any world size), or the run's current state (then the checkpoint must be of the same
-            run and not behind it, as with ``load_state(like=)``).
+            sharding=sharding)`` (with the run's ``privatizer=`` for correlated noise) for a fresh
+            process (its shards give the layout to read into; any world size), or the run's
+            current state (then the checkpoint must be of the same run and not behind it, as with
+            ``load_state(like=)``).
         sharding: this world's :class:`vmapdp.sharding.Sharding` (the one ``like`` was made with).
         sampler, key, ignore_sampler: as for :func:`vmapdp.load_state`.
 
     Raises:
         ValueError: (on every rank; nothing restored) the metadata or a tensor file is corrupted
-            or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, or the state
-            does not fit ``like`` or the sampler.
+            or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, the saved tensors
+            are not those of ``like``'s optimizer and noise state (checked before reading any:
+            another optimizer, a correlated-noise run loaded without its ``privatizer=`` or the
+            reverse), or the state does not fit ``like`` or the sampler.
     """
     path = os.path.abspath(os.fspath(path))
     call = f"load_sharded({path!r})"
@@ -206,6 +227,7 @@ def load_sharded(
     secret = _ckpt.checked_key(call, key)
     if not isinstance(like, TrainState):
         raise TypeError(f"{call}: like must be a vmapdp.TrainState (init_train_state(params, optimizer, sharding=sharding)), got {type(like).__name__}.")
+    entries = _entries(call, like, sharding)
     error, payload = None, None
     try:
         meta = os.path.join(path, _META)
@@ -217,6 +239,15 @@ def load_sharded(
             raise ValueError(f"{call}: {meta} is not the metadata of a sharded checkpoint (a load_state file?); nothing was loaded.")
         if info.get("layout") != _layout(sharding):
             raise ValueError(f"{call}: the checkpoint's params (names, shapes, dtypes) are not this sharding's; it was saved from another model. Nothing was loaded.")
+        saved = info.get("entries", entries)  # (absent from checkpoints written before the noise state was saved)
+        if saved != entries:
+            ours, theirs = ({e[0]: f"{tuple(e[1])} {e[2]}" for e in x} for x in (entries, saved))
+            differ = "; ".join(f"{k}: {theirs.get(k, 'absent')} saved, {ours.get(k, 'absent')} here" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+            raise ValueError(
+                f"{call}: the checkpoint's tensors do not fit this run's state ({differ}): "
+                "it was saved by a run with another optimizer or noise state. Make like with the optimizer and "
+                "init_train_state(..., privatizer=) of the run that saved it. Nothing was loaded."
+            )
         files = info["files"]
         present = sorted(n for n in os.listdir(path) if n != _META)
         if present != sorted(files):
@@ -234,10 +265,11 @@ def load_sharded(
 
     dcp.load(sd, checkpoint_id=path)
     params = {k: sd[f"params/{k}"].to_local() for k in sharding.names}
-    leaves = [sd[name] for name, _, _ in _opt_leaves(call, like.opt_state, sharding)]
-    leaves = [t.to_local() if isinstance(t, DTensor) else t for t in leaves]
-    opt_state = optree.tree_unflatten(optree.tree_structure(like.opt_state, namespace="torch"), leaves)
-    payload["params"], payload["opt_state"] = params, opt_state
+    loaded = {name: sd[name].to_local() if isinstance(sd[name], DTensor) else sd[name] for name, _, _ in _state_leaves(call, like, sharding)}
+    for prefix, field, _, _ in _TREES:
+        spec = optree.tree_structure(getattr(like, field), namespace="torch")
+        payload[field] = optree.tree_unflatten(spec, [v for name, v in loaded.items() if name.startswith(prefix + "/")])
+    payload["params"] = params
     state = None
     try:
         state = _ckpt.state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler)

@@ -22,7 +22,11 @@ as the element offset: :func:`vmapdp.noise.keyed_normal` regenerates any element
 bit), the sum over ranks is a sum (only its order differs), and the optimizers of
 :mod:`vmapdp.optim` are element-wise, so updating a shard is the slice of the full update. The
 run id is that of the full initial params, so the noise keys, the ledger and epsilon are those of
-the unsharded run.
+the unsharded run. Correlated noise (:func:`vmapdp.mf.correlated_noise`) is bound with the same
+offsets: each owner keeps the streaming buffers of its shards only and runs the element-wise
+recursion on them, so its noise and buffers are the slices of the unsharded ones. Adaptive
+clipping's count of unclipped samples is summed over ranks with the telemetry and noised once
+under the step's key (with ``secure``, by rank 0), so every rank gets the same next clip norm.
 
 Memory: the parameters, the optimizer state and the noise are 1/W per rank (up to one element
 per parameter of padding). The compute is not: the step gathers the whole model before the
@@ -144,6 +148,26 @@ class Sharding:
                     "vmapdp.sharded_checkpoint.load_sharded, which reshards."
                 )
 
+    def owner(self, path: tuple, leaf: Any) -> str | None:
+        """The parameter whose shard ``leaf`` holds, for a leaf of an optimizer or noise state at
+        ``path`` (optree's path): a tensor under a key naming a parameter whose LAST dim is this
+        rank's shard length of it (Adam's moments ``[c]``, correlated noise's buffers ``[rows,
+        c]``), sharded along that dim. None for a replicated leaf (a step count, a fingerprint)."""
+        if not isinstance(leaf, Tensor) or leaf.dim() == 0:
+            return None
+        name = next((p for p in path if isinstance(p, str) and p in self.shapes), None)
+        if name is None or leaf.shape[-1] != self.local_shape(name)[0]:
+            return None
+        return name
+
+    def replicated(self, tree: Any) -> list[tuple[str, Any]]:
+        """``(path, values)`` of the leaves of ``tree`` that every rank holds whole (not
+        :meth:`owner`'s shards): what the ranks must agree on (the sharded step checks it)."""
+        from vmapdp._tree import path_str
+
+        paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace="torch")
+        return [(path_str(p), x.tolist() if isinstance(x, Tensor) else x) for p, x in zip(paths, leaves) if self.owner(p, x) is None]
+
     def _groups(self, tree: Mapping[str, Tensor]) -> dict[torch.dtype, list[str]]:
         groups: dict[torch.dtype, list[str]] = {}
         for k in self.names:
@@ -229,11 +253,13 @@ class Sharding:
 
     def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any) -> tuple[dict[str, Tensor], Any]:
         """The sharded step's reduction: first a check that every rank steps the same state (``same``:
-        seed, step, noise binding and ledger; ValueError on every rank otherwise), then each rank's
+        seed, step, noise binding, ledger, the replicated part of the noise state (correlated
+        noise's step count and mechanism) and the adaptive clip norm; ValueError on every rank
+        otherwise), then each rank's
         shards of the summed clipped sums (reduce-scatter) and the telemetry summed over ranks."""
         _dist.check_same(
             call,
-            "the state's noise seed, step, run and ledger",
+            "the state's noise seed, step, run and ledger (and noise state, clip norm)",
             same,
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "

@@ -208,7 +208,9 @@ def init_train_state(
             (``state.noise_state = privatizer.init(params)``); ``None``: no noise state (the
             default Gaussian keeps none).
         sharding: a :class:`vmapdp.sharding.Sharding` of ``params``: the state keeps this rank's
-            shards of the params and the optimizer state only (``params`` are the full ones, the
+            shards of the params, the optimizer state and the privatizer's state only
+            (``privatizer.init`` gets the shards: correlated noise's buffers are ``[rows, shard
+            length]``) (``params`` are the full ones, the
             same on every rank; the run id is theirs, as in the unsharded run). For steps made
             with ``make_train_step(..., sharding=)``.
     """
@@ -568,8 +570,13 @@ def make_train_step(
             clips and sums its own rows, the sums are reduce-scattered to the shards' owners, each
             owner adds the noise of its shard (the slice of the unsharded step's noise) and
             updates its shard. Equal to one process on all rows up to summation order. The
-            default Gaussian privatizer only (``secure`` included: each owner then draws its
-            shard's noise from its own CSPRNG); not with ``adaptive_clipping``.
+            default Gaussian privatizer (``secure`` included: each owner then draws its shard's
+            noise from its own CSPRNG) or correlated noise (:func:`vmapdp.mf.correlated_noise`,
+            bound with the shard layout: each owner keeps and advances the buffers of its shards
+            only; the state from ``init_train_state(..., privatizer=, sharding=)``); other
+            privatizers are refused. With ``adaptive_clipping`` the count of unclipped samples is
+            summed over ranks with the telemetry and noised once under the same key (``secure``:
+            by rank 0, broadcast), so every rank gets the same next clip norm.
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -601,7 +608,7 @@ def make_train_step(
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
         adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule)
     if sharding is not None:
-        _checks.sharding(call, sharding, privatizer=privatizer, adaptive_clipping=adaptive_clipping)
+        _checks.sharding(call, sharding, privatizer=privatizer)
         distributed = True  # data-parallel with sharded state
     if distributed:
         _dist.require_initialized(call)
@@ -630,8 +637,9 @@ def make_train_step(
                 f"{call}: a privatizer that decides its own noise and ledger event (correlated noise) cannot run with adaptive_clipping: "
                 "no published analysis covers the pair. Drop adaptive_clipping=, or use the default Gaussian privatizer."
             )
+        layout = {} if sharding is None else {"offsets": sharding.offsets}  # sharded: the sums are this rank's shards
         privatizer, event, noise_config = privatizer.bind(
-            call, noise_multiplier=noise_multiplier, l2_sensitivity=l2_sensitivity, sample_rate=sample_rate, sampler=sampler, secure=secure
+            call, noise_multiplier=noise_multiplier, l2_sensitivity=l2_sensitivity, sample_rate=sample_rate, sampler=sampler, secure=secure, **layout
         )
     else:
         event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
@@ -654,9 +662,10 @@ def make_train_step(
         offsets = None if sharding is None or secure else sharding.offsets  # a shard's noise: its slice of the leaf's stream
         privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure, offsets=offsets)
     count_privatizer = None if adaptive_clipping is None else adaptive_clipping.count_privatizer(secure=secure)
-    if secure and distributed and sharding is None:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
-        privatizer = _dist.privatized_on_rank0(privatizer)
-        count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)
+    if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
+        if sharding is None:  # (sharded, each owner draws its own shards' noise)
+            privatizer = _dist.privatized_on_rank0(privatizer)
+        count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)  # one count for every rank
 
     chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None)
     chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
@@ -744,7 +753,8 @@ def make_train_step(
         del params
         binding = noise_binding(state.run_id, config)
         if sharding is not None:  # each owner gets the global sum of its shards, after the same-state check
-            summed, stats = sharding.reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding, state.ledger.to_json()))
+            same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip))
+            summed, stats = sharding.reduce_step(scall, summed, stats, same)
         elif distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)

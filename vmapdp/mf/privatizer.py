@@ -16,6 +16,14 @@ the last ``band - 1`` outputs (banded) or one buffer per ``theta`` (BLT), in the
 dtype (float32; float64 for float64 leaves). It is saved by checkpoints, so a resumed run
 continues bit for bit, and it is the same on every rank of a distributed run (the same key, the
 same arithmetic).
+
+With ``make_train_step(..., sharding=)`` (:mod:`vmapdp.sharding`) the step binds it with the
+shard layout (``bind(offsets=)``): each rank keeps the buffers of its own shards only
+(``[rows, shard length]`` per leaf, from ``init_train_state(..., sharding=)``), draws its shards'
+``z_t`` at their global element offsets in the same keyed streams, and runs the same element-wise
+recursion, so its noise (the release minus the sum) and its buffers are bitwise the slices of
+the one-process ones. With ``secure=True`` each owner draws its shards' ``z_t`` from its own
+CSPRNG (independent, as the elements of one draw are).
 """
 
 from __future__ import annotations
@@ -99,17 +107,22 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
             "correlated_noise(strategy, steps=) to make_train_step(..., privatizer=)."
         )
 
-    def bind(where: str, *, noise_multiplier: float, l2_sensitivity: float, sample_rate: float, sampler: Any, secure: bool) -> tuple[Privatizer, Callable[[], Any], str]:
+    def bind(
+        where: str, *, noise_multiplier: float, l2_sensitivity: float, sample_rate: float, sampler: Any, secure: bool, offsets: Any = None
+    ) -> tuple[Privatizer, Callable[[], Any], str]:
         if not noise_multiplier > 0:
             raise ValueError(f"{where}: correlated noise needs noise_multiplier > 0, got {noise_multiplier!r}; for a non-private run drop privatizer=.")
         event = mf_event(where, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
         std = noise_multiplier * l2_sensitivity * noise_sensitivity(strategy, event, steps)
-        return Privatizer(init, _privatize(strategy, steps, std, secure), bound_again), (lambda: event), describe(strategy, steps)
+        return Privatizer(init, _privatize(strategy, steps, std, secure, offsets), bound_again), (lambda: event), describe(strategy, steps)
 
     return Privatizer(init, unbound, bind)
 
 
-def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: float, secure: bool) -> Callable:
+def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: float, secure: bool, offsets: Any = None) -> Callable:
+    """``offsets``: None, or (a sharded step) each leaf's first element in its flattened
+    parameter: the sums and buffers are then this rank's 1-D shards, and each shard's ``z_t`` is
+    that range of the leaf's keyed stream (``keyed_normal(offset=)``)."""
     call = "step(state, batch, mask): correlated noise"
     rows = state_rows(strategy)
     fingerprint = _fingerprint(strategy, steps)
@@ -136,14 +149,24 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
             )
         if not (isinstance(summed, dict) and set(summed) == set(state["buffers"])):
             raise ValueError(f"{call}: the sum's leaves are not the state's buffers {sorted(state['buffers'])}; make the state from the same params.")
+        if offsets is not None and not (
+            isinstance(offsets, dict) and set(offsets) == set(summed) and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets.values())
+        ):
+            raise ValueError(f"{call}: offsets={offsets!r} must map every leaf {sorted(summed)} to its first element (an int >= 0): pass the step's Sharding.offsets.")
         paths, leaves, spec = optree.tree_flatten_with_path(summed, namespace="torch")
         names = [p[0] for p in paths]  # in optree's order of the leaves: add_noise's leaf index
         out, buffers = [], {}
         for i, (name, leaf) in enumerate(zip(names, leaves)):
             dt, buf = acc_dtype(leaf.dtype), state["buffers"][name]
             if buf.dtype != dt or tuple(buf.shape) != (rows, *leaf.shape):
-                raise ValueError(f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {dt} {(rows, *leaf.shape)}; make the state from the same params.")
-            z = secure_normal(leaf.shape, dtype=dt, device=leaf.device) if secure else keyed_normal(leaf.shape, key, leaf=i, dtype=dt, device=leaf.device)
+                raise ValueError(
+                    f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {dt} {(rows, *leaf.shape)}; make the state from the same params "
+                    "(init_train_state(params, ..., privatizer=, sharding=) for a sharded step)."
+                )
+            if secure:
+                z = secure_normal(leaf.shape, dtype=dt, device=leaf.device)
+            else:
+                z = keyed_normal(leaf.shape, key, leaf=i, offset=0 if offsets is None else offsets[name], dtype=dt, device=leaf.device)
             y, buffers[name] = next_noise(strategy, z, buf.to(leaf.device))
             out.append(leaf.to(dt) + y * std)
         return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}

@@ -38,17 +38,30 @@ def next_noise(strategy: BandedToeplitz | BufferedToeplitz, z: Tensor, buffer: T
     """``(y_t, next buffer)`` from the step's standard normal draw ``z`` (one leaf) and its buffer.
 
     ``buffer`` has ``state_rows(strategy)`` rows of ``z``'s shape and dtype; the arithmetic is in
-    that dtype, in a fixed order (bitwise reproducible on one device).
+    that dtype, element-wise (one correctly rounded multiply and add per row, rows in a fixed
+    order): each element of the output depends on the same elements of ``z`` and ``buffer`` only,
+    so the noise of a slice (a parameter shard, :mod:`vmapdp.sharding`) is bitwise the slice of
+    the whole leaf's noise on one device.
     """
     if isinstance(strategy, BandedToeplitz):
         if strategy.band == 1:  # C = c_0 I: DP-SGD's noise (bit for bit when c_0 = 1)
             return z / strategy.coeffs[0], buffer
-        c = torch.tensor(strategy.coeffs[1:], dtype=buffer.dtype, device=buffer.device)
-        y = (z - torch.tensordot(c, buffer, dims=1)) / strategy.coeffs[0]  # sum_k c_k y_{t-k}: one pass over the buffer
+        y = (z - _weighted_rows(strategy.coeffs[1:], buffer)) / strategy.coeffs[0]  # sum_k c_k y_{t-k}
         return y, torch.cat([y.unsqueeze(0), buffer[:-1]], dim=0)
     if strategy.buffers == 0:
         return z, buffer
-    omega = torch.tensor(strategy.omega, dtype=buffer.dtype, device=buffer.device)
     theta = torch.tensor(strategy.theta, dtype=buffer.dtype, device=buffer.device).view(-1, *([1] * z.dim()))
-    y = z - torch.tensordot(omega, buffer, dims=1)
+    y = z - _weighted_rows(strategy.omega, buffer)
     return y, theta * buffer + y
+
+
+def _weighted_rows(weights: tuple[float, ...], buffer: Tensor) -> Tensor:
+    """``sum_k weights[k] * buffer[k]``, element-wise in ``buffer``'s dtype, rows in order (not a
+    matrix product, whose blocking may round a column differently with the matrix's width)."""
+    w = torch.tensor(weights, dtype=buffer.dtype, device=buffer.device)
+    acc = buffer[0] * w[0]
+    term = torch.empty_like(acc)
+    for k in range(1, len(weights)):  # a multiply, then an add: never add(alpha=), whose vector path may fuse them
+        torch.mul(buffer[k], w[k], out=term)
+        acc.add_(term)
+    return acc

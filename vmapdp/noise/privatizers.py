@@ -45,7 +45,10 @@ class Privatizer(NamedTuple):
     noise_multiplier, l2_sensitivity, sample_rate, sampler, secure) -> (privatizer, event, config)``:
     the privatizer the step runs, ``event()`` the ledger event of each step (called before
     anything is computed), ``config`` a string bound into the noise key; it raises for a
-    configuration it has no analysis for.
+    configuration it has no analysis for. A sharded step (``make_train_step(sharding=)``) also
+    passes ``offsets=``: each leaf's first element in its flattened parameter (the sums it then
+    privatizes, and the state ``init`` gets, are this rank's 1-D shards); a privatizer without a
+    ``bind`` that takes ``offsets`` is refused there.
     """
 
     init: Callable[[Any], Any]
