@@ -24,6 +24,7 @@ from vmapdp.testing import microbatch_grads
 
 C = 0.2
 t = torch.tanh
+RUNNING = (torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.float64), torch.tensor([1.0, 4.0, 0.25, 2.0], dtype=torch.float64))
 
 
 def _forms():
@@ -46,6 +47,10 @@ def _forms():
         "a [d] weight reshaped for F.linear": (lambda p, x: t(F.linear(x, p["w"].reshape(3, 4))).square().sum(), {"w": (12,)}, PAIR),
         "a class token repeated, then cat": (lambda p, x: t(torch.cat([p["c"].expand(2, 1, 4), x.expand(2, 5, 4)], 1)).square().sum(), {"c": (1, 1, 4)}, DIRECT),
         "a block of a param repeated": (lambda p, x: t(x + p["w"][1:2].repeat(5, 1)).square().sum() + t(x @ p["w"][2:].t()).sum(), {"w": (3, 4)}, DIRECT),
+        # affine.batch_norm_affine: the affine as x * w.view(1, C, 1) + b.view(1, C, 1)
+        "F.batch_norm, eval (running stats)": (
+            lambda p, x: t(F.batch_norm(x.t()[None], RUNNING[0], RUNNING[1], p["w"], p["b"], False, 0.1, 1e-3)).square().sum(), {"w": (4,), "b": (4,)}, DIRECT),
+        "F.batch_norm, no running stats": (lambda p, x: t(F.batch_norm(x.t()[None], None, None, p["w"], p["b"], True)).square().sum(), {"w": (4,), "b": (4,)}, DIRECT),
     }
 
 
