@@ -21,7 +21,8 @@ Methods, interleaved on the same batch (``benchmarks/per_sample_grads.py``'s tim
   over the trainable weights), eager and under ``torch.compile``: the baselines of the ratios;
 * ``vmapdp_eager`` / ``vmapdp_compiled``: ``vmapdp.make_train_step`` on ``vmapdp.hf.loss_fn(model)``
   (per-sample losses with per-sample masks; ``method="auto"``: ghost clipping or vmap, whichever its
-  first-step race finds faster; noise; SGD), with ``compile=False`` / ``True``;
+  first-step race finds faster, or the method ``--vmapdp-method`` names; noise; SGD), with
+  ``compile=False`` / ``True``;
 * ``opacus_hooks``: Opacus's ``PrivacyEngine.make_private`` on the same module (where it runs on
   the model; a method that fails is reported with its error and left empty).
 
@@ -71,6 +72,7 @@ HEADERS = {
     "opacus_hooks": "Opacus hooks",
 }
 LR, CLIP, SIGMA = 1e-3, 1.0, 1.0
+VMAPDP_METHOD = "auto"  # make_train_step(method=) of the vmapdp rows (--vmapdp-method)
 SIZES = {
     "cpu": {"hidden": 128, "layers": 2, "heads": 4, "vocab": 512, "positions": 64, "seq": 64, "batch": 16, "rank": 8},
     "gpt2-small": {"hidden": 768, "layers": 12, "heads": 12, "vocab": 50257, "positions": 1024, "seq": 128, "batch": 32, "rank": 8},
@@ -147,7 +149,7 @@ def build_step(method: str, name: str, variant: str, batch_size: int, device: to
         sgd = vmapdp.optim.sgd(LR)
         step = vmapdp.make_train_step(
             loss_fn, sgd, l2_clip_norm=CLIP, noise_multiplier=SIGMA, expected_batch_size=float(batch_size),
-            sample_rate=0.01, compile=method == "vmapdp_compiled",
+            sample_rate=0.01, compile=method == "vmapdp_compiled", method=VMAPDP_METHOD,
         )
         box = {"state": vmapdp.init_train_state(params, sgd, seed=0)}
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -204,7 +206,7 @@ def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, devi
         "import sys, json, warnings, torch; warnings.simplefilter('ignore'); sys.path.insert(0, {here!r});"
         "import hf as b;\n"
         "try:\n    import opacus\nexcept ImportError:\n    pass\n"
-        "dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
+        "b.VMAPDP_METHOD = {vm!r}; dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
         "[run() for _ in range({warm})]; ok = b._reset_peak();"
         "[run() for _ in range({n})];"
         "chosen = sorted(set(getattr(run, 'chosen', {{}}).values())) or None;"
@@ -212,7 +214,7 @@ def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, devi
     )
     out, chosen = {}, None
     for m in ("none", method) if device.type != "cuda" else (method,):
-        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg,
+        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg, vm=VMAPDP_METHOD,
                           warm=0 if m == "none" else 1, n=0 if m == "none" else 2)
         proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -300,9 +302,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--max-seconds", type=float, default=20.0, help="per method and configuration, once 3 rounds are done")
     p.add_argument("--memory", action="store_true", help="also measure peak memory per method (a fresh process each)")
     p.add_argument("--smoke", action="store_true", help="the suite's run: a tiny config, batch 4, 2 repeats, nothing compiled")
+    p.add_argument("--vmapdp-method", default="auto", choices=["auto", "ghost", "vmap", "two_pass"], help="make_train_step(method=) of the vmapdp rows")
     p.add_argument("--out", default=None, help="write the rows (and the set-up) to this JSON file")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    global VMAPDP_METHOD
+    VMAPDP_METHOD = args.vmapdp_method
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {','.join(METHODS)}")
