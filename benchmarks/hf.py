@@ -21,13 +21,17 @@ Methods, interleaved on the same batch (``benchmarks/per_sample_grads.py``'s tim
   over the trainable weights), eager and under ``torch.compile``: the baselines of the ratios;
 * ``vmapdp_eager`` / ``vmapdp_compiled``: ``vmapdp.make_train_step`` on ``vmapdp.hf.loss_fn(model)``
   (per-sample losses with per-sample masks; ``method="auto"``: ghost clipping or vmap, whichever its
-  first-step race finds faster; noise; SGD), with ``compile=False`` / ``True``;
+  first-step race finds faster, or the method ``--vmapdp-method`` names; noise; SGD), with
+  ``compile=False`` / ``True``;
 * ``opacus_hooks``: Opacus's ``PrivacyEngine.make_private`` on the same module (where it runs on
   the model; a method that fails is reported with its error and left empty).
 
-``--memory`` runs 3 steps of each method (the compiled ones excepted: their peak is the compiler's)
-in a fresh process and reports the peak memory above a process that only built the model (Linux
-``VmHWM``; ``max_memory_allocated`` on CUDA). Results as JSON with ``--out``.
+``--memory`` runs each method (the compiled ones excepted: their first step is the compiler's) in
+a fresh process: one warm-up step (vmapdp's first step races ghost clipping against vmap, which
+materialises per-sample gradients), then the peak is reset (Linux ``VmHWM`` through
+``/proc/self/clear_refs``; CUDA's peak counter) and two more steps run: the steady-state peak of
+the step, above a process that only built the model, with the method vmapdp's ``"auto"`` chose.
+Results as JSON with ``--out``.
 
     python benchmarks/hf.py --memory --out benchmarks/results_hf_<date>_cpu.json
     python benchmarks/hf.py --size gpt2-small --models gpt2 --memory   # on a GPU
@@ -37,6 +41,7 @@ in a fresh process and reports the peak memory above a process that only built t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -67,6 +72,7 @@ HEADERS = {
     "opacus_hooks": "Opacus hooks",
 }
 LR, CLIP, SIGMA = 1e-3, 1.0, 1.0
+VMAPDP_METHOD = "auto"  # make_train_step(method=) of the vmapdp rows (--vmapdp-method)
 SIZES = {
     "cpu": {"hidden": 128, "layers": 2, "heads": 4, "vocab": 512, "positions": 64, "seq": 64, "batch": 16, "rank": 8},
     "gpt2-small": {"hidden": 768, "layers": 12, "heads": 12, "vocab": 50257, "positions": 1024, "seq": 128, "batch": 32, "rank": 8},
@@ -143,7 +149,7 @@ def build_step(method: str, name: str, variant: str, batch_size: int, device: to
         sgd = vmapdp.optim.sgd(LR)
         step = vmapdp.make_train_step(
             loss_fn, sgd, l2_clip_norm=CLIP, noise_multiplier=SIGMA, expected_batch_size=float(batch_size),
-            sample_rate=0.01, compile=method == "vmapdp_compiled",
+            sample_rate=0.01, compile=method == "vmapdp_compiled", method=VMAPDP_METHOD,
         )
         box = {"state": vmapdp.init_train_state(params, sgd, seed=0)}
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -151,6 +157,7 @@ def build_step(method: str, name: str, variant: str, batch_size: int, device: to
         def run():
             box["state"], _ = step(box["state"], batch, mask, buffers)
 
+        run.chosen = step.chosen_methods  # type: ignore[attr-defined]  (what "auto" chose, per chunk shape)
         return run
 
     if method != "opacus_hooks":
@@ -174,26 +181,52 @@ def build_step(method: str, name: str, variant: str, batch_size: int, device: to
     return run
 
 
-def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, device: torch.device, cfg: dict[str, Any]) -> float | None:
-    """Peak memory of 3 steps of ``method`` in a fresh process, above a process that only built the model."""
+def _reset_peak() -> bool:
+    """Reset this process's peak memory to its current use: CUDA's peak counter, or on Linux
+    VmHWM (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0). False where that cannot be done."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, device: torch.device, cfg: dict[str, Any]) -> tuple[float | None, str | None]:
+    """Steady-state peak memory of ``method``, above a process that only built the model, and the
+    method vmapdp's step chose (None for the others), in a fresh process: one warm-up step (for
+    vmapdp ``method="auto"``'s race, in which vmap materialises per-sample gradients, and the
+    probe), then the peak is reset (:func:`_reset_peak`) and 2 more steps run. The memory the
+    warm-up left held (the train state, allocator caches) counts; its transient peak does not.
+    None where the peak could not be reset (then nothing is reported rather than the race's peak)."""
     code = (
-        "import sys, warnings, torch; warnings.simplefilter('ignore'); sys.path.insert(0, {here!r});"
+        "import sys, json, warnings, torch; warnings.simplefilter('ignore'); sys.path.insert(0, {here!r});"
         "import hf as b;\n"
         "try:\n    import opacus\nexcept ImportError:\n    pass\n"
-        "dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
-        "torch.cuda.reset_peak_memory_stats() if dev.type == 'cuda' else None;"
+        "b.VMAPDP_METHOD = {vm!r}; dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
+        "[run() for _ in range({warm})]; ok = b._reset_peak();"
         "[run() for _ in range({n})];"
-        "print(torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else b._vm_hwm_mib())"
+        "chosen = sorted(set(getattr(run, 'chosen', {{}}).values())) or None;"
+        "print(json.dumps([ok, torch.cuda.max_memory_allocated() / 2**20 if dev.type == 'cuda' else b._vm_hwm_mib(), chosen]))"
     )
-    out = {}
+    out, chosen = {}, None
     for m in ("none", method) if device.type != "cuda" else (method,):
-        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg, n=0 if m == "none" else 3)
+        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg, vm=VMAPDP_METHOD,
+                          warm=0 if m == "none" else 1, n=0 if m == "none" else 2)
         proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             print(f"  memory of {method}/{name}/{variant} failed: {proc.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
-            return None
-        out[m] = float(proc.stdout.strip().splitlines()[-1])
-    return out[method] - out.get("none", 0.0)
+            return None, None
+        ok, peak, chosen_m = json.loads(proc.stdout.strip().splitlines()[-1])
+        if not ok:
+            print(f"  memory of {method}/{name}/{variant}: the peak could not be reset after the warm-up step; not reported", file=sys.stderr)
+            return None, None
+        out[m] = peak
+        chosen = chosen_m if m == method else chosen
+    return out[method] - out.get("none", 0.0), (",".join(chosen) if chosen else None)
 
 
 def bench(name: str, variant: str, batch_size: int, args: argparse.Namespace, device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -224,11 +257,14 @@ def bench(name: str, variant: str, batch_size: int, args: argparse.Namespace, de
         "first_call_s": first,
         "failed": failed,
         "peak_mib": {},
+        "chosen": {},
     }
     if args.memory:
         for m in fns:
             if not m.endswith("compiled"):
-                row["peak_mib"][m] = _peak_memory_mib(m, name, variant, batch_size, device, cfg)
+                row["peak_mib"][m], chosen = _peak_memory_mib(m, name, variant, batch_size, device, cfg)
+                if chosen:
+                    row["chosen"][m] = chosen
     return row
 
 
@@ -246,6 +282,8 @@ def markdown(rows: list[dict[str, Any]], methods: list[str]) -> str:
             cell = f"{ms:.1f} ({ms / base:.2f}x)" if base else f"{ms:.1f}"
             if r["peak_mib"].get(m) is not None:
                 cell += f", {r['peak_mib'][m]:.0f} MiB"
+            if r.get("chosen", {}).get(m):
+                cell += f" ({r['chosen'][m]})"
             cells.append(cell)
         setup = "LoRA adapters" if r["variant"] == "lora" else "full fine-tuning"
         lines.append(f"| {r['model']} | {setup} | {r['trainable']:,} | {r['batch']} x {r['seq']} | " + " | ".join(cells) + " |")
@@ -264,9 +302,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--max-seconds", type=float, default=20.0, help="per method and configuration, once 3 rounds are done")
     p.add_argument("--memory", action="store_true", help="also measure peak memory per method (a fresh process each)")
     p.add_argument("--smoke", action="store_true", help="the suite's run: a tiny config, batch 4, 2 repeats, nothing compiled")
+    p.add_argument("--vmapdp-method", default="auto", choices=["auto", "ghost", "vmap", "two_pass"], help="make_train_step(method=) of the vmapdp rows")
     p.add_argument("--out", default=None, help="write the rows (and the set-up) to this JSON file")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    global VMAPDP_METHOD
+    VMAPDP_METHOD = args.vmapdp_method
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {','.join(METHODS)}")
@@ -285,7 +326,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for variant in args.variants.split(","):
             print(f"{name} {variant}, batch {batch_size} ...", file=sys.stderr, flush=True)
             rows.append(bench(name, variant, batch_size, args, device, cfg))
-    print("\nmedian ms per step (ratio to the non-private eager step of the same set-up)" + (", peak memory above the model" if args.memory else ""))
+    print("\nmedian ms per step (ratio to the non-private eager step of the same set-up)"
+          + (", steady-state peak memory above the model (after a warm-up step), the method vmapdp chose" if args.memory else ""))
     print(markdown(rows, args.methods))
     for r in rows:
         for m, err in r["failed"].items():

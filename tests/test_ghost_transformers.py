@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import vmapdp
 from transformer_blocks import BLOCKS
 from vmapdp.ghost import coverage, probe
-from vmapdp.ghost.matmul import parse_einsum_equation
+from vmapdp.ghost.matmul import EinsumForm, einsum_form
 from vmapdp.testing import microbatch_grads
 
 C = 0.2
@@ -125,11 +125,11 @@ def test_each_form_is_covered_and_exact(form):
 
 
 def test_uncovered_uses_are_named_with_their_ops():
-    params = {"w": torch.randn(3, 4, 2, dtype=torch.float64), "v": torch.randn(3, 4, dtype=torch.float64)}
+    params = {"w": torch.randn(3, 4, 2, dtype=torch.float64), "v": torch.randn(6, 4, dtype=torch.float64)}
 
     def loss(p, x):
-        h = torch.einsum("hti,hij->htj", x.expand(3, 5, 4), p["w"])  # a 3-D param in einsum: a per-sample view
-        return (h.sum(0) @ p["v"][::2]).sum()  # a strided slice is not a box: a per-sample view
+        h = torch.einsum("hti,hij->ht", x.expand(3, 5, 4), p["w"])  # W summed over a letter of its own: a per-sample view
+        return (h.t() @ p["v"][::2]).sum()  # a strided slice is not a box: a per-sample view
 
     fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
     x = torch.randn(2, 1, 5, 4, dtype=torch.float64)
@@ -261,11 +261,17 @@ def test_multihead_attention_is_covered_and_exact(how):
 
 
 def test_einsum_equations():
-    assert parse_einsum_equation("...i,ij->...j") == (1, "xw")
-    assert parse_einsum_equation("bti, oi -> bto") == (1, "xwt")
-    assert parse_einsum_equation("ij,ti->tj") == (0, "xw")
-    for eq in ("ti,ij->ti", "ti,ij", "tii,ij->tj", "ti,ii->ti", "ti,ij,jk->tk", "ti,tj->ij", "tj,ij->tj", "bi,ij->jb"):
-        assert parse_einsum_equation(eq) is None, eq
+    assert einsum_form("...i,ij->...j", 2, 2, 1) == EinsumForm("Ai", "ij", "Aj", "", "i", "j")
+    assert einsum_form("bti, oi -> bto", 3, 2, 1) == EinsumForm("bti", "oi", "bto", "", "i", "o")
+    assert einsum_form("ij,ti->tj", 2, 2, 0) == EinsumForm("ti", "ij", "tj", "", "i", "j")
+    assert einsum_form("btd,hdk->bthk", 3, 3, 1) == EinsumForm("btd", "hdk", "bthk", "", "d", "hk")
+    assert einsum_form("bthd,dhk->bthk", 4, 3, 1) == EinsumForm("bthd", "dhk", "bthk", "h", "d", "k")
+    assert einsum_form("...d,d->...", 3, 1, 1) == EinsumForm("ABd", "d", "AB", "", "d", "")
+    # a trace or diagonal, an implicit output, three operands, a letter summed in one operand only,
+    # an ellipsis in W, an output letter from nowhere, dims that do not match the operands
+    for eq, x_dim, w_dim in (("ti,ii->ti", 2, 2), ("ti,ij", 2, 2), ("tii,ij->tj", 3, 2), ("ti,ij,jk->tk", 2, 2), ("ti,ijk->tj", 2, 3),
+                             ("ts,ij->tj", 2, 2), ("ti,...j->tj", 2, 2), ("ti,ij->tjz", 2, 2), ("ti,ij->tj", 3, 2), ("...i,ij->j", 2, 2)):
+        assert einsum_form(eq, x_dim, w_dim, 1) is None, eq
 
 
 def test_compiled_ghost_on_a_transformer_block_equals_eager():

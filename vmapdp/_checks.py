@@ -160,6 +160,25 @@ def choice(call: str, name: str, value: Any, options: Sequence[str], *, why: str
     return value
 
 
+def compile_backend(call: str, value: Any) -> str | None:
+    """``compile=``: ``True`` (Inductor), ``False`` (eager: None) or a ``torch.compile`` backend's name
+    (``"inductor"``; ``"aot_eager"`` and ``"eager"``, dynamo's and AOTAutograd's capture without
+    code generation, for tests of the compiled path that cannot wait for Inductor), as a backend name."""
+    if isinstance(value, bool):
+        return "inductor" if value else None
+    if not isinstance(value, str):
+        raise _type_error(call, "compile", value, "True, False or a torch.compile backend name (a str)")
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if value not in backends:
+        raise _value_error(
+            call, "compile", value, f"True, False or one of torch._dynamo.list_backends(exclude_tags=()): {', '.join(map(repr, backends))}",
+            "the backend torch.compile(fullgraph=True) runs each chunk with", "Use compile=True for Inductor.",
+        )
+    return value
+
+
 def accountant(call: str, value: Any, options: Sequence[str] = ACCOUNTANTS, *, why: str = "") -> str:
     """An accountant name (exact spelling); ``"prv"`` is returned as ``"pld"`` (the same one)."""
     why = why or "'rdp' is a fast upper bound, 'pld' ('prv') a tight upper bound, 'gdp' a CLT approximation (not a bound)"

@@ -425,9 +425,9 @@ def _parse_ran(ran: Any) -> tuple[str, bool] | None:
     return (name, how == "eager") if name in METHODS and name != "auto" and how in ("", "eager") else None
 
 
-def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, compile: bool) -> Callable:
+def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, backend: str | None) -> Callable:
     """``chunk_sums(params, mask, shared, chunk) -> (clipped sum, StepStats)`` of one physical
-    chunk: pure tensor work, compiled (``fullgraph``, static shapes) when ``compile``. With
+    chunk: pure tensor work, compiled (``fullgraph``, static shapes) with ``backend`` (None: eager). With
     ``adaptive`` the threshold is ``shared[0]``, a traced tensor, and ``sum_fn`` clips ``loss / C``
     to 1 (so the sum is scaled back by ``C``)."""
 
@@ -440,7 +440,7 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, co
         summed = {k: torch.where(ok, v * c, torch.full_like(v, math.nan)) for k, v in summed.items()}
         return summed, StepStats.of_chunk(mask, norms * c, losses * c, c)
 
-    return torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False) if compile else chunk_sums
+    return chunk_sums if backend is None else torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False, backend=backend)
 
 
 def make_train_step(
@@ -458,7 +458,7 @@ def make_train_step(
     rule: str = "clip",
     nonfinite: str = "zero",
     randomness: str = "error",
-    compile: bool = True,
+    compile: bool | str = True,
     budget: tuple[float, float] | None = None,
     accountant: str = "pld",
     secure: bool = False,
@@ -518,7 +518,11 @@ def make_train_step(
             compiles once, whatever the masks and the adaptive clip norm). A named method is
             always compiled; ``"auto"`` may keep a chunk eager (see ``method``). Inductor's
             caches (on disk, in ``TORCHINDUCTOR_CACHE_DIR``) make a second process's compile
-            warm; dynamo's tracing is redone in every process.
+            warm; dynamo's tracing is redone in every process. A str names the
+            ``torch.compile`` backend (``True`` is ``"inductor"``): ``"aot_eager"`` or ``"eager"``
+            run dynamo's capture (and AOTAutograd's) of the same graph without code generation,
+            which is how the test suite checks the compiled path of models whose Inductor compile
+            takes minutes.
         budget: ``(epsilon, delta)``: a step that would take epsilon past it raises
             :class:`PrivacyBudgetExceeded` before computing anything. It is recorded in the new
             state (``state.budgets``, saved in checkpoints) and every budget a state holds is
@@ -613,6 +617,8 @@ def make_train_step(
     if distributed:
         _dist.require_initialized(call)
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
+    backend = _checks.compile_backend(call, compile)
+    compile = backend is not None
     _budget_accountant(call, accountant)
     # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
@@ -685,7 +691,7 @@ def make_train_step(
                 sum_fns[name] = clipped_grad_sum(
                     sum_loss, l2_clip_norm=sum_clip, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
                 )
-            chunk_fns[name, compiled] = chunk_fn(sum_fns[name], compile=compiled)
+            chunk_fns[name, compiled] = chunk_fn(sum_fns[name], backend=backend if compiled else None)
         return chunk_fns[name, compiled]
 
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:

@@ -14,11 +14,13 @@ runs over the positions of a sequence or the pixels of a feature map, ``g = dL/d
 How vmapdp gets ``x`` and ``g`` for a *functional* model, without hooks: the loss is run once,
 mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches the calls made
 with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``F.embedding``,
-``torch.addmm``, ``matmul`` / ``@`` / ``mm`` / ``einsum`` with a 2-D param, ``bmm`` / batched
-``matmul`` with a ``[*G, m, n]`` param, the affines of ``layer_norm`` / ``group_norm`` /
-``rms_norm``, ``x * w`` and ``x + w``, ``torch.cat``) whose weight is a param, or a view of one (a box:
-``chunk``, ``split``, ``narrow``, slices, ``unbind``, ``W.t()`` / ``W.T`` / ``transpose``, an ``expand``
-that repeats nothing; views.py),
+``torch.addmm``, ``matmul`` / ``@`` / ``mm`` with a 2-D param, ``bmm`` / batched ``matmul`` with a
+``[*G, m, n]`` param, two-operand ``einsum`` with a param of any rank (``"btd,dhk->bthk"``), the
+affines of ``layer_norm`` / ``group_norm`` / ``rms_norm``, ``x * w`` and ``x + w``, ``torch.cat``)
+whose weight is a param, or a view of one (a box: ``chunk``, ``split``, ``narrow``, slices,
+``unbind``, ``W.t()`` / ``W.T`` / ``transpose``, reshapes; or a box broadcast by ``expand`` /
+``broadcast_to`` / ``repeat``, whose per-sample grad is the view's summed over the repeated dims;
+views.py),
 it keeps the op's input and adds a *tap*, a zero tensor that is an input of the
 computation, to its output; one ``vjp`` of the summed loss then returns each tap's gradient, which
 is the per-sample output gradient ``g``. The weight gradients themselves are never computed by
@@ -30,8 +32,8 @@ the elementwise affines form their small per-sample grads (``[B, C]``)
 directly, and norm and sum then share the same numbers (no margin, no cross-sample sum).
 
 ``nn.MultiheadAttention``'s ``F.multi_head_attention_forward`` is traced through (its ops are seen
-one by one: ``plan.TRACED_THROUGH``). Parameters that no rule covers (an einsum with a 3-D param,
-a param broadcast by ``expand``, a strided slice;
+one by one: ``plan.TRACED_THROUGH``). Parameters that no rule covers (an einsum with a trace or a
+diagonal, a strided slice, a tile within a dim;
 ``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
 view): the same ``vjp`` returns their per-sample gradients, whose norms join the total. A param
 with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums

@@ -16,12 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vmapdp._tree import acc_dtype
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 
-__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use"]
+__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use", "batch_norm_affine"]
 
 
 def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -200,6 +201,36 @@ def cat_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> lis
     dim, offset, size = site.meta
     shape = tuple(params[site.weight].shape)
     return [(site.weight, direct_use(g.narrow(dim + 1, offset, size).to(acc_dtype(g.dtype)).reshape((g.shape[0],) + shape)))]
+
+
+def batch_norm_affine(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None, bias: Tensor | None = None,
+    training: bool = False, momentum: float = 0.1, eps: float = 1e-5,
+) -> Tensor:
+    """``F.batch_norm`` as its normalisation then its affine ``xhat * w.view(1, C, 1..) + b.view(..)``,
+    which the tracer runs instead of the op (plan.TRACED_THROUGH): the affine's uses are then the
+    ``mul`` and ``add`` rules' on views of the weight and bias (a ResNet's BatchNorm in eval mode).
+    ``xhat`` is normalised by the running statistics (eval), or by the sample's own statistics
+    over ``[N, *spatial]`` when there are none (``track_running_stats=False``), in float32 at least,
+    and cast back to the input's dtype, as the op does. Training with running statistics (an
+    in-place update of buffers, which vmap refuses) and a norm without affine run the op itself."""
+    if (weight is None and bias is None) or (training and running_mean is not None) or input.dim() < 2:
+        return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, torch.backends.cudnn.enabled)
+    if training:
+        F._verify_batch_size(input.size())  # (the op's own check: one value per channel cannot be normalised)
+    shape = (1, -1) + (1,) * (input.dim() - 2)
+    x = input.to(torch.promote_types(input.dtype, torch.float32))
+    if running_mean is None or running_var is None:
+        dims = [0] + list(range(2, input.dim()))
+        mean, var = x.mean(dims, keepdim=True), x.var(dims, unbiased=False, keepdim=True)
+    else:
+        mean, var = running_mean.view(shape).to(x.dtype), running_var.view(shape).to(x.dtype)
+    y = ((x - mean) * torch.rsqrt(var + eps)).to(input.dtype)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y
 
 
 LAYER_NORM = Rule(parse_layer_norm, layer_norm_uses)

@@ -1,29 +1,36 @@
-"""The matmul rules (``torch.addmm``, ``matmul`` / ``@``, ``mm``, two-operand ``einsum``): a 2-D
-param times an activation, as "pair" uses (linear.py), the same sequence-level Gram identity as
-``F.linear`` (Li et al. 2022) with the weight possibly transposed.
+"""The matmul rules (``torch.addmm``, ``matmul`` / ``@``, ``mm``, ``bmm``, two-operand ``einsum``):
+a param times an activation, as "pair" uses (linear.py), the same sequence-level Gram identity as
+``F.linear`` (Li et al. 2022) with the weight possibly transposed, batched or permuted.
 
-Three orientations, per sample (``t`` runs over all positions, the batch dims of a broadcasting
-matmul included):
+Three orientations of a 2-D param, per sample (``t`` runs over all positions, the batch dims of a
+broadcasting matmul included):
 
 * ``"xw"``: ``y = x @ W``, ``W`` ``[in, out]`` (GPT-2's ``Conv1D``: ``torch.addmm(b, x, W)``):
   ``G = sum_t x_t g_t^T``, the pair ``(x, g)``;
-* ``"xwt"``: ``y = x @ W^T`` (``einsum("...i,ji->...j")``, what ``F.linear`` computes):
-  the pair ``(g, x)``;
+* ``"xwt"``: ``y = x @ W^T`` (what ``F.linear`` computes): the pair ``(g, x)``;
 * ``"wx"``: ``y = W @ x``, ``W`` ``[out, in]``, ``x`` ``[..., in, T]`` or ``[in]``: positions are
   the columns: the pair ``(g^T, x^T)``.
+
+A batched param ``[*G, m, n]`` (``bmm``) is a pair per matrix ("grouped pair"). ``einsum`` takes
+a param of any rank: its letters are *groups* (also in ``x`` and the output: a matrix per group),
+*rows* (contracted with ``x``) and *cols* (only in the output); ``x``'s other letters are
+positions. Per group the per-sample grad is ``sum_t x_t[rows] g_t[cols]^T``: a pair when ``W``'s
+letters read rows then cols (``"btd,dhk->bthk"``: ``W`` ``[d, h * k]`` as a matrix) or cols then
+rows (the transpose), a grouped pair with the groups first, else the same grouped pair with its
+per-sample grads and sums permuted into ``W``'s order ("permuted pair", ``"btd,hdk->bthk"``).
 
 ``addmm``'s bias (shape ``[out]``, ``beta = alpha = 1``) is the pair ``(g, ones)``. Guarantees: the
 per-sample grad is ``sum_t u_t v_t^T`` exactly as for ``F.linear``, so norms, margins (one term per
 position: float64 Grams, ``gram_margin``) and the float64 book-keeping of sequences
-(``engine._sum_dtype``, ``T > 1``) are linear's. A call in any other form (a 3-D param in ``bmm``,
-``beta != 1``, a broadcasting bias, an einsum that is not a plain contraction of one index of a
-matrix) is left to the generic per-sample view.
+(``engine._sum_dtype``, ``T > 1``) are linear's. A call in any other form (``beta != 1``, a
+broadcasting bias, an einsum with a trace, a diagonal, a letter summed within one operand, or
+dims of size 1 broadcast against ``W``'s) is left to the generic per-sample view.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,7 +39,7 @@ from vmapdp._tree import acc_dtype
 from vmapdp.ghost.linear import PAIR, pair_mass, pair_sq_norms
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 
-__all__ = ["ADDMM", "MATMUL", "EINSUM", "GROUPED", "parse_einsum_equation"]
+__all__ = ["ADDMM", "MATMUL", "EINSUM", "GROUPED", "PERMUTED", "EinsumForm", "einsum_form"]
 
 
 def _xw(x: Any, w: Any) -> bool:
@@ -78,43 +85,107 @@ def parse_addmm(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None
     return x, w, bias, ("xw", 0)
 
 
-def parse_einsum_equation(equation: str) -> tuple[int, str] | None:
-    """``(index of the weight operand, orientation)`` when a two-operand equation contracts one
-    index of a matrix with the last index of the other operand, all else passing through in order
-    (``"...i,ij->...j"``: ``(1, "xw")``, ``"bti,oi->bto"``: ``(1, "xwt")``), else None."""
+class EinsumForm(NamedTuple):
+    """A two-operand ``einsum`` with a weight operand ``W``, its letters classified (an ellipsis is
+    resolved into capital letters the equation does not use): ``x``, ``w``, ``out`` the subscripts;
+    ``groups`` the letters of ``W`` that ``x`` and the output have too (a matrix per group),
+    ``rows`` those contracted with ``x`` (not in the output), ``cols`` those only in the output
+    (each in ``W``'s order); the letters of ``x`` not in ``W`` are positions."""
+
+    x: str
+    w: str
+    out: str
+    groups: str
+    rows: str
+    cols: str
+
+
+def _ellipsis(sub: str, ndim: int, fresh: str) -> str | None:
+    """The letters that ``sub``'s ellipsis stands for when its operand has ``ndim`` dims (the
+    first letters of ``fresh``; "" without an ellipsis), None when the dims do not fit."""
+    if "..." not in sub:
+        return ""
+    n = ndim - (len(sub) - 3)
+    return None if n < 0 or "." in sub.replace("...", "", 1) else fresh[:n]
+
+
+def einsum_form(equation: str, x_dim: int, w_dim: int, k: int) -> EinsumForm | None:
+    """The form of a two-operand ``einsum`` whose operand ``k`` is the weight ``W`` (``W``'s dims
+    named, no ellipsis), ``x`` of ``x_dim`` dims and ``W`` of ``w_dim``, when ghost clipping
+    covers it: every letter used once per operand, every letter of ``x`` not in ``W`` kept in the
+    output (a position), every letter of ``W`` seen by ``x`` or the output, the output's letters
+    from the operands (no trace, no diagonal, no sum over a letter of one operand only). Else None."""
     eq = equation.replace(" ", "")
     if eq.count("->") != 1:
         return None
     lhs, out = eq.split("->")
     subs = lhs.split(",")
-    if len(subs) != 2:
+    if len(subs) != 2 or "." in subs[k]:
         return None
-    for k in (1, 0):
-        w, x = subs[k], subs[1 - k]
-        if len(w) != 2 or w[0] == w[1] or not w.isalpha() or not x or not out:
-            continue
-        prefix, c, prefix_out, d = x[:-1], x[-1], out[:-1], out[-1]
-        letters = prefix.replace("...", "")
-        if prefix != prefix_out or set(letters) & set(w) or len(set(letters)) != len(letters) or {c, d} != set(w):
-            continue
-        return k, ("xw" if w == c + d else "xwt")
-    return None
+    fresh = "".join(c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq)
+    ell = _ellipsis(subs[1 - k], x_dim, fresh)
+    if ell is None or out.count("...") != subs[1 - k].count("..."):
+        return None
+    xs, ws, out = subs[1 - k].replace("...", ell), subs[k], out.replace("...", ell)
+    if "." in out or len(xs) != x_dim or len(ws) != w_dim:
+        return None
+    if not (xs + ws + out).isalpha() or any(len(set(s)) != len(s) for s in (xs, ws, out)):
+        return None
+    if set(out) - set(xs) - set(ws) or set(xs) - set(ws) - set(out) or set(ws) - set(xs) - set(out):
+        return None
+    groups = "".join(c for c in ws if c in xs and c in out)
+    rows = "".join(c for c in ws if c in xs and c not in out)
+    cols = "".join(c for c in ws if c in out and c not in xs)
+    return EinsumForm(xs, ws, out, groups, rows, cols)
 
 
-def parse_einsum(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
-    """``einsum(equation, x, W)`` (or with the operands in a list) of the forms of
-    :func:`parse_einsum_equation`."""
+def parse_einsum(args: tuple, kwargs: dict) -> list[tuple[Any, Any, Any, tuple]] | None:
+    """``einsum(equation, a, b)`` (or with the operands in a list) of the forms of
+    :func:`einsum_form`: the alternatives ``W = b`` and ``W = a``, in that order; ``meta`` =
+    ``("einsum", form)``. The dims ``x`` and ``W`` share must have equal sizes (no broadcasting)."""
     if not args or not isinstance(args[0], str) or kwargs:
         return None
     ops = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    parsed = parse_einsum_equation(args[0])
-    if parsed is None or len(ops) != 2:
+    if len(ops) != 2 or not all(isinstance(t, Tensor) for t in ops):
         return None
-    k, how = parsed
-    w, x = ops[k], ops[1 - k]
-    if not isinstance(w, Tensor) or w.dim() != 2 or not isinstance(x, Tensor):
-        return None
-    return x, w, None, (how, 0)
+    out = []
+    for k in (1, 0):
+        w, x = ops[k], ops[1 - k]
+        form = einsum_form(args[0], x.dim(), w.dim(), k)
+        if form is None:
+            continue
+        size = dict(zip(form.x, x.shape))
+        if any(size[c] != n for c, n in zip(form.w, w.shape) if c in size):
+            continue
+        out.append((x, w, None, ("einsum", form)))
+    return out or None
+
+
+def einsum_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:
+    """Per group, the pair of ``x``'s ``rows`` and the output grad's ``cols`` over the positions:
+    ``u`` ``[B, H, T, rows]``, ``v`` ``[B, H, T, cols]`` (a letter set that is empty is a dim of
+    1). ``W``'s letters in the order ``rows, cols`` make a pair use (``cols, rows``: its swap), with
+    groups first a grouped pair; any other order of ``W``'s letters a permuted one."""
+    _, f = site.meta
+    dt = acc_dtype(g.dtype)
+    b = g.shape[0]
+    z = [c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in f.x + f.w + f.out][0]  # the batch dim's letter
+    pos = "".join([c for c in f.x if c not in f.w])
+    u = torch.einsum(f"{z}{f.x}->{z}{f.groups}{pos}{f.rows}", x).to(dt)
+    v = torch.einsum(f"{z}{f.out}->{z}{f.groups}{pos}{f.cols}", g).to(dt)
+    size = dict(zip(f.x, x.shape[1:])) | dict(zip(f.out, g.shape[1:]))
+    h, t = math.prod([size[c] for c in f.groups]), math.prod([size[c] for c in pos])
+    u, v = u.reshape(b, h, t, -1), v.reshape(b, h, t, -1)
+    shape = tuple(params[site.weight].shape)
+    canonical = f.groups + f.rows + f.cols
+    if f.w in (canonical, f.groups + f.cols + f.rows):
+        if f.w != canonical:
+            u, v = v, u
+        use = Use(GROUPED, u, v, shape) if f.groups else Use(PAIR, u[:, 0], v[:, 0], shape)
+    else:
+        order = tuple([canonical.index(c) for c in f.w])  # W's dims from the canonical per-sample grad's
+        use = Use(PERMUTED, u, v, shape, (tuple([size[c] for c in canonical]), order))
+    return [(site.weight, use)]
 
 
 def matmul_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:
@@ -191,6 +262,36 @@ GROUPED = UseKind(
 )
 
 
+def _canonical(use: Use) -> Use:
+    """A permuted use as the grouped pair it is, of the canonical shape (groups, rows, cols)."""
+    return Use(GROUPED, use.u, use.v, use.extra[0])
+
+
+def _permuted(use: Use, per: Tensor, lead: int) -> Tensor:
+    """A canonical per-sample grad (``lead`` leading dims) in ``W``'s order of dims."""
+    return per.permute(list(range(lead)) + [lead + d for d in use.extra[1]])
+
+
+def _permuted_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    sq, margin, per = _grouped_sq_norms(_canonical(use), keep_grads, dtype)  # (a norm does not see the order of dims)
+    return sq, margin, None if per is None else _permuted(use, per, 1)
+
+
+# an einsum whose W has its letters in another order than (groups, rows, cols) or (groups, cols,
+# rows) (``"btd,hdk->bthk"``, W [heads, in, out], the output's head letter between x's): a grouped
+# pair of the canonical shape ``extra[0]``, its per-sample grads and sums permuted to W's dims by
+# ``extra[1]``
+PERMUTED = UseKind(
+    "permuted pair",
+    lambda use: use.u.shape[2],
+    _permuted_sq_norms,
+    lambda use: _permuted(use, _grouped_per_sample(_canonical(use)), 1),
+    lambda use, uw, v: _permuted(use, _grouped_weighted(_canonical(use), uw, v), 0),
+    lambda use: pair_mass(*_flat(use)).view(use.u.shape[:2]).sum(1),
+    joinable=False,
+)
+
+
 ADDMM = Rule(parse_addmm, matmul_uses, transposable=True)
 MATMUL = Rule(parse_matmul, matmul_uses, transposable=True)
-EINSUM = Rule(parse_einsum, matmul_uses, transposable=True)
+EINSUM = Rule(parse_einsum, einsum_uses, transposable=True)

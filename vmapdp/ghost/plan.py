@@ -23,6 +23,7 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
 from vmapdp.errors import UnsupportedModuleError
+from vmapdp.ghost.affine import batch_norm_affine
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.uses import Site, arg
 from vmapdp.ghost.views import VIEW_OPS, View, box_of
@@ -43,7 +44,7 @@ class Plan:
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
     views: list[tuple[Callable, tuple[View, ...] | None]] = field(default_factory=list)  # per view op on a param: its outputs' views (None: not boxes)
-    traced_through: bool = False  # the loss called a function of TRACED_THROUGH (nn.MultiheadAttention)
+    traced_through: bool = False  # the loss called nn.MultiheadAttention's forward (TRACED_THROUGH)
 
     def describe(self, params: dict[str, Tensor]) -> str:
         """What ghost clipping covers of ``params`` and what it leaves to per-sample views, by name
@@ -69,7 +70,7 @@ class Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         body = TRACED_THROUGH.get(func)
         if body is not None:  # run its body with the mode on: the ops inside are seen one by one
-            self.run.plan.traced_through = True
+            self.run.plan.traced_through |= func is F.multi_head_attention_forward
             with self:
                 return body(*args, **(kwargs or {}))
         return self.run.call(func, args, kwargs or {})
@@ -100,7 +101,10 @@ def _per_projection(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor | None
     return F._in_projection_packed(q, k, v, w, b)
 
 
-TRACED_THROUGH = {F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection)}
+TRACED_THROUGH = {
+    F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection),
+    F.batch_norm: batch_norm_affine,  # (affine.py: its affine as `mul` and `add` on views of the weight and bias)
+}
 
 
 def _has_tensor(out: Any) -> bool:

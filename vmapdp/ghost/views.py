@@ -1,6 +1,6 @@
 """Views of a param (``W.chunk(3)``, ``W.split``, ``W[a:b]``, ``W.narrow``, ``W.unbind``, ``W.t()``,
-``W.T``, ``W.transpose``, an ``expand`` that repeats nothing) as the weight or bias of a covered
-op: ghost clipping's uses of a block of a param.
+``W.T``, ``W.transpose``, reshapes, and broadcasts: ``expand``, ``broadcast_to``, ``repeat``) as
+the weight or bias of a covered op: ghost clipping's uses of a block of a param.
 
 ``nn.MultiheadAttention`` slices its packed ``in_proj_weight`` / ``in_proj_bias`` into the q, k
 and v projections (``chunk`` / ``split``) before ``F.linear``; ``x @ W.t()`` is a linear with a
@@ -13,6 +13,11 @@ param, routed through its per-sample copy.
 
 A site on a view makes a use of the view's shape; ``place`` turns it into a use of the param's
 block (a transposed pair use is the pair with ``u`` and ``v`` swapped: ``(sum_t u_t v_t^T)^T``).
+A *broadcast* view (``bias.view(1, 1, d).expand(b, t, d)``, a class token ``expand`` ed to a
+batch) repeats a box along some dims (``View.sums``: the dims whose indices are all equal); the
+per-sample grad of the box is the view's summed over those dims, so its use is formed as
+per-sample grads of the view's shape (as much memory as a per-sample copy of the view), summed,
+and kept as a direct use (affine.py): norm and clipped sum from the same numbers.
 The engine adds the uses of one param by block: the per-sample grads of *disjoint* blocks are
 disjoint parts of the param's grad, so their squared norms add (and so do their safe bounds, as
 for two params); blocks that overlap, or a block and a use of the whole param, are added as
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vmapdp.ghost.affine import DIRECT
 from vmapdp.ghost.uses import Use
 
 __all__ = ["View", "VIEW_OPS", "box_of", "place", "disjoint", "pad_to", "Shaped"]
@@ -39,6 +45,7 @@ class View(NamedTuple):
     index: tuple[tuple[int, int], ...]  # [start, stop) per param dim
     shape: tuple[int, ...]  # the view's shape
     transposed: bool = False
+    sums: tuple[int, ...] = ()  # dims of the view that repeat the box (a broadcast: expand, repeat)
 
     @property
     def block(self) -> tuple[int, ...]:
@@ -67,16 +74,42 @@ VIEW_OPS = {
     Tensor.mT.__get__,
     Tensor.transpose,
     torch.transpose,
-    Tensor.expand,  # a box only when nothing is repeated (ViT's class token, expanded to a batch of 1)
-    Tensor.repeat,  # (a copy, but of a box when nothing is repeated: MultiheadAttention's bias_k / bias_v)
+    Tensor.expand,  # broadcasts repeat a box (View.sums): ViT's class token, a bias expanded to [B, T, d]
+    Tensor.broadcast_to,
+    torch.broadcast_to,
+    Tensor.repeat,  # (a copy, but of a box repeated along whole dims: MultiheadAttention's bias_k / bias_v)
+    # reshapes keep the row-major order: a box of a param reshaped is the same box
+    Tensor.view,
+    Tensor.reshape,
+    torch.reshape,
+    Tensor.flatten,
+    torch.flatten,
+    Tensor.unflatten,
+    Tensor.unsqueeze,
+    torch.unsqueeze,
+    Tensor.squeeze,
+    torch.squeeze,
 }
 
 
 def box_of(idx: Tensor, shape: tuple[int, ...]) -> View | None:
     """The ``View`` that a view op's output ``idx`` (flat indices into a param of ``shape``) is, or
-    None when it is not a box of the param in row-major order or its 2-D transpose."""
+    None when it is not a box of the param in row-major order or its 2-D transpose, possibly
+    broadcast (repeated along dims whose indices are all equal: ``View.sums``; then not transposed)."""
     if idx.dtype not in (torch.int32, torch.int64) or idx.numel() == 0:
         return None
+    sums = tuple(d for d in range(idx.dim()) if idx.shape[d] > 1 and torch.equal(idx, idx.narrow(d, 0, 1).expand_as(idx)))
+    base = idx
+    for d in sums:
+        base = base.narrow(d, 0, 1)
+    view = _box(base, shape)
+    if view is None or not sums:
+        return view
+    return None if view.transposed else View(view.index, tuple(idx.shape), False, sums)
+
+
+def _box(idx: Tensor, shape: tuple[int, ...]) -> View | None:
+    """``box_of`` without broadcasting: every index of ``idx`` distinct."""
     flat = idx.reshape(-1).long()
     coords = []
     rest = flat
@@ -104,10 +137,17 @@ def box_of(idx: Tensor, shape: tuple[int, ...]) -> View | None:
 
 def place(use: Use, view: View, pair: Any) -> Use:
     """A use of ``view`` as a use of the param's block (``pair``: linear.PAIR, whose transpose is
-    the same pair swapped)."""
+    the same pair swapped). A transposed view in a use of another kind, and a broadcast view, give
+    a direct use (affine.DIRECT): the per-sample grads of the view, formed (``[B, *view shape]``,
+    the memory of a per-sample copy of the view), transposed or summed over the repeated dims."""
+    if view.sums or (view.transposed and use.kind is not pair):
+        per = use.kind.per_sample(use)
+        if view.transposed:
+            per = per.transpose(1, 2)
+        if view.sums:
+            per = per.sum([1 + d for d in view.sums], keepdim=True)
+        return Use(DIRECT, per.reshape((per.shape[0],) + view.block), per.new_ones(per.shape[0], 1), view.block, None, view.index)
     if view.transposed:
-        if use.kind is not pair:
-            raise AssertionError("ghost clipping: a transposed view reached a rule that makes no pair use (rules.TRANSPOSABLE)")
         use = Use(use.kind, use.v, use.u, tuple(reversed(use.shape)), use.extra)
     return Use(use.kind, use.u, use.v, use.shape, use.extra, view.index)
 
