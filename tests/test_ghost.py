@@ -749,3 +749,19 @@ def test_models_ghost_cannot_run_are_refused_with_the_feature_and_the_fix():
     mlp = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
     with pytest.raises(vmapdp.UnsupportedModuleError, match=r"torch.utils.checkpoint.*saved tensor hooks.*without checkpoint"):
         run(mlp, wrap=lambda f, z: checkpoint(f, z, use_reentrant=False))
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_traced_batch_norm_keeps_the_ops_output_dtype(training):
+    """Ghost runs F.batch_norm as its normalisation and affine (affine.batch_norm_affine): with a
+    bfloat16 input and a float32 affine the op returns bfloat16, and so must the traced form, or
+    the rest of the model would run in another dtype under ghost than under vmap (found by review)."""
+    from vmapdp.ghost.affine import batch_norm_affine
+
+    x = torch.randn(4, 3, 5).to(torch.bfloat16)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    stats = (None, None) if training else (torch.randn(3), torch.rand(3) + 0.5)
+    ref = F.batch_norm(x, *stats, w, b, training)
+    out = batch_norm_affine(x, *stats, w, b, training)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -230,7 +230,7 @@ def batch_norm_affine(
         y = y * weight.view(shape)
     if bias is not None:
         y = y + bias.view(shape)
-    return y
+    return y.to(input.dtype)  # the op's output dtype (a float32 affine on a bfloat16 input stays bfloat16)
 
 
 LAYER_NORM = Rule(parse_layer_norm, layer_norm_uses)

@@ -66,6 +66,11 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
             sqs.append(sq)
             masses.append(mass)
         else:
+            if per is None and dtype != us.dtype:
+                # the norm of grads that are not kept must round like the sum it bounds: that sum
+                # is accumulated in ``dtype`` (float64) with ``dtype``'s margin, and float32 grads'
+                # rounding (~T eps32 mass: cancelling terms) would exceed that margin
+                us, vs = us.to(dtype), vs.to(dtype)
             g = torch.bmm(us.transpose(1, 2), vs, out=None if per is None else per[s:e])
             sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
             if per is None:
