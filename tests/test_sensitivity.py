@@ -329,3 +329,44 @@ def test_a_float32_norm_whose_terms_cancel_is_bounded_like_the_float64_sum(path,
     full, _, _ = fn(params, x)
     minus, _, _ = fn(params, x, mask=torch.tensor([False, True]))
     assert (full["w"].double() - minus["w"].double()).norm().item() <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("op", ["linear", "conv1d", "embedding"])
+def test_a_cancelling_sample_is_clipped_when_nothing_is_kept(op, monkeypatch):
+    """One param, one use, the keep limits at 0 (what a large param gets): ghost forms the
+    per-sample grads only for the norm and sums by float64 book-keeping. The norm must be formed
+    in float64 too, or terms 2**24, +1 (k times), -2**24 lose their +1s in it (linear, the
+    grouped conv backward and the embedding's per-token sums each did)."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
+    k = 1000
+    t = k + 2
+    floor = 2 * (t + 2) * torch.finfo(torch.float32).eps * (2 * 2**24 + k)
+    big = torch.zeros(t, 2)
+    big[0] = torch.tensor([2.0**24, floor * 1.001])
+    big[1 : k + 1, 0] = 1.0
+    big[k + 1, 0] = -(2.0**24)
+    other = torch.randn(t, 2, generator=torch.Generator().manual_seed(0))
+    if op == "embedding":  # token 0 at every position; the output grads are the crafted rows
+        params = {"w": torch.zeros(3, 2)}
+        batch = (torch.zeros(2, t, dtype=torch.int64), torch.stack([big, other]))
+
+        def loss(p, sample):
+            tok, coef = sample
+            return (F.embedding(tok, p["w"]) * coef).sum()
+    elif op == "conv1d":  # kernel 1: the grad is the sum over positions of the input
+        params = {"w": torch.zeros(1, 2, 1)}
+        batch = torch.stack([big, other]).transpose(1, 2)
+
+        def loss(p, x):
+            return F.conv1d(x.unsqueeze(0), p["w"]).sum()
+    else:
+        params = {"w": torch.zeros(1, 2)}
+        batch = torch.stack([big, other])
+
+        def loss(p, x):
+            return F.linear(x, p["w"]).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=1.0, method="ghost")
+    full, _, _ = fn(params, batch)
+    minus, _, _ = fn(params, batch, mask=torch.tensor([False, True]))
+    assert (full["w"].double() - minus["w"].double()).norm().item() <= 1.0 + 1e-6

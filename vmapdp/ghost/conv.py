@@ -220,7 +220,8 @@ def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) 
     per = use.u.new_empty((b,) + use.shape) if keep_grads else None
     sqs = []
     for s in range(0, b, step):
-        g = conv_per_sample(use.rows(s, s + step))
+        part = use.rows(s, s + step)
+        g = conv_per_sample(part if per is not None else part.to(dtype))  # not kept: in the sum's dtype (Use.to)
         sqs.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
         if per is not None:
             per[s:s + step] = g

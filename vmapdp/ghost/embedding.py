@@ -64,7 +64,7 @@ def embedding_sq_norms(g: Tensor, tok: Tensor, vocab: int, dtype: torch.dtype | 
 
 
 def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, None]:
-    return (*embedding_sq_norms(use.u, use.v, use.extra, dtype), None)
+    return (*embedding_sq_norms(use.to(dtype).u, use.v, use.extra, dtype), None)  # never kept: in the sum's dtype (Use.to)
 
 
 def _per_sample(use: Use) -> Tensor:

@@ -145,10 +145,8 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
         return sq, margin, None if per is None else pad_to(per, uses[0].index, shape, 1)
     total = None if other is None else other.to(acc_dtype(other.dtype))
     for u in uses:
-        if not keep_grads and u.u.dtype != dtype:
-            # not kept: the sum is the book-keeping one in ``dtype``, with ``dtype``'s margin, so
-            # the norm must not carry float32's larger rounding (cancelling terms; see _sum_dtype)
-            u = Use(u.kind, u.u.to(dtype), u.v if u.kind.indices else u.v.to(dtype), u.shape, u.extra, u.index)
+        if not keep_grads:  # the sum will be book-keeping in ``dtype``: the norm rounds like it (Use.to)
+            u = u.to(dtype)
         p = pad_to(u.kind.per_sample(u), u.index, shape, 1)
         total = p if total is None else total + p
     sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()

@@ -48,6 +48,14 @@ class Use:
         """The use restricted to samples ``s:e``."""
         return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra, self.index)
 
+    def to(self, dtype: torch.dtype) -> "Use":
+        """The use with its floating tensors in ``dtype`` (indices stay as they are). A norm of
+        grads that are not kept is formed in the dtype of the clipped sum it bounds, so that it
+        rounds within that sum's margin (see engine._sum_dtype)."""
+        if self.u.dtype == dtype:
+            return self
+        return Use(self.kind, self.u.to(dtype), self.v if self.kind.indices else self.v.to(dtype), self.shape, self.extra, self.index)
+
 
 class UseKind(NamedTuple):
     """The maths of one kind of use, which the engine calls (a rule file defines its kinds)."""
