@@ -428,7 +428,7 @@ class _EpochSampler(_KeyedSampler):
     def _event(self, noise_multiplier: float, opened: int):
         from vmapdp.accounting import EpochGaussianEvent
 
-        return EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, scheme=self._SCHEME, epochs=opened)
+        return EpochGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, scheme=self._SCHEME, epochs=opened, continues=not opened)
 
     def _extra_state(self):
         return {"assignment": self._assignment, "opened_epoch": self._opened_epoch}
@@ -536,7 +536,7 @@ class BallsInBinsSampler(_EpochSampler):
     def _event(self, noise_multiplier: float, opened: int):
         from vmapdp.accounting import BallsInBinsGaussianEvent
 
-        return BallsInBinsGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, epochs=opened)
+        return BallsInBinsGaussianEvent(noise_multiplier=noise_multiplier, steps_per_epoch=self.steps_per_epoch, epochs=opened, continues=not opened)
 
 
 class TruncatedPoissonSampler(PoissonSampler):

@@ -42,8 +42,10 @@ every epsilon: ``delta(eps) = E[(1 - e^(eps - L))_+]`` is increasing in each los
 construction with every rounding reversed (and the mass that would be infinite dropped) gives a
 loss distribution below the true one: the lower bound, valid for the pair (which a dataset and
 an adversary realise; Chua et al. call the pair tight). Both are exact up to float64 rounding
-in the FFT (about 1e-16 relative per convolution, clipped at 0; the same reliance as
-dp-accounting's and opake's PLD code).
+in the FFT, which is ABSOLUTE, about 1e-16 of the vector's total mass per convolution (negative
+results clipped at 0): a delta below about 1e-13 is within that rounding and is not certified
+(in every case the review checked, the rounding fell on the safe side). dp-accounting's and
+opake's PLD code rely on the FFT the same way.
 
 References:
   Chua, Ghazi, Harrison, Leeman, Kamath, Kumar, Manurangsi, Sinha, Zhang. "Balls-and-Bins

@@ -234,10 +234,16 @@ class EpochGaussianEvent:
     ``scheme="balls_in_bins"``: each example in one uniformly random step of the epoch),
     each step adding Gaussian noise with ``noise_multiplier``.
 
-    ``epochs`` counts the steps among the ``count`` that opened a new epoch (what a sampler
-    reports per step through its ``event()``); merging two events adds both counters. The
-    accountants charge ``max(epochs, ceil(count / steps_per_epoch))`` epochs, which is at least
-    the number of epochs these steps touch when they come from one sampler in order.
+    ``epochs`` counts the steps among the ``count`` that opened a new epoch, and ``continues``
+    says that the first of them did not open one: it continues an epoch begun under another
+    event (before a change of noise multiplier, say). A sampler reports both per step through its
+    ``event()``; merging two events adds the counters and keeps the first one's ``continues``.
+    The accountants charge ``max(epochs + continues, ceil(count / steps_per_epoch))`` epochs: the
+    epochs these steps touch when they come from one sampler in order. An epoch split between
+    two events is charged in full by both (the steps under each are part of one whole epoch at
+    that event's noise: post-processing), so a change of noise inside an epoch is never
+    under-charged. A ledger written before ``continues`` existed loads with ``continues=True``
+    (at most one epoch more per event than it was charged then).
 
     Neighbouring relation: ``"replace_one"``. One replacement moves one step's clipped sum per
     epoch by up to ``2 * l2_clip_norm``.
@@ -261,6 +267,7 @@ class EpochGaussianEvent:
         the same).
       count: steps, an int >= 1.
       epochs: how many of the steps opened an epoch, an int in [0, count].
+      continues: the first step continues an epoch opened before it (a bool; default False).
 
     References:
       Chua, Ghazi, Kamath, Kumar, Manurangsi, Sinha, Zhang. "How Private are DP-SGD
@@ -280,6 +287,7 @@ class EpochGaussianEvent:
     scheme: str
     count: int = 1
     epochs: int = 0
+    continues: bool = False
     adjacency: ClassVar[str] = REPLACE_ONE
 
     def __post_init__(self):
@@ -299,11 +307,12 @@ class EpochGaussianEvent:
                 "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
             )
         object.__setattr__(self, "epochs", epochs)
+        object.__setattr__(self, "continues", _continues(where, self.continues))
 
     @property
     def charged_epochs(self) -> int:
         """How many Gaussian mechanisms (one per epoch) the accountants charge."""
-        return max(self.epochs, math.ceil(self.count / self.steps_per_epoch))
+        return max(self.epochs + self.continues, math.ceil(self.count / self.steps_per_epoch))
 
     def _key(self):
         return ("epoch_gaussian", self.noise_multiplier, self.steps_per_epoch, self.scheme)
@@ -320,6 +329,7 @@ class EpochGaussianEvent:
             "scheme": self.scheme,
             "count": self.count,
             "epochs": self.epochs,
+            "continues": self.continues,
         }
 
 
@@ -330,9 +340,11 @@ class BallsInBinsGaussianEvent:
     the others, with a fresh assignment every epoch (:class:`vmapdp.data.BallsInBinsSampler`).
 
     Neighbouring relation: ``"add_remove"`` (adding or removing an example does not change the
-    other examples' steps). ``epochs`` and the charged epochs are as in
-    :class:`EpochGaussianEvent`: ``max(epochs, ceil(count / steps_per_epoch))``, a partial epoch
-    charged as a whole one (its outputs are a prefix of the whole epoch's: post-processing).
+    other examples' steps). ``epochs``, ``continues`` and the charged epochs are as in
+    :class:`EpochGaussianEvent`: ``max(epochs + continues, ceil(count / steps_per_epoch))``, a
+    partial epoch charged as a whole one (its outputs are part of the whole epoch's:
+    post-processing), and an epoch split between two events (a change of noise inside it)
+    charged by both.
 
     Guarantees:
       ``accountant="pld"`` (the default): each epoch is the random allocation of 1 of
@@ -357,6 +369,7 @@ class BallsInBinsGaussianEvent:
       steps_per_epoch: steps (bins) in one epoch, an int >= 1.
       count: steps, an int >= 1.
       epochs: how many of the steps opened an epoch, an int in [0, count].
+      continues: the first step continues an epoch opened before it (a bool; default False).
 
     References:
       Chua, Ghazi, Harrison, Leeman, Kamath, Kumar, Manurangsi, Sinha, Zhang. "Balls-and-Bins
@@ -374,6 +387,7 @@ class BallsInBinsGaussianEvent:
     steps_per_epoch: int
     count: int = 1
     epochs: int = 0
+    continues: bool = False
     adjacency: ClassVar[str] = ADD_REMOVE
 
     def __post_init__(self):
@@ -392,11 +406,12 @@ class BallsInBinsGaussianEvent:
                 "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
             )
         object.__setattr__(self, "epochs", epochs)
+        object.__setattr__(self, "continues", _continues(where, self.continues))
 
     @property
     def charged_epochs(self) -> int:
         """How many random-allocation epochs the accountants charge."""
-        return max(self.epochs, math.ceil(self.count / self.steps_per_epoch))
+        return max(self.epochs + self.continues, math.ceil(self.count / self.steps_per_epoch))
 
     def _key(self):
         return ("balls_in_bins_gaussian", self.noise_multiplier, self.steps_per_epoch)
@@ -415,6 +430,7 @@ class BallsInBinsGaussianEvent:
             "steps_per_epoch": self.steps_per_epoch,
             "count": self.count,
             "epochs": self.epochs,
+            "continues": self.continues,
         }
 
 
@@ -622,12 +638,23 @@ def _combine(a: Event, b: Event) -> Event:
     return a._with_count(a.count + b.count)
 
 
+def _continues(where: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{where}: continues={value!r} must be a bool: whether the first step continues an epoch opened "
+            "before it. Pass the sampler's own event (sampler.event(noise_multiplier))."
+        )
+    return value
+
+
 def _event_from_dict(d: dict) -> Event:
     if not isinstance(d, dict) or "type" not in d:
         raise ValueError(
             f"Ledger.from_json: expected an event object with a 'type' field; got {d!r}."
         )
     fields = {k: v for k, v in d.items() if k not in ("type", "adjacency")}
+    if d["type"] in ("epoch_gaussian", "balls_in_bins_gaussian") and "continues" not in fields:
+        fields["continues"] = True  # written before the field existed: its first epoch may have begun under another event
     cls = _BY_TYPE.get(d["type"])
     if cls is None:
         raise ValueError(

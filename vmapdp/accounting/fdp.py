@@ -187,7 +187,8 @@ def tpr_bound(ledger, /, fpr, *, accountant: str = "pld", epsilons=None, value_d
 def mu_gdp(ledger, /) -> float:
     """The mu of Gaussian DP for a ledger, where it applies.
 
-    * Shuffled / balls-in-bins epochs only: EXACT, ``mu = sqrt(sum over epochs of (2 / sigma)^2)``
+    * Shuffled epochs (or ``EpochGaussianEvent(scheme="balls_in_bins")`` of older ledgers) only:
+      EXACT for the mechanism charged, ``mu = sqrt(sum over epochs of (2 / sigma)^2)``
       (each epoch one Gaussian mechanism of sensitivity 2 under replace-one; see
       :class:`EpochGaussianEvent`); no warning.
     * Balls-in-bins epochs (:class:`BallsInBinsGaussianEvent`): an upper bound, each epoch
@@ -211,7 +212,7 @@ def mu_gdp(ledger, /) -> float:
         return 0.0
     if (plan.epochs or plan.allocations) and not (plan.poisson or plan.fixed):
         return math.hypot(plan.mu_epochs, plan.mu_allocations)
-    if plan.poisson and not (plan.fixed or plan.epochs) and plan.fail == 0.0:
+    if plan.poisson and not (plan.fixed or plan.epochs or plan.allocations) and plan.fail == 0.0:
         _gdp.warn_gdp(where)
         return _gdp.gdp_mu(plan.poisson)
     raise ValueError(
