@@ -10,6 +10,7 @@ and the keep budget (``Limits``).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,7 @@ from vmapdp.ghost import limits
 from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.linear import PAIR
-from vmapdp.ghost.uses import Use, rounding_margin
+from vmapdp.ghost.uses import Use, cat_rows, rounding_margin, slices
 from vmapdp.ghost.views import Shaped, disjoint, pad_to, place
 
 __all__ = ["ghost_norms_and_sum"]
@@ -143,19 +144,35 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
     if other is None and len(uses) == 1:
         sq, margin, per = uses[0].kind.sq_norms(uses[0], keep_grads, dtype)
         return sq, margin, None if per is None else pad_to(per, uses[0].index, shape, 1)
-    total = None if other is None else other.to(acc_dtype(other.dtype))
-    for u in uses:
-        if not keep_grads:  # the sum will be book-keeping in ``dtype``: the norm rounds like it (Use.to)
-            u = u.to(dtype)
-        p = pad_to(u.kind.per_sample(u), u.index, shape, 1)
-        total = p if total is None else total + p
-    sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
     if keep_grads:
+        total = _joint_grads(uses, other, shape, None)
+        sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
         return sq, torch.zeros_like(sq), total
+    # not kept: the sum will be book-keeping in ``dtype``, so the norm is formed in ``dtype`` too
+    # (rounding like that sum: Use.to), a slice of samples at a time (the float64 grads of a big
+    # param, a tied embedding say, would not fit at once)
+    b = uses[0].u.shape[0]
+    sqs = []
+    for s, e in slices(b, 2 * math.prod(shape)):
+        part = _joint_grads([u.rows(s, e) for u in uses], None if other is None else other[s:e], shape, dtype)
+        sqs.append(torch.linalg.vector_norm(part.reshape(part.shape[0], -1), dim=1).square())
+    sq = cat_rows(sqs)
     margin = torch.zeros_like(sq)
     for u in uses:  # the other uses' per-sample grads are summed as they are: no margin for them
         margin = margin + _use_margin(u, dtype).to(sq.dtype)
     return sq, margin, None
+
+
+def _joint_grads(uses: list[Use], other: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype | None) -> Tensor:
+    """The per-sample grads of one param: its uses' (placed in it) plus ``other`` (per-sample-view
+    grads), formed in ``dtype`` (None: the uses' own)."""
+    total = None if other is None else other.to(acc_dtype(other.dtype) if dtype is None else dtype)
+    for u in uses:
+        if dtype is not None:
+            u = u.to(dtype)
+        p = pad_to(u.kind.per_sample(u), u.index, shape, 1)
+        total = p if total is None else total + p
+    return total
 
 
 def ghost_norms_and_sum(
