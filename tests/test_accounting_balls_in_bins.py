@@ -7,12 +7,9 @@ stated false-alarm rate, provable orderings, and the sampler -> ledger -> checkp
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import math
-from pathlib import Path
 
-import opake
+from opake_core import opake_core
 import pytest
 import torch
 
@@ -27,16 +24,6 @@ SIGMA, T, EPOCHS, DELTA = 2.0, 10, 3, 1e-5  # the setting of the issue
 def _ledger(sigma=SIGMA, t=T, epochs=EPOCHS):
     return Ledger((BallsInBinsGaussianEvent(sigma, t, count=t * epochs, epochs=epochs),))
 
-
-def _opake_core():
-    (path,) = Path(opake.__path__[0]).glob("api/accounting/core/opake_accounting*.so")
-    loader = importlib.machinery.ExtensionFileLoader("opake_accounting", str(path))
-    spec = importlib.util.spec_from_file_location("opake_accounting", path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
 def test_one_step_per_epoch_is_the_gaussian_mechanism():
     """t = 1: P = N(1, s^2), Q = N(0, s^2): the Gaussian mechanism, whose delta(eps) has a closed
     form (Balle and Wang 2018): ours is above it (certified) and within 1.5%."""
@@ -48,7 +35,7 @@ def test_one_step_per_epoch_is_the_gaussian_mechanism():
 def test_against_opake_random_allocation():
     """opake's native random_allocation_gaussian_pld (deterministic, k = 1 exact) composed over
     fresh epochs: the same pair. At its grid 1e-3 it reports 1.121; ours 1.112, certified."""
-    core = _opake_core()
+    core = opake_core()
     theirs = core.random_allocation_gaussian_pld(SIGMA, T, 1, core.DiscretizationConfig(discretization=1e-3)).self_compose(EPOCHS).epsilon_at(DELTA)
     b = acc.epsilon_bounds(_ledger(), delta=DELTA)
     assert b.upper == acc.epsilon(_ledger(), delta=DELTA)

@@ -11,12 +11,9 @@ its file. Balls-in-bins and shuffling have no accountant there that applies to o
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import math
-from pathlib import Path
 
-import opake
+from opake_core import opake_core
 import pytest
 from jax_privacy.accounting import accountants, analysis
 
@@ -29,17 +26,7 @@ from vmapdp.accounting import (
     TruncatedPoissonGaussianEvent,
 )
 
-def _opake_core():
-    """opake's compiled accounting core, loaded from its file (the package's __init__ fails here)."""
-    (path,) = Path(opake.__path__[0]).glob("api/accounting/core/opake_accounting*.so")
-    loader = importlib.machinery.ExtensionFileLoader("opake_accounting", str(path))
-    spec = importlib.util.spec_from_file_location("opake_accounting", path, loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-OPAKE = _opake_core()
+OPAKE = opake_core()
 OPAKE_CFG = OPAKE.DiscretizationConfig(discretization=1e-4)
 OPAKE_COARSE = OPAKE.DiscretizationConfig(discretization=1e-3)  # the truncated PLDs: 10x faster, within 1e-3
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import ClassVar, Iterable, Union
+from typing import Any, ClassVar, Iterable, Union
 
 from vmapdp import _checks as _shared_checks
 from vmapdp.accounting import _checks
@@ -293,26 +293,13 @@ class EpochGaussianEvent:
     def __post_init__(self):
         where = "EpochGaussianEvent"
         object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
-        object.__setattr__(
-            self,
-            "steps_per_epoch",
-            _shared_checks.positive_int(where, "steps_per_epoch", self.steps_per_epoch, meaning="steps_per_epoch is the number of steps in one epoch"),
-        )
         _shared_checks.choice(where, "scheme", self.scheme, EPOCH_SCHEMES, why="it names how the epoch's batches are drawn")
-        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
-        epochs = _shared_checks.positive_int(where, "epochs", self.epochs, minimum=0, meaning="epochs counts the steps that opened an epoch")
-        if epochs > self.count:
-            raise ValueError(
-                f"{where}: epochs={epochs} must be in [0, count={self.count}]; every epoch opens with one of "
-                "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
-            )
-        object.__setattr__(self, "epochs", epochs)
-        object.__setattr__(self, "continues", _continues(where, self.continues))
+        _check_epoch_fields(self, where, "steps_per_epoch is the number of steps in one epoch")
 
     @property
     def charged_epochs(self) -> int:
         """How many Gaussian mechanisms (one per epoch) the accountants charge."""
-        return max(self.epochs + self.continues, math.ceil(self.count / self.steps_per_epoch))
+        return _charged_epochs(self)
 
     def _key(self):
         return ("epoch_gaussian", self.noise_multiplier, self.steps_per_epoch, self.scheme)
@@ -393,25 +380,12 @@ class BallsInBinsGaussianEvent:
     def __post_init__(self):
         where = "BallsInBinsGaussianEvent"
         object.__setattr__(self, "noise_multiplier", _checks.check_noise_multiplier(where, self.noise_multiplier))
-        object.__setattr__(
-            self,
-            "steps_per_epoch",
-            _shared_checks.positive_int(where, "steps_per_epoch", self.steps_per_epoch, meaning="steps_per_epoch is the number of steps (bins) in one epoch"),
-        )
-        object.__setattr__(self, "count", _checks.check_steps(where, self.count, name="count", minimum=1))
-        epochs = _shared_checks.positive_int(where, "epochs", self.epochs, minimum=0, meaning="epochs counts the steps that opened an epoch")
-        if epochs > self.count:
-            raise ValueError(
-                f"{where}: epochs={epochs} must be in [0, count={self.count}]; every epoch opens with one of "
-                "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
-            )
-        object.__setattr__(self, "epochs", epochs)
-        object.__setattr__(self, "continues", _continues(where, self.continues))
+        _check_epoch_fields(self, where, "steps_per_epoch is the number of steps (bins) in one epoch")
 
     @property
     def charged_epochs(self) -> int:
         """How many random-allocation epochs the accountants charge."""
-        return max(self.epochs + self.continues, math.ceil(self.count / self.steps_per_epoch))
+        return _charged_epochs(self)
 
     def _key(self):
         return ("balls_in_bins_gaussian", self.noise_multiplier, self.steps_per_epoch)
@@ -638,13 +612,29 @@ def _combine(a: Event, b: Event) -> Event:
     return a._with_count(a.count + b.count)
 
 
-def _continues(where: str, value) -> bool:
-    if not isinstance(value, bool):
+def _check_epoch_fields(event: Any, where: str, meaning: str) -> None:
+    """Checks (and normalises, on the frozen dataclass) the epoch fields that EpochGaussianEvent and
+    BallsInBinsGaussianEvent share: steps_per_epoch, count, epochs, continues."""
+    object.__setattr__(event, "steps_per_epoch", _shared_checks.positive_int(where, "steps_per_epoch", event.steps_per_epoch, meaning=meaning))
+    object.__setattr__(event, "count", _checks.check_steps(where, event.count, name="count", minimum=1))
+    epochs = _shared_checks.positive_int(where, "epochs", event.epochs, minimum=0, meaning="epochs counts the steps that opened an epoch")
+    if epochs > event.count:
+        raise ValueError(
+            f"{where}: epochs={epochs} must be in [0, count={event.count}]; every epoch opens with one of "
+            "the counted steps. Pass the sampler's own event (sampler.event(noise_multiplier))."
+        )
+    object.__setattr__(event, "epochs", epochs)
+    if not isinstance(event.continues, bool):
         raise TypeError(
-            f"{where}: continues={value!r} must be a bool: whether the first step continues an epoch opened "
+            f"{where}: continues={event.continues!r} must be a bool: whether the first step continues an epoch opened "
             "before it. Pass the sampler's own event (sampler.event(noise_multiplier))."
         )
-    return value
+
+
+def _charged_epochs(event: Any) -> int:
+    """The epochs an epoch event's steps touch: those they open, plus the one their first step
+    continues, and at least ``ceil(count / steps_per_epoch)`` (see EpochGaussianEvent)."""
+    return max(event.epochs + event.continues, math.ceil(event.count / event.steps_per_epoch))
 
 
 def _event_from_dict(d: dict) -> Event:
