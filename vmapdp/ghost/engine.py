@@ -57,11 +57,9 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | Non
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
     is NaN.
     """
+    if dtype is not None:
+        use = use.to(dtype)
     u, v = use.u, use.v
-    if dtype is not None and dtype != u.dtype:
-        u = u.to(dtype)
-        if not use.kind.indices:
-            v = v.to(dtype)
     if keep is not None:
         u = torch.where(rows(keep, u), u, 0.0)
         if not use.kind.indices:
