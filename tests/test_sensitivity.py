@@ -93,6 +93,17 @@ class EmbedLinear(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(tokens))).mean(1))
 
 
+class TiedHead(nn.Module):
+    """GPT-2's tie: the embedding table is the LM head's weight (ghost's cross terms, cross.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(6, 4, padding_idx=0), nn.Linear(4, 4)
+
+    def forward(self, tokens):
+        return F.linear(torch.tanh(self.mix(self.emb(tokens))), self.emb.weight).mean(1)[:, :3]
+
+
 class LastStep(nn.Module):
     def __init__(self):
         super().__init__()
@@ -212,6 +223,7 @@ ZOO = {
     "conv_patches": (ConvPool, _floats((2, 6, 6), _checkerboard)),  # the wide-conv path (monkeypatched)
     "embedding_padding": (EmbedLinear, _tokens),
     "embedding_scale_grad_by_freq": (lambda: EmbedLinear(scale_grad_by_freq=True), _tokens),
+    "tied_embedding_head": (TiedHead, _tokens),  # nothing kept (monkeypatched): self and cross terms
     "layernorm": (lambda: Pool(nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6)), 6), _floats((6, 5), _alternating)),
     "groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 16, 3)), _floats((2, 6, 6), _checkerboard)),
     "lstm": (LastStep, _floats((4, 3), _alternating)),
@@ -259,9 +271,12 @@ def neighbour_differences(fn, params, buffers, batch, c=C):
 @pytest.fixture
 def zoo_paths(monkeypatch, request):
     """The conv_patches case sends its conv through the unfolded-patches path (book-keeping
-    sum by one conv backward over the batch) instead of the grouped per-sample one."""
+    sum by one conv backward over the batch) instead of the grouped per-sample one; the tied
+    table keeps nothing, as a vocabulary-sized one would not, so its norms come from cross terms."""
     if "conv_patches" in request.node.name:
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
+    if "tied_embedding_head" in request.node.name:
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])

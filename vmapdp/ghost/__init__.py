@@ -36,7 +36,9 @@ one by one: ``plan.TRACED_THROUGH``). Parameters that no rule covers (an einsum 
 diagonal, a strided slice, a tile within a dim;
 ``Plan.describe`` names them) are routed, for just those uses, through a per-sample copy (``p.expand(B, ...)``, a
 view): the same ``vjp`` returns their per-sample gradients, whose norms join the total. A param
-with both kinds of uses gets the exact sum of both. The result is exact: norms and clipped sums
+with both kinds of uses gets the exact sum of both. A param used by two covered ops of different
+kinds (GPT-2's token embedding tied to its LM head) gets its norm from each use's own terms and
+their cross terms (cross.py), without per-sample grads. The result is exact: norms and clipped sums
 equal the per-sample-gradient engine's up to float rounding, for any model.
 
 Floating point: a sample's norm and its share of the clipped sum come from two different
@@ -77,7 +79,7 @@ The package, a file a job: ``plan.py`` (the tracer: ``Mode``, ``Run``, the probe
 ``Plan``), ``uses.py`` (``Use``, ``UseKind``, ``Site``, ``Rule`` and the rounding margin),
 ``rules.py`` (``RULES``, the one table of covered ops) with a file per rule (``linear.py``,
 ``conv.py``, ``embedding.py``, ``matmul.py``, ``affine.py``), ``views.py`` (views of params as
-weights), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
+weights), ``cross.py`` (cross terms between uses of different kinds), ``engine.py`` (``ghost_norms_and_sum``) and ``limits.py`` (the
 tuning limits). The dispatcher over vmap, ghost and two_pass, ``clipped_grad_sum``, is
 :mod:`vmapdp.clipped` (re-exported here).
 """

@@ -20,6 +20,7 @@ from torch.func import vjp, vmap
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
 from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
+from vmapdp.ghost.cross import crossed_sq_norms
 from vmapdp.ghost.plan import CONTROL_FLOW, Plan, Run, probe, run_loss
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.linear import PAIR
@@ -90,12 +91,13 @@ def _bound(uses: list[Use], sq: Tensor, margin: Tensor, dtype: torch.dtype, form
 
 
 def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[Use]:
-    """A param's uses with the same rule joined into one (an RNN cell's weight is used once per
-    time step): ``"pair"`` and ``"embedding"`` uses concatenate along T, so that the norm and the
-    clipped sum each take one call, not one per use. ``joined`` caches the concatenations by the
-    identity of their parts: params whose uses share tensors (a cell's input and hidden weights
-    share the gate grads, a weight and its bias the output grads) share one copy."""
-    if len(uses) < 2 or len({u.kind for u in uses}) > 1 or not uses[0].kind.joinable:
+    """A param's uses of the same kind joined into one (an RNN cell's weight is used once per time
+    step; a tied LM head twice): ``"pair"`` and ``"embedding"`` uses concatenate along T, so that
+    the norm and the clipped sum each take one call, not one per use; uses of other kinds stay as
+    they are (their cross terms: cross.py). ``joined`` caches the concatenations by the identity of
+    their parts: params whose uses share tensors (a cell's input and hidden weights share the gate
+    grads, a weight and its bias the output grads) share one copy."""
+    if len(uses) < 2:
         return uses
 
     def cat(parts: list[Tensor]) -> Tensor:
@@ -104,8 +106,17 @@ def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], T
             joined[key] = (parts, torch.cat(parts, 1))
         return joined[key][1]
 
-    first = uses[0]
-    return [Use(first.kind, cat([u.u for u in uses]), cat([u.v for u in uses]), first.shape, first.extra, first.index)]
+    by_kind: dict[Any, list[Use]] = {}
+    for u in uses:
+        by_kind.setdefault(u.kind, []).append(u)
+    out = []
+    for kind, group in by_kind.items():
+        if len(group) < 2 or not kind.joinable:
+            out.extend(group)
+            continue
+        first = group[0]
+        out.append(Use(kind, cat([u.u for u in group]), cat([u.v for u in group]), first.shape, first.extra, first.index))
+    return out
 
 
 def _blocks(uses: list[Use]) -> dict[Any, list[Use]]:
@@ -146,9 +157,13 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
         total = _joint_grads(uses, other, shape, None)
         sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
         return sq, torch.zeros_like(sq), total
-    # not kept: the sum will be book-keeping in ``dtype``, so the norm is formed in ``dtype`` too
-    # (rounding like that sum: Use.to), a slice of samples at a time (the float64 grads of a big
-    # param, a tied embedding say, would not fit at once)
+    # not kept: from self and cross terms where every pair of kinds has a cross rule (a tied
+    # embedding and LM head: cross.py), with no per-sample grads at all
+    crossed = crossed_sq_norms(uses, shape, dtype) if other is None else None
+    if crossed is not None:
+        return (*crossed, None)
+    # else formed: the sum will be book-keeping in ``dtype``, so the norm is formed in ``dtype``
+    # too (rounding like that sum: Use.to), a slice of samples at a time
     b = uses[0].u.shape[0]
     sqs = []
     for s, e in slices(b, 2 * math.prod(shape)):
