@@ -65,6 +65,8 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | Non
         u = torch.where(rows(keep, u), u, 0.0)
         if not use.kind.indices:
             v = torch.where(rows(keep, v), v, 0.0)
+    if use.kind.bilinear and v.numel() < u.numel():  # (an LM head's inputs are 65x smaller than its output grads)
+        return use.kind.weighted(use, u, v * rows(w.to(v.dtype), v))
     return use.kind.weighted(use, u * rows(w.to(u.dtype), u), v)
 
 
@@ -338,11 +340,16 @@ def _clipped_sum(
             continue
         dtype = acc_dtype(p.dtype)
         wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
-        total = torch.zeros(p.shape, dtype=wide, device=w.device)
+        parts = []
         if key in other_grads:
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
-            total = total + weighted_sum({key: other[key].to(wide)}, w)[key]
+            parts.append(weighted_sum({key: other[key].to(wide)}, w)[key])
         for use in uses.get(key, []):
-            total = total + pad_to(_weighted(use, w, zero, wide), use.index, tuple(p.shape))
+            parts.append(pad_to(_weighted(use, w, zero, wide), use.index, tuple(p.shape)))
+        if not parts:  # a param the loss does not use
+            parts.append(torch.zeros(p.shape, dtype=wide, device=w.device))
+        total = parts[0].to(wide)  # (added in place: a vocabulary-sized float64 temporary costs its page faults once)
+        for part in parts[1:]:  # (each part is a fresh tensor of the param's shape)
+            total.add_(part)
         summed[key] = total.to(dtype)
     return {k: summed[k] for k in params}

@@ -105,5 +105,5 @@ def _weighted(use: Use, uw: Tensor, v: Tensor) -> Tensor:
     return (uw.reshape(-1, uw.shape[-1]).T @ v.reshape(-1, v.shape[-1])).reshape(use.shape)
 
 
-PAIR = UseKind("pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v))
+PAIR = UseKind("pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v), bilinear=True)
 LINEAR = Rule(parse_linear, linear_uses, transposable=True)

@@ -69,6 +69,7 @@ class UseKind(NamedTuple):
     mass: Callable[[Use], Tensor]  # sum_t |u_t| |v_t| per sample (see rounding_margin)
     indices: bool = False  # v holds indices (tokens): never cast, zeroed or counted as held
     joinable: bool = True  # a param's uses of this kind join along T into one (see engine.merged)
+    bilinear: bool = False  # ``weighted`` is bilinear in (u, v): the weights may scale the smaller of the two
 
 
 class Site(NamedTuple):
