@@ -56,18 +56,26 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | Non
     ``dtype`` (default the use's; see :func:`_sum_dtype`).
 
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
-    is NaN.
+    is NaN. A bilinear use's weights scale the smaller of its two sides.
     """
-    if dtype is not None:
-        use = use.to(dtype)
-    u, v = use.u, use.v
+    dtype = use.u.dtype if dtype is None else dtype
+    scale_v = use.kind.bilinear and use.v.numel() < use.u.numel()  # (an LM head's inputs are 65x smaller than its output grads)
+    u = _prepared(use.u, keep, dtype, None if scale_v else w)
+    v = use.v if use.kind.indices else _prepared(use.v, keep, dtype, w if scale_v else None)
+    return use.kind.weighted(use, u, v)
+
+
+def _prepared(x: Tensor, keep: Tensor | None, dtype: torch.dtype, w: Tensor | None) -> Tensor:
+    """``x`` in ``dtype``, rows where ``keep`` is False zeroed, times the weights ``w`` per row
+    (None: unscaled), with one copy where the cast made one (the rest in place on it)."""
+    fresh = x.dtype != dtype
+    x = x.to(dtype)
     if keep is not None:
-        u = torch.where(rows(keep, u), u, 0.0)
-        if not use.kind.indices:
-            v = torch.where(rows(keep, v), v, 0.0)
-    if use.kind.bilinear and v.numel() < u.numel():  # (an LM head's inputs are 65x smaller than its output grads)
-        return use.kind.weighted(use, u, v * rows(w.to(v.dtype), v))
-    return use.kind.weighted(use, u * rows(w.to(u.dtype), u), v)
+        x = x.masked_fill_(~rows(keep, x), 0.0) if fresh else torch.where(rows(keep, x), x, 0.0)
+        fresh = True
+    if w is not None:
+        x = x.mul_(rows(w.to(dtype), x)) if fresh else x * rows(w.to(dtype), x)
+    return x
 
 
 def _use_margin(use: Use, dtype: torch.dtype) -> Tensor:
