@@ -117,3 +117,61 @@ def test_the_bound_holds_when_the_cross_term_cancels(seed):
     safe = Fraction(float(sq[0].clamp_min(0).sqrt())) + Fraction(float(margin[0]))
     assert safe * safe >= exact
     assert float(margin[0]) < 1e3  # (of the rounding's size: the masses are ~2**41)
+
+
+def _one_term_tie(b, d, vocab=3):
+    """A table used once as an embedding (one token) and once as a linear weight (one position):
+    per-sample grad ``e_tok z^T + y x^T``. Rows ``0 .. b-2`` (attackers) make the two uses cancel
+    (``y = a e_0``, ``z = -a x + r``, ``a ~ 1e6``); row ``b-1`` (the target) has only ``z``."""
+    g = torch.Generator().manual_seed(0)
+    tok = torch.zeros(b, 1, dtype=torch.int64)
+    z, x, y = torch.zeros(b, 1, d), torch.zeros(b, 1, d), torch.zeros(b, 1, vocab)
+    unit = torch.ones(d) / d**0.5
+    for j in range(b - 1):
+        y[j, 0, 0] = 1e6 * (1 + 0.01 * torch.rand((), generator=g))
+        x[j, 0] = unit
+        z[j, 0] = -y[j, 0, 0] * unit + 0.01 * torch.randn(d, generator=g)
+
+    def loss(p, sample):
+        tok, z, x, y = sample
+        return (F.embedding(tok, p["w"]) * z).sum() + (F.linear(x, p["w"]) * y).sum()
+
+    return loss, {"w": torch.zeros(vocab, d)}, (tok, z, x, y)
+
+
+def test_uses_of_one_position_that_cancel_each_other_do_not_quantise_the_neighbours(monkeypatch):
+    """Found by review: both uses of the tied table have one term per sample (T = S = 1), so the
+    book-keeping sum stayed float32 (engine._sum_dtype: "with T = 1 nothing can cancel"), but the
+    embedding's and the head's grads of one sample cancel each other. The crossed norm's safe
+    bound, ``~ sqrt(24 eps32) M``, let each attacker's clipped parts reach ~590 C in the float32
+    embedding and head sums, which quantised the target's share: its coordinates chosen (from the
+    attackers' partial sums) to round up, the neighbour difference was 1.00086 C at B = 32
+    (1.00021 C at B = 8; 1.2 C before cross.py, from the formed norm's float32 margin)."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))  # a vocabulary-sized table
+    b, d = 32, 16
+    loss, params, (tok, z, x, y) = _one_term_tie(b, d)
+    sums = []
+    weighted = engine._weighted
+
+    def spy(use, w, keep, dtype=None):
+        out = weighted(use, w, keep, dtype)
+        if use.kind is EMBEDDING:
+            sums.append(out)
+        return out
+
+    monkeypatch.setattr(engine, "_weighted", spy)
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=1.0, method="ghost")
+    without = torch.ones(b, dtype=torch.bool)
+    without[-1] = False
+    fn(params, (tok, z, x, y), mask=without)
+    s = sums[-1][0].double()  # the attackers' partial sums at W[0], in the sum's dtype
+    ulp = torch.finfo(sums[-1].dtype).eps * 2.0 ** torch.frexp(s.abs()).exponent.double() / 2
+    budget, c = (1.0 - 1e-5) ** 2, torch.zeros(d, dtype=torch.float64)
+    for k in range(d):  # c_k = (m_k + 0.52) ulp_k: fl(s_k + c_k) rounds up by 0.48 ulp_k; ||c|| < 1
+        c[k] = (torch.floor((budget / (d - k)) ** 0.5 / ulp[k] - 0.52) + 0.52) * ulp[k]
+        budget -= float(c[k]) ** 2
+    z[-1, 0] = (c * torch.sign(s)).float()
+    full, norms, _ = fn(params, (tok, z, x, y))
+    minus, _, _ = fn(params, (tok, z, x, y), mask=without)
+    assert float(norms[-1]) < 1.0  # the target is not clipped: its share is c itself
+    assert float((full["w"].double() - minus["w"].double()).norm()) <= 1.0 + 1e-4
