@@ -43,10 +43,14 @@ def _sum_dtype(uses: list[Use], other: bool, dtype: torch.dtype) -> torch.dtype:
     the sample's whole grad (``w_i M_i = ||w_i G_i|| <= C``: nothing can cancel), and the float32
     sum's rounding ``gamma_B * B * C`` is the same as :func:`vmapdp.clip_and_sum`'s: it stays in
     float32. A param with per-sample-view uses too (whose grads may cancel against the covered
-    ones) is summed in float64 as a whole."""
+    ones), or with two uses of blocks that overlap (uses of different kinds, which _merged does
+    not join: a tied embedding and LM head with one position each, whose grads cancel each other
+    however few terms each has), is summed in float64 as a whole."""
     if dtype != torch.float32:
         return dtype  # float64 stays float64
     if other or any(u.t > 1 for u in uses):
+        return torch.float64
+    if any(not disjoint(a.index, b.index) for i, a in enumerate(uses) for b in uses[i + 1 :]):
         return torch.float64
     return dtype
 
