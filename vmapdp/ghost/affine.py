@@ -40,7 +40,11 @@ DIRECT = UseKind(
     _sq_norms,
     lambda use: use.u,
     _weighted,
-    lambda use: use.u.new_zeros(use.u.shape[0]),  # norm and sum share the numbers: no margin
+    # its one term per sample is the per-sample grad itself: mass = its norm. A param with one
+    # direct use needs no margin (norm and sum share the numbers: _sq_norms' margin is 0); beside
+    # other uses (its grads summed apart from theirs, which they may cancel) the mass gives the
+    # margin and engine._bound's float32 floor, as for any use
+    lambda use: torch.linalg.vector_norm(use.u.flatten(1), dim=1),
     joinable=False,
 )
 
