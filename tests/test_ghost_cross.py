@@ -178,14 +178,15 @@ def test_uses_of_one_position_that_cancel_each_other_do_not_quantise_the_neighbo
 
 
 def test_a_float64_kernel_used_twice_does_not_quantise_the_neighbours(monkeypatch):
-    """Found by review, present before cross.py (not fixed here): a float64 model whose conv kernel
+    """Found by review, present before cross.py: a float64 model whose conv kernel
     is used twice (two "conv" uses: not joined, no cross rule) gets its norm from the formed
     per-sample grads with the float64 margin ``2 (T + 2) eps64 (M1 + M2)``; engine._bound's float32
-    floor applies only when the sum's dtype differs from the uses' (a float32 model), so an attacker
-    whose two uses cancel (``G2 = -G1 + R``) gets ``w M`` up to ``C / (6 eps64) ~ 7.5e14 C``, and
-    its +-halves sit in the two uses' separate float64 conv-backward sums: the target's share is
-    quantised at ``ulp(k * 3.7e14 C) ~ 0.06 k C``. Measured: 1.057 C here; 1.024 C with the
-    default limits (conv1d 1024 -> 1024, B = 9: nothing kept), attacks/float64_shared_conv.py."""
+    floor applied only when the sum's dtype differed from the uses' (a float32 model), so an attacker
+    whose two uses cancel (``G2 = -G1 + R``) got ``w M`` up to ``C / (6 eps64) ~ 7.5e14 C``, and
+    its +-halves sat in the two uses' separate float64 conv-backward sums: the target's share was
+    quantised at ``ulp(k * 3.7e14 C) ~ 0.06 k C``. Measured: 1.057 C here (1.024 C with the
+    default limits: conv1d 1024 -> 1024, B = 9, nothing kept). The floor now applies to every
+    float64 book-keeping sum."""
     monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))  # a large kernel
     b, cin = 8, 6
 
@@ -217,14 +218,14 @@ def test_a_float64_kernel_used_twice_does_not_quantise_the_neighbours(monkeypatc
 
 
 def test_two_direct_uses_that_cancel_do_not_quantise_the_neighbours(monkeypatch):
-    """Found by review, present before cross.py (not fixed here), reachable with tuned limits only
+    """Found by review, present before cross.py, reachable with tuned limits only
     (keep_ratio < 0.5 and the budget exceeded; by default a direct use's per-sample grads are
     kept): a param used by two elementwise affines (``x * w`` twice; ALBERT-style shared norms).
-    Direct uses have mass 0 and margin 0 ("norm and sum share the numbers"), true for one use,
+    Direct uses had mass 0 and margin 0 ("norm and sum share the numbers"), true for one use,
     but with two the norm is of ``u1 + u2`` while the sum adds ``(w u1).sum(0)`` and
     ``(w u2).sum(0)`` apart: an attacker with ``u1 = A = 2**52 / 4 * 1.25``, ``u2 = -A`` has norm 0
     (w = 1) and quantises the float64 sums to a grid of 0.25: a target (norm 0.992 C) whose
-    coordinates are 1.5 grid steps is released as 2 steps: 1.32 C. attacks/direct_direct.py."""
+    coordinates are 1.5 grid steps is released as 2 steps: 1.32 C."""
     monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
     b, d, step = 4, 7, 0.25
 

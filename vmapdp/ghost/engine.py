@@ -96,10 +96,13 @@ def _bound(uses: list[Use], sq: Tensor, margin: Tensor, dtype: torch.dtype, form
     ``_sum_dtype``: ``w_i M_i <= C / (2 (T + 2) eps32)``), so the bound is at least
     ``2 (T + 2) eps32 M_i`` (the float32 margin): for benign samples (mass ~ sqrt(T) norm) far
     below the norm, for a sample whose huge terms cancel the same clip as a float32 margin gives.
+    A float64 model's sums are float64 too, with no wider type to take the cross-talk: the same
+    floor bounds it the same way (without it a float64 kernel used twice, its uses cancelling,
+    reached ``w M ~ C / (6 eps64)`` and moved the sum by 1.057 C; found by review).
     ``formed``: the sum will use the per-sample grads themselves (no book-keeping)."""
     safe = sq.clamp_min(0.0).double().sqrt() + margin.double()
-    if not formed and any(dtype != u.u.dtype for u in uses):
-        floor = sum(_use_margin(u, u.u.dtype).double() for u in uses if dtype != u.u.dtype)
+    if not formed and dtype == torch.float64 and uses:
+        floor = sum(_use_margin(u, torch.float32).double() for u in uses)
         safe = torch.maximum(safe, floor)
     return safe
 
