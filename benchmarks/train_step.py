@@ -2,7 +2,8 @@
 
 For each model of ``models.py`` and each batch size it times, on the same weights and batch:
 
-* ``torch``: the non-private step (``zero_grad``, mean loss, ``backward``, ``SGD.step``);
+* ``torch``: the non-private step (``zero_grad``, mean loss, ``backward``, ``SGD.step``), the
+  baseline of the ratios; ``torch compiled``: the same with the model under ``torch.compile``;
 * ``vmapdp ghost`` (eager and compiled): ``vmapdp.make_train_step(method="ghost")``, norms and
   clipped sum from layer inputs and output grads, no per-sample gradients;
 * ``vmapdp vmap`` (eager and compiled): ``method="vmap"``, per-sample grads, clip, sum;
@@ -13,7 +14,8 @@ For each model of ``models.py`` and each batch size it times, on the same weight
 
 Times are medians of interleaved rounds (a change in load hits all methods alike); ratios are to
 the non-private step. ``--memory`` also measures each method's peak memory in a fresh process
-(peak RSS on CPU, ``max_memory_allocated`` on CUDA) above a process that only built the model.
+(peak RSS on CPU, ``max_memory_allocated`` on CUDA) above a process that only built the model;
+not for the compiled methods, whose peak would be the compiler's.
 
     python benchmarks/train_step.py                                  # all models, batch 32/128/512
     python benchmarks/train_step.py --models mnist,cifar10 --batch-sizes 128 --memory
@@ -54,6 +56,7 @@ psg_bench = _load("vmapdp_benchmarks_per_sample_grads", "per_sample_grads.py")
 
 METHODS = (
     "torch",
+    "torch_compiled",
     "vmapdp_auto",
     "vmapdp_auto_compiled",
     "vmapdp_ghost",
@@ -66,6 +69,7 @@ METHODS = (
 )
 HEADERS = {
     "torch": "non-private torch",
+    "torch_compiled": "non-private torch compiled",
     "vmapdp_auto": "vmapdp auto",
     "vmapdp_auto_compiled": "vmapdp auto compiled (the default)",
     "vmapdp_ghost": "vmapdp ghost",
@@ -91,12 +95,13 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
     x, y = spec.make_batch(batch_size, generator=torch.Generator().manual_seed(0), **({"seq_len": seq_len} if name in ("embedding", "lstm") else {}))
     x, y = x.to(device), y.to(device)
 
-    if method == "torch":
+    if method in ("torch", "torch_compiled"):
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        forward = torch.compile(model) if method == "torch_compiled" else model
 
         def run():
             opt.zero_grad(set_to_none=True)
-            models.loss(model(x), y).backward()
+            models.loss(forward(x), y).backward()
             opt.step()
 
         return run
@@ -211,7 +216,8 @@ def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.de
         row["ms"][m] = t["ms"]
     if args.memory:
         for m in fns:
-            row["peak_mib"][m] = _peak_memory_mib(m, name, batch_size, args.seq_len, device)
+            if not m.endswith("_compiled"):
+                row["peak_mib"][m] = _peak_memory_mib(m, name, batch_size, args.seq_len, device)
     return row
 
 
