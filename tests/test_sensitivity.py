@@ -385,3 +385,51 @@ def test_a_cancelling_sample_is_clipped_when_nothing_is_kept(op, monkeypatch):
     full, _, _ = fn(params, batch)
     minus, _, _ = fn(params, batch, mask=torch.tensor([False, True]))
     assert (full["w"].double() - minus["w"].double()).norm().item() <= 1.0 + 1e-6
+
+
+def test_a_float32_norm_over_millions_of_entries_is_not_underestimated():
+    """Found by review (attacks2/vector_norm_methods.py; pre-existing, not ghost's): ``grad_norms``
+    (clip_and_sum's, so method "vmap" and ghost's kept grads) takes ``torch.linalg.vector_norm``
+    over each sample's flattened grads accumulated in float32; on CPU (torch 2.13, any thread
+    count) that reduction over 4096 x 2048 equal entries of 6.9e-5 (a crafted rank-1 grad
+    ``z x^T``) is 0.63% low, and the sample's clipped share is released at 1.0063 C (the same
+    sample through ghost's float64 Gram: 0.999999 C)."""
+    din, dout, v = 2048, 4096, 6.9e-5
+
+    def loss(p, sample):
+        x, z = sample
+        return (torch.nn.functional.linear(x[None], p["w"]) * z[None]).sum()
+
+    x, z = torch.zeros(2, din), torch.zeros(2, dout)
+    x[1], z[1] = 1.0, v  # the target's grad: every entry v
+    c = v * (din * dout) ** 0.5 / 2  # clipped
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="vmap")
+    params = {"w": torch.zeros(dout, din)}
+    full, _, _ = fn(params, (x, z))
+    minus, _, _ = fn(params, (x, z), mask=torch.tensor([True, False]))
+    assert float((full["w"].double() - minus["w"].double()).norm()) <= c * (1 + TOL)
+
+
+def test_a_subnormal_side_of_a_float32_book_keeping_sum_stays_within_its_margin():
+    """Found by review (attacks2/subnormal_scale.py; pre-existing: before ff25e8c the attacker
+    made u subnormal instead of v): a one-position linear is book-kept in float32 (engine._sum_dtype),
+    and its weights scale one side in float32 (engine._prepared). With that side subnormal
+    (x = 701 * 2**-149) and the other near float32's max (|z| ~ 2**127), ``fl(w x_k)`` rounds by
+    up to 2**-150 absolute: 0.07% of x_k, far above the margin 6 eps32, while the norm (float64
+    Grams of exact values) is exact. At C = 1e-3 the target's released share is 1.00142 C (vmap:
+    1.0000002 C); the absolute error ``2**-22 sqrt(d) / C`` is 1.5e-4 C at C = 0.1 and d = 4096."""
+    c, din, dout, k = 1e-3, 32, 64, 701
+
+    def loss(p, sample):
+        x, z = sample
+        return (torch.nn.functional.linear(x[None], p["w"]) * z[None]).sum()
+
+    x, z = torch.zeros(2, din), torch.zeros(2, dout)
+    x[1], z[1] = k * 2.0**-149, 2.0**124
+    n = float(torch.linalg.vector_norm(z[1].double()) * torch.linalg.vector_norm(x[1].double()))
+    z[1] = z[1] * (c / (0.5 * (1 + 3e-6)) / n)  # the target's clip factor just above 1/2: w x_k rounds up
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
+    params = {"w": torch.zeros(dout, din)}
+    full, _, _ = fn(params, (x, z))
+    minus, _, _ = fn(params, (x, z), mask=torch.tensor([True, False]))
+    assert float((full["w"].double() - minus["w"].double()).norm()) <= c * (1 + TOL)
