@@ -13,6 +13,7 @@ the order to insertion order for the whole process: the order every train step h
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any
 
 import optree
@@ -91,6 +92,30 @@ def rows(mask: Tensor, like: Tensor) -> Tensor:
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums and norms are accumulated in: float32 or wider (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+NORM_BLOCK = 256  # entries per block of :func:`sq_norms`' first, float32 level
+
+
+def sq_norms(x: Tensor) -> Tensor:
+    """Squared L2 norms of the rows of ``x`` ``[B, ...]`` -> ``[B]`` float64, accurate at any size.
+
+    A float32 reduction over millions of entries loses up to ``n eps``: on CPU, torch 2.13's
+    ``vector_norm`` of 4096 x 2048 equal float32 entries is 0.63% low, and a clipped sample with
+    such a grad was released at 1.0063 C (found by review). Here each block of ``NORM_BLOCK``
+    consecutive entries is reduced in ``x``'s accumulation dtype (relative error <= 256 eps32 =
+    1.5e-5 however the reduction is ordered) and the blocks' squares are added in float64; the
+    blocks are a strided view (``unfold``), so no copy of ``x`` is made.
+    """
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # (not -1: B may be 0)
+    acc, n = acc_dtype(x.dtype), flat.shape[1]
+    m = n // NORM_BLOCK
+    if m <= 1:
+        return torch.linalg.vector_norm(flat, dim=1, dtype=acc).double().square()
+    sq = torch.linalg.vector_norm(flat.unfold(1, NORM_BLOCK, NORM_BLOCK), dim=2, dtype=acc).double().square().sum(1)
+    if m * NORM_BLOCK < n:
+        sq = sq + torch.linalg.vector_norm(flat[:, m * NORM_BLOCK :], dim=1, dtype=acc).double().square()
+    return sq
 
 
 def zero_rows(tree: Any, keep: Tensor) -> Any:

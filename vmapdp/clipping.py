@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from vmapdp import _checks
-from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths, rows, zero_rows
+from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths, rows, sq_norms, zero_rows
 
 __all__ = [
     "grad_norms",
@@ -64,11 +64,12 @@ def grad_norms(grads: Any) -> Tensor:
         raise ValueError("grad_norms(grads): grads has no tensor leaves.")
     _check_floating("grad_norms(grads)", grads)
     sq = None
-    for g in leaves:
-        # one fused pass per leaf, accumulated in float32 or wider, no squared copy of the grads
-        n = torch.linalg.vector_norm(g.reshape(g.shape[0], math.prod(g.shape[1:])), dim=1, dtype=acc_dtype(g.dtype))
-        sq = n.square() if sq is None else sq + n.square()
-    return sq.sqrt()
+    for g in leaves:  # (blocks in float32 or wider, their squares in float64: _tree.sq_norms; no squared copy of the grads)
+        sq = sq_norms(g) if sq is None else sq + sq_norms(g)
+    out = acc_dtype(leaves[0].dtype)
+    for g in leaves[1:]:
+        out = torch.promote_types(out, acc_dtype(g.dtype))
+    return sq.sqrt().to(out)
 
 
 def _check_floating(call: str, grads: Any) -> None:

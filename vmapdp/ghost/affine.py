@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vmapdp._tree import acc_dtype
+from vmapdp._tree import acc_dtype, sq_norms
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 
 __all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use", "batch_norm_affine"]
 
 
 def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
-    sq = torch.linalg.vector_norm(use.u.flatten(1), dim=1).square()
+    sq = sq_norms(use.u).to(use.u.dtype)
     return sq, torch.zeros_like(sq), use.u if keep_grads else None
 
 

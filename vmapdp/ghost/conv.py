@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vmapdp._tree import acc_dtype
+from vmapdp._tree import acc_dtype, sq_norms
 from vmapdp.ghost import limits
 from vmapdp.ghost.linear import PAIR, pair_sq_norms
 from vmapdp.ghost.uses import (
@@ -222,7 +222,7 @@ def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) 
     for s in range(0, b, step):
         part = use.rows(s, s + step)
         g = conv_per_sample(part if per is not None else part.to(dtype))  # not kept: in the sum's dtype (Use.to)
-        sqs.append(torch.linalg.vector_norm(g.flatten(1), dim=1).square())
+        sqs.append(sq_norms(g).to(g.dtype))
         if per is not None:
             per[s:s + step] = g
     sq = cat_rows(sqs)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.func import vjp, vmap
 
-from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, zero_rows
+from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, sq_norms, zero_rows
 from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
 from vmapdp.ghost.cross import crossed_sq_norms
@@ -172,7 +172,7 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
         return sq, margin, None if per is None else pad_to(per, uses[0].index, shape, 1)
     if keep_grads:
         total = _joint_grads(uses, other, shape, None)
-        sq = torch.linalg.vector_norm(total.reshape(total.shape[0], -1), dim=1).square()
+        sq = sq_norms(total)
         return sq, torch.zeros_like(sq), total
     # not kept: from self and cross terms where every pair of kinds has a cross rule (a tied
     # embedding and LM head: cross.py), with no per-sample grads at all
@@ -185,7 +185,7 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
     sqs = []
     for s, e in slices(b, 2 * math.prod(shape)):
         part = _joint_grads([u.rows(s, e) for u in uses], None if other is None else other[s:e], shape, dtype)
-        sqs.append(torch.linalg.vector_norm(part.reshape(part.shape[0], -1), dim=1).square())
+        sqs.append(sq_norms(part))
     sq = cat_rows(sqs)
     margin = torch.zeros_like(sq)
     for u in uses:  # the other uses' per-sample grads are summed as they are: no margin for them

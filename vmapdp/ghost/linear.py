@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vmapdp._tree import acc_dtype
+from vmapdp._tree import acc_dtype, sq_norms
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg, cat_rows, from_grams, gram_cheaper, gram_margin, rounding_margin, slices
 
 __all__ = ["LINEAR", "PAIR", "pair_sq_norms", "pair_mass", "pair_uses"]
@@ -72,7 +72,7 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
                 # rounding (~T eps32 mass: cancelling terms) would exceed that margin
                 us, vs = us.to(dtype), vs.to(dtype)
             g = torch.bmm(us.transpose(1, 2), vs, out=None if per is None else per[s:e])
-            sqs.append(torch.linalg.vector_norm(g, dim=(1, 2)).square())
+            sqs.append(sq_norms(g).to(g.dtype))
             if per is None:
                 masses.append(pair_mass(us, vs))
     sq = cat_rows(sqs)
