@@ -52,17 +52,17 @@ stays within ``C``. The returned ``norms`` are the computed norms, without the m
 The margin bounds a sample's *own* contribution; the guarantee DP needs is on the neighbour
 difference, ``||sum(D) - sum(D - {i})|| <= C (1 + tol)``. A book-keeping matmul adds the terms of
 all samples in one accumulation, and in float32 a sample with huge cancelling terms (within its
-margin) quantises the partial sums of the others (a neighbour difference above C). So every use with more than
-one term per sample (sequences, conv positions, embeddings, a param with per-sample-view uses too)
-is accumulated in float64, where that cross-talk is ``<= ~B**2 2**-30 C`` (see ``engine._sum_dtype``);
-one-term uses (an MLP's layers) stay float32, with ``clip_and_sum``'s rounding. The cross-talk
+margin) quantises the partial sums of the others (a neighbour difference above C). So every
+book-keeping sum of a float32 model is accumulated in float64, where that cross-talk is
+``<= ~B**2 2**-30 C`` (see ``engine._sum_dtype``); one-term uses (an MLP's layers) too, since a
+float32 weighted side underflows (absolute rounding) when the sample's values are subnormal. The cross-talk
 bound needs each sample's mass bounded, ``w_i M_i <= C / (2 (T + 2) eps32)``: the float32 margin
 is kept as a floor of the safe norm (``engine._bound``), which only samples whose terms cancel
 reach; benign samples get the float64 margin, so the clipped sum of long sequences stays accurate
 (relative error ~4e-7 against float64 at T = 8 to 512, where the float32 margin gave 2e-6 to 1.4e-3). ``tol`` is then
 that of ``clip_and_sum``'s float32 sum (``~ 2 B**2 eps`` worst case; < 1e-4 at B = 8 in
-tests/test_sensitivity.py). The cost is float64 conv backwards for wide convs (its figure is in
-benchmarks/README.md); an MLP pays nothing.
+tests/test_sensitivity.py). The cost is float64 conv backwards for wide convs and float64
+book-keeping matmuls (figures in ``engine._sum_dtype`` and benchmarks/README.md).
 
 Small convs get their per-sample norms from one grouped conv backward; per-sample grads formed
 on the way to a norm are then kept (up to ``Limits.keep_elements`` floats in all, or when no larger

@@ -30,7 +30,7 @@ from vmapdp.ghost.views import Shaped, disjoint, pad_to, place
 __all__ = ["ghost_norms_and_sum"]
 
 
-def _sum_dtype(uses: list[Use], other: bool, dtype: torch.dtype) -> torch.dtype:
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the book-keeping sum of one param is accumulated in (see :func:`_weighted`).
 
     One matmul (conv backward, index_add) adds the ``T`` terms ``w_i u_it v_it^T`` of *every*
@@ -39,20 +39,21 @@ def _sum_dtype(uses: list[Use], other: bool, dtype: torch.dtype) -> torch.dtype:
     sample whose terms cancel (huge mass, small norm) is clipped within its own rounding, yet in
     float32 it quantises the *other* samples' partial sums (measured: the neighbour difference
     reached 1.016 C). Accumulated in float64 that cross-talk is ``<= gamma64_N * B * C / (2 T
-    eps32) ~ B**2 * 2**-30 * C`` (1.5e-5 C at B = 128). With ``T = 1`` and no other uses a term is
-    the sample's whole grad (``w_i M_i = ||w_i G_i|| <= C``: nothing can cancel), and the float32
-    sum's rounding ``gamma_B * B * C`` is the same as :func:`vmapdp.clip_and_sum`'s: it stays in
-    float32. A param with per-sample-view uses too (whose grads may cancel against the covered
-    ones), or with two uses of blocks that overlap (uses of different kinds, which _merged does
-    not join: a tied embedding and LM head with one position each, whose grads cancel each other
-    however few terms each has), is summed in float64 as a whole."""
+    eps32) ~ B**2 * 2**-30 * C`` (1.5e-5 C at B = 128).
+
+    One-term uses (an MLP's layers) are summed in float64 too. In float32 their weighted side
+    ``fl(w x)`` underflows when ``x`` is subnormal, with an absolute error of up to 2**-150 that
+    no relative margin covers; times an output grad near float32's max, a crafted sample was
+    released at 1.00142 C at C = 1e-3 (found by review). In float64 the product stays normal.
+    The same holds for a tied table and LM head with one position each, whose grads cancel each
+    other (1.00086 C in float32). Measured cost (CPU, eager, 2026-11-25): an MLP's ghost clipped
+    sum (784-1024-1024-10, B=256) went from 15.2 to 23.7 ms (the non-private step: 9 ms);
+    models with sequences or convs were float64 already. An absolute margin for the underflow
+    (``2**-150 sqrt(d) |other side|`` per sample, negligible for real data) would let one-term
+    uses stay float32; it is not built."""
     if dtype != torch.float32:
         return dtype  # float64 stays float64
-    if other or any(u.t > 1 for u in uses):
-        return torch.float64
-    if any(not disjoint(a.index, b.index) for i, a in enumerate(uses) for b in uses[i + 1 :]):
-        return torch.float64
-    return dtype
+    return torch.float64
 
 
 def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
@@ -312,7 +313,7 @@ def _norms(
             # no larger than the output grads and inputs of their uses: those are then released,
             # which frees their memory unless other params' uses share them (a bias shares the
             # output grads, sibling layers an input); so keeping adds at most that much
-            wide = _sum_dtype(uses.get(key, []), key in other_grads, acc_dtype(params[key].dtype))
+            wide = _sum_dtype(acc_dtype(params[key].dtype))
             if _disjoint_blocks(uses.get(key, []), key in other_grads):  # (views.py) each block like a param of its own
                 for block in _blocks(uses[key]).values():
                     sq_b, margin_b, _ = _sq_norms(block, None, False, tuple(params[key].shape), wide)
@@ -354,7 +355,7 @@ def _clipped_sum(
         if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
             continue
         dtype = acc_dtype(p.dtype)
-        wide = _sum_dtype(uses.get(key, []), key in other_grads, dtype)
+        wide = _sum_dtype(dtype)
         parts = []
         if key in other_grads:
             other = {key: other_grads[key]} if zero is None else zero_rows({key: other_grads[key]}, zero)
