@@ -765,3 +765,25 @@ def test_traced_batch_norm_keeps_the_ops_output_dtype(training):
     out = batch_norm_affine(x, *stats, w, b, training)
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_transpose_the_compiler_hides_is_refused_with_the_fix():
+    """Under torch.compile, ``W.T`` (a property) never reaches ghost's tracer, so the compiled
+    call sees the param used differently than the eager probe did: refused (never a wrong sum), and
+    the error names the fix (``W.t()``, which compiles: the second half). Found by review."""
+    params = {"w": torch.randn(5, 5, generator=torch.Generator().manual_seed(0))}
+    x = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1))
+    for form, ok in (("T", False), ("t", True)):
+        def loss(p, s, form=form):
+            return (torch.tanh(s @ (p["w"].T if form == "T" else p["w"].t())) ** 2).sum()
+
+        fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=1.0, method="ghost")
+        fn.prepare(params, x)
+        eager = fn(params, x)[0]["w"]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda p, s: fn(p, s), fullgraph=True, dynamic=False)
+        if ok:
+            assert torch.allclose(compiled(params, x)[0]["w"], eager, rtol=1e-5, atol=1e-7)
+        else:
+            with pytest.raises(Exception, match=r"write W\.t\(\) instead of W\.T"):
+                compiled(params, x)

@@ -114,7 +114,8 @@ def _has_tensor(out: Any) -> bool:
 CONTROL_FLOW = (
     "the model used its params differently than in the first call with these input shapes "
     "(data-dependent control flow: another order of layers, other layer arguments, or a param "
-    "used in a way it was not before). Use method='vmap' for such models."
+    "used in a way it was not before; or, under torch.compile, a view the compiler hides from the "
+    "tracer: write W.t() instead of W.T). Use method='vmap' for such models."
 )
 
 
