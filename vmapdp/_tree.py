@@ -110,7 +110,7 @@ def sq_norms(x: Tensor) -> Tensor:
     flat = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # (not -1: B may be 0)
     acc, n = acc_dtype(x.dtype), flat.shape[1]
     m = n // NORM_BLOCK
-    if m <= 1:
+    if m == 0:
         return torch.linalg.vector_norm(flat, dim=1, dtype=acc).double().square()
     sq = torch.linalg.vector_norm(flat.unfold(1, NORM_BLOCK, NORM_BLOCK), dim=2, dtype=acc).double().square().sum(1)
     if m * NORM_BLOCK < n:

@@ -44,7 +44,7 @@ DIRECT = UseKind(
     # direct use needs no margin (norm and sum share the numbers: _sq_norms' margin is 0); beside
     # other uses (its grads summed apart from theirs, which they may cancel) the mass gives the
     # margin and engine._bound's float32 floor, as for any use
-    lambda use: torch.linalg.vector_norm(use.u.flatten(1), dim=1),
+    lambda use: sq_norms(use.u).sqrt().to(use.u.dtype),
     joinable=False,
 )
 

@@ -56,14 +56,13 @@ def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
-def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
     """``sum_i w_i G_i`` of one use, with ``G_i`` never formed (book-keeping), accumulated in
-    ``dtype`` (default the use's; see :func:`_sum_dtype`).
+    ``dtype`` (see :func:`_sum_dtype`).
 
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
     is NaN. A bilinear use's weights scale the smaller of its two sides.
     """
-    dtype = use.u.dtype if dtype is None else dtype
     scale_v = use.kind.bilinear and use.v.numel() < use.u.numel()  # (an LM head's inputs are 65x smaller than its output grads)
     u = _prepared(use.u, keep, dtype, None if scale_v else w)
     v = use.v if use.kind.indices else _prepared(use.v, keep, dtype, w if scale_v else None)
