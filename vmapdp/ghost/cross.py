@@ -58,15 +58,15 @@ CROSS: dict[tuple[str, str], Callable[[Use, Use], tuple[Tensor, float] | None]] 
 
 
 def _cross(a: Use, b: Use) -> tuple[Tensor, Tensor] | None:
-    """The cross term of two uses and its rounding bound, or None without a rule for their kinds."""
-    rule = CROSS.get((a.kind.name, b.kind.name))
-    found = rule(a, b) if rule is not None else None
-    if rule is None and (rule := CROSS.get((b.kind.name, a.kind.name))) is not None:
-        found = rule(b, a)
-    if found is None:
-        return None
-    c, gamma = found
-    return c, gamma * a.kind.mass(a).double() * b.kind.mass(b).double()
+    """The cross term of two uses and its rounding bound, or None without a rule for their kinds
+    (or when the rule finds the uses laid out otherwise)."""
+    for x, y in ((a, b), (b, a)):
+        rule = CROSS.get((x.kind.name, y.kind.name))
+        found = None if rule is None else rule(x, y)
+        if found is not None:
+            c, gamma = found
+            return c, gamma * a.kind.mass(a).double() * b.kind.mass(b).double()
+    return None
 
 
 def crossed_sq_norms(uses: list[Use], shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
@@ -75,13 +75,15 @@ def crossed_sq_norms(uses: list[Use], shape: tuple[int, ...], dtype: torch.dtype
     pair of uses has no cross rule (the engine then forms the per-sample grads)."""
     if len(uses) < 2 or any(u.index is not None or tuple(u.shape) != tuple(shape) for u in uses):
         return None
+    pairs = [(a, b) for i, a in enumerate(uses) for b in uses[i + 1 :]]
+    if any((a.kind.name, b.kind.name) not in CROSS and (b.kind.name, a.kind.name) not in CROSS for a, b in pairs):
+        return None  # (before any cross term is computed)
     crosses = []
-    for i, a in enumerate(uses):
-        for b in uses[i + 1 :]:
-            c = _cross(a, b)
-            if c is None:
-                return None
-            crosses.append(c)
+    for a, b in pairs:
+        c = _cross(a, b)
+        if c is None:
+            return None
+        crosses.append(c)
     sq = upper = spare = None
     for use in uses:
         sq_a, m_a, _ = use.kind.sq_norms(use, False, dtype)
