@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import weakref
 
 import optree
 import pytest
@@ -76,12 +77,14 @@ def make_sampler(noise, steps, key=SAMPLER_KEY):
     return CyclicPoissonSampler(N, MF_Q, CYCLE, steps, key=key, capacity=CAPACITY)
 
 
-def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None, noise=None, adaptive=False, secure=False):
+def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None, noise=None, adaptive=False, secure=False,
+          unshard="step", method="ghost"):
     """``steps`` DP steps (Poisson batches, the same sampler key everywhere); sharded: this rank's
-    share of each batch, the state sharded. ``noise``: a key of ``MF`` (correlated noise over a run
-    of ``STEPS``); ``adaptive``: adaptive clipping. Returns (state, sharding, sampler)."""
+    share of each batch, the state sharded (``unshard``: Sharding's). ``noise``: a key of ``MF``
+    (correlated noise over a run of ``STEPS``); ``adaptive``: adaptive clipping. Returns (state,
+    sharding, sampler)."""
     params, buffers, data, loss_fn, opt = problem(kind, wrap)
-    sharding = Sharding(params) if sharded else None
+    sharding = Sharding(params, unshard=unshard) if sharded else None
     priv = None if noise is None else correlated_noise(MF[noise], steps=STEPS)
     if sampler is None:
         sampler = make_sampler(noise, steps)
@@ -90,7 +93,7 @@ def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, un
         loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, **scheme, privatizer=priv, secure=secure,
         adaptive_clipping=ADAPTIVE if adaptive else None,
         physical_batch_size=vdist.local_capacity(CAPACITY) if sharded else CAPACITY,
-        compile=False, method="ghost", sharding=sharding,
+        compile=False, method=method, sharding=sharding,
     )
     if state is None:
         state = vmapdp.init_train_state(params, opt, seed=None if secure else seed, secure=secure, privatizer=priv, sharding=sharding)
@@ -234,6 +237,32 @@ def mf_adaptive_runs(out, world):
     return res
 
 
+def use_runs(world):
+    """``Sharding(unshard="use")``: the MLP and the GPT-2 block by ghost clipping, the block by
+    two_pass (world 2) or vmap (world 4). Each run also reports how many all_gathers its steps made
+    and the most gathered buffers alive at once (a finalizer on each; freed means no view of it
+    is left, autograd's saved tensors included)."""
+    real, live, stats = dist.all_gather_single, [0], {}
+
+    def counted(out, inp, *args, **kwargs):
+        live[0] += 1
+        stats["calls"] += 1
+        stats["peak"] = max(stats["peak"], live[0])
+        weakref.finalize(out, lambda: live.__setitem__(0, live[0] - 1))
+        return real(out, inp, *args, **kwargs)
+
+    res = {}
+    for kind, method in (("mlp", "ghost"), ("gpt2", "ghost"), ("gpt2", "two_pass" if world == 2 else "vmap")):
+        stats.update(calls=0, peak=0)
+        dist.all_gather_single = counted
+        try:
+            state, sharding, _ = train(kind, sharded=True, unshard="use", method=method)
+        finally:
+            dist.all_gather_single = real
+        res[f"{kind}-{method}"] = {**summary(state, sharding), "gathers": stats["calls"], "peak_gathered": stats["peak"], "alive_after": live[0]}
+    return res
+
+
 def _error(fn):
     try:
         fn()
@@ -257,6 +286,7 @@ def _worker4(rank, world, init_file, out):
         for kind in ("mlp", "gpt2"):
             state, sharding, _ = train(kind, sharded=True)
             res[kind] = summary(state, sharding)
+        res["use"] = use_runs(world)
         # a checkpoint at step 2 (the MLP, Adam), then resumed on these 4 ranks
         half, sharding, sampler = train("mlp", sharded=True, steps=2)
         sc.save_sharded(os.path.join(out, "ckpt4"), half, sharding, sampler=sampler)
@@ -280,6 +310,7 @@ def _worker2(rank, world, init_file, out):
         for kind in ("mlp", "gpt2"):
             state, sharding, _ = train(kind, sharded=True)
             res[kind] = summary(state, sharding)
+        res["use"] = use_runs(world)
         # the 4-rank checkpoint of step 2, resumed on 2 ranks
         params, _, _, _, opt = problem("mlp")
         sharding = Sharding(params)
@@ -396,6 +427,26 @@ def test_sharded_run_equals_one_process(runs, kind, world):
     for r in ranks[1:]:  # every rank gathers the same bits
         for k, v in ranks[0][kind]["params"].items():
             assert torch.equal(r[kind]["params"][k], v)
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_gathering_each_parameter_on_use_equals_one_process_with_one_full_parameter_at_a_time(runs, world):
+    ranks = runs[world]
+    assert sorted(ranks[0]["use"]) == ["gpt2-ghost", "gpt2-" + ("two_pass" if world == "w2" else "vmap"), "mlp-ghost"]
+    for tag in ranks[0]["use"]:
+        kind, method = tag.split("-")
+        single, _, _ = train(kind, sharded=False, method=method)
+        for r in ranks:
+            run = r["use"][tag]
+            _close(run["params"], single.params)
+            assert run["ledger"] == single.ledger.to_json() and run["epsilon"] == single.epsilon(DELTA) and run["step"] == STEPS
+            if method == "ghost":  # the same bits as the step that gathers the whole model (the same values, the same ops)
+                assert all(torch.equal(run["params"][k], r[kind]["params"][k]) for k in run["params"])
+            # each parameter is gathered at its uses (in the forward, and again in the backward where
+            # an input grad needs it), not the whole model once per step ...
+            assert run["gathers"] > STEPS * len(single.params)
+            # ... and freed before the next is gathered: never two full parameters at once
+            assert run["peak_gathered"] == 1 and run["alive_after"] == 0
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
@@ -666,6 +717,13 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         sharding = Sharding(params)
+        with pytest.raises(ValueError, match=r"unshard='layer'.*one of 'step', 'use'"):
+            Sharding(params, unshard="layer")
+        per_use = Sharding(params, unshard="use")
+        with pytest.raises(ValueError, match=r"compile=True with Sharding\(unshard='use'\).*Pass compile=False"):
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0, sharding=per_use, method="ghost")
+        with pytest.raises(ValueError, match=r"method='auto' with Sharding\(unshard='use'\).*Name the method"):
+            vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0, sharding=per_use, compile=False)
         with pytest.raises(ValueError, match="has no bind hook that takes offsets=.*Leave privatizer=None"):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                    sharding=sharding, privatizer=vmapdp.noise.gaussian_privatizer(1.0))

@@ -287,8 +287,9 @@ def privatizer(call: str, value: Any) -> Any:
     return value
 
 
-def sharding(call: str, value: Any, *, privatizer: Any = None) -> Any:
-    """A :class:`vmapdp.sharding.Sharding` for this process group, with what sharded steps support."""
+def sharding(call: str, value: Any, *, privatizer: Any = None, method: str | None = None, compile: Any = False) -> Any:
+    """A :class:`vmapdp.sharding.Sharding` for this process group, with what sharded steps support
+    (``method`` and ``compile``: those of the step, for ``unshard="use"``)."""
     from vmapdp import distributed
     from vmapdp.sharding import Sharding
 
@@ -299,6 +300,19 @@ def sharding(call: str, value: Any, *, privatizer: Any = None) -> Any:
             f"{call}: the sharding is for rank {value.rank} of {value.world_size}, this process is rank {distributed.rank()} of "
             f"{distributed.world_size()}. Build Sharding(params) after torch.distributed.init_process_group, in every process."
         )
+    if value.unshard == "use":
+        if compile is not False and compile is not None:
+            raise ValueError(
+                f"{call}: compile={compile!r} with Sharding(unshard='use'): the step gathers each parameter inside the forward "
+                "and the backward, which torch.compile cannot trace. Pass compile=False, or Sharding(params, unshard='step') "
+                "to gather the whole model once per step and compile."
+            )
+        if method == "auto":
+            raise ValueError(
+                f"{call}: method='auto' with Sharding(unshard='use'): auto's race times each rank's calls for as long as its "
+                "own clock says, so the ranks would make different numbers of gathers. Name the method: 'ghost' (one forward "
+                "and one backward), 'two_pass' or 'vmap'."
+            )
     if privatizer is not None:
         import inspect
 

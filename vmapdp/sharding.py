@@ -59,7 +59,9 @@ from torch import Tensor, nn
 
 from vmapdp import distributed as _dist
 
-__all__ = ["Sharding", "local_bytes"]
+__all__ = ["Sharding", "local_bytes", "UNSHARD"]
+
+UNSHARD = ("step", "use")
 
 
 class Sharding:
@@ -71,6 +73,18 @@ class Sharding:
             and dtypes are read).
         rank, world_size: default: this process's, from the default process group (0 and 1
             without one; then every shard is the whole parameter).
+        unshard: when the step gathers a parameter's full value from the shards.
+
+            * ``"step"`` (default): the whole model once per step, before the forward (one
+              ``all_gather`` per dtype); the full params live until the clipped sums are formed.
+              Works with every method and with ``compile=True``.
+            * ``"use"``: each parameter where an op uses it, in the forward and again in the
+              backward (one ``all_gather`` of that parameter per use), freed when the op returns:
+              autograd saves the shard, not the full value, so the full params are never all in
+              memory at once (the largest one, and what the op itself holds, is). For models
+              bigger than one device. Eager only (``compile=False``) and a named method
+              (``"ghost"``, ``"vmap"`` or ``"two_pass"``): ``"auto"``'s race times each rank's
+              calls for as long as its clock says, and every rank must make the same gathers.
 
     Attributes:
         names: the parameter names, in the order of ``params`` (every dict this class returns
@@ -79,11 +93,12 @@ class Sharding:
         shapes, dtypes, numels: per name.
     """
 
-    def __init__(self, params: Mapping[str, Tensor], *, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, params: Mapping[str, Tensor], *, rank: int | None = None, world_size: int | None = None, unshard: str = "step") -> None:
         call = "Sharding(params)"
         from vmapdp import _checks
 
         _checks.params_dict(call, params)
+        self.unshard = _checks.choice(call, "unshard", unshard, UNSHARD, why="when the step gathers a parameter's full value")
         self.world_size = _dist.world_size() if world_size is None else _checks.positive_int(call, "world_size", world_size)
         self.rank = _dist.rank() if rank is None else rank
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
@@ -94,7 +109,7 @@ class Sharding:
         self.numels = {k: math.prod(self.shapes[k]) for k in self.names}
 
     def __repr__(self) -> str:
-        return f"Sharding({len(self.names)} params, {sum(self.numels.values())} elements, rank {self.rank} of {self.world_size})"
+        return f"Sharding({len(self.names)} params, {sum(self.numels.values())} elements, rank {self.rank} of {self.world_size}, unshard={self.unshard!r})"
 
     def chunk(self, name: str) -> int:
         """Elements per shard of ``name`` (``ceil(numel / world_size)``; the last ones may hold fewer)."""
@@ -199,6 +214,24 @@ class Sharding:
                 pos += c
         return out
 
+    def step_params(self, local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The params a step computes with: :meth:`gather` (``unshard="step"``), or tensors of the
+        full shapes that gather themselves on each use (``unshard="use"``, see the class)."""
+        if self.unshard == "step":
+            return self.gather(local)
+        self.check_local("Sharding.step_params(shards)", local)
+        return {k: _GatheredOnUse(self, k, local[k].detach()) for k in self.names}
+
+    def gather_one(self, name: str, shard: Tensor) -> Tensor:
+        """The full value of one parameter from every rank's shard of it (one ``all_gather``)."""
+        if self.world_size == 1 or not _dist.is_initialized():
+            return shard.reshape(self.shapes[name])
+        c = self.chunk(name)
+        mine = shard if shard.numel() == c else torch.cat([shard, shard.new_zeros(c - shard.numel())])
+        every = torch.empty(self.world_size * c, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_single(every, mine.contiguous())
+        return every[: self.numels[name]].view(self.shapes[name])
+
     def reduce_scatter(self, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """This rank's shards of the sum over ranks of ``full`` (one ``reduce_scatter`` per dtype)."""
         call = "Sharding.reduce_scatter(sums)"
@@ -267,6 +300,67 @@ class Sharding:
             device=optree.tree_leaves(stats, namespace="torch")[0].device,
         )
         return self.reduce_scatter(summed), _dist.all_reduce_sum(stats)
+
+
+aten = torch.ops.aten
+# ops that return a view of their first argument: applied to a gathered-on-use tensor, they
+# return another one (the op recorded, applied after each gather), so that nothing autograd
+# saves for the backward holds a full parameter
+_VIEW_OPS = {
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+    aten.expand.default, aten.detach.default, aten.alias.default, aten.unsqueeze.default, aten.squeeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int, aten.as_strided.default,
+    aten.diagonal.default, aten.unfold.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+    aten._to_copy.default,  # (a cast: the mixed-precision copies of the params, cast after each gather)
+}
+
+
+class _GatheredOnUse(Tensor):
+    """A parameter sharded over the ranks that any op other than a view gathers in full
+    (:meth:`Sharding.gather_one`), uses and drops (``Sharding(unshard="use")``). It has the full
+    parameter's shape and dtype; it holds only this rank's shard and the view ops applied since."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # (dispatch level only: results are plain tensors)
+
+    @staticmethod
+    def __new__(cls, sharding: Sharding, name: str, shard: Tensor, views: tuple = (), like: Tensor | None = None):
+        like = torch.empty(sharding.shapes[name], dtype=shard.dtype, device="meta") if like is None else like
+        return Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(), dtype=like.dtype, device=shard.device
+        )
+
+    def __init__(self, sharding: Sharding, name: str, shard: Tensor, views: tuple = (), like: Tensor | None = None) -> None:
+        self.sharding, self.param, self.shard, self.views = sharding, name, shard, views
+
+    def __repr__(self) -> str:
+        return f"_GatheredOnUse({self.param!r}, shape={tuple(self.shape)}, rank {self.sharding.rank} of {self.sharding.world_size})"
+
+    def full(self) -> Tensor:
+        x = self.sharding.gather_one(self.param, self.shard)
+        for func, args, kwargs, index in self.views:
+            x = func(x, *args, **kwargs)
+            if index is not None:
+                x = x[index]
+        return x
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEW_OPS and isinstance(args[0], _GatheredOnUse) and not _gathered_in(args[1:], kwargs):
+            src = args[0]
+            if func is aten._to_copy.default and kwargs.get("device") not in (None, src.device):
+                pass  # a move to another device: the full value, below
+            else:
+                shaped = func(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"), *args[1:], **kwargs)
+                if isinstance(shaped, (list, tuple)):
+                    return type(shaped)(cls(src.sharding, src.param, src.shard, src.views + ((func, args[1:], kwargs, i),), t) for i, t in enumerate(shaped))
+                return cls(src.sharding, src.param, src.shard, src.views + ((func, args[1:], kwargs, None),), shaped)
+        full = lambda t: t.full() if isinstance(t, _GatheredOnUse) else t  # noqa: E731
+        return func(*optree.tree_map(full, args, none_is_leaf=True), **optree.tree_map(full, kwargs, none_is_leaf=True))
+
+
+def _gathered_in(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(t, _GatheredOnUse) for t in optree.tree_leaves((args, kwargs), none_is_leaf=True))
 
 
 def _is_dtensor(t: Any) -> bool:

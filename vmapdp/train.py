@@ -570,7 +570,8 @@ def make_train_step(
             (the private estimate of the unclipped fraction; both public).
         sharding: a :class:`vmapdp.sharding.Sharding`: data-parallel as ``distributed=True``
             (implied), with the params and the optimizer state sharded over the ranks (the state
-            from ``init_train_state(..., sharding=)``). Each step gathers the params, each rank
+            from ``init_train_state(..., sharding=)``). Each step gathers the params (the whole model
+            before the forward, or each parameter at each use: ``Sharding(params, unshard=)``), each rank
             clips and sums its own rows, the sums are reduce-scattered to the shards' owners, each
             owner adds the noise of its shard (the slice of the unsharded step's noise) and
             updates its shard. Equal to one process on all rows up to summation order. The
@@ -612,7 +613,7 @@ def make_train_step(
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
         adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule)
     if sharding is not None:
-        _checks.sharding(call, sharding, privatizer=privatizer)
+        _checks.sharding(call, sharding, privatizer=privatizer, method=method, compile=compile)
         distributed = True  # data-parallel with sharded state
     if distributed:
         _dist.require_initialized(call)
@@ -754,7 +755,7 @@ def make_train_step(
             clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
             clip = _adaptive.check_clip_norm(scall, clip)
             shared = (clip, *shared)
-        params = state.params if sharding is None else sharding.gather(state.params)  # transient full params
+        params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
         binding = noise_binding(state.run_id, config)
