@@ -5,7 +5,10 @@ processes (so that each peak is that mode's own) trains an MLP of ``--layers`` s
 ``Linear(width, width)`` layers with Adam on one Poisson batch per step, each rank on its share:
 
 * ``ddp``: ``make_train_step(distributed=True)``: every rank holds every param and Adam state;
-* ``sharded``: ``make_train_step(sharding=Sharding(params))``: each rank holds 1/W of them;
+* ``sharded``: ``make_train_step(sharding=Sharding(params))``: each rank holds 1/W of them and
+  gathers the whole model once per step;
+* ``sharded-use``: ``Sharding(params, unshard="use")``: the same, each parameter gathered where
+  an op uses it (forward and backward) and freed after;
 * ``fsdp2``: non-private: every ``Linear`` and the root under ``torch.distributed.fsdp.fully_shard``,
   ``torch.optim.AdamW``, the mean loss's ``backward()``.
 
@@ -16,8 +19,11 @@ was built (after imports and the noise kernel's compile; it includes the full mo
 all-gathered params and clipped sums, gloo's buffers); ``ms``, the median step time; ``transient``,
 the peak of the bytes in use (glibc ``mallinfo2``: every CPU tensor and gloo's buffers) during one
 more step, sampled after every aten op, above its value before the step, in units of the full
-params' bytes; for ``sharded`` also per phase (``step``: the checks before the gather; ``gather``: inside ``Sharding.gather``; ``clip``:
-the clipped sums; ``reduce_scatter``; ``update``: noise and optimizer on the shards). Timings on a
+params' bytes; for the sharded modes also per phase (``step``: the checks before the gather;
+``gather``: ``Sharding.step_params`` (the whole model, or nothing with ``unshard="use"``);
+``clip``: the clipped sums (with ``unshard="use"`` the per-use gathers and the per-param
+reduce-scatters); ``reduce``: ``Sharding.reduce_step`` (the same-state check, the reduce-scatter
+unless done); ``update``: noise and optimizer on the shards). Timings on a
 shared CPU are noisy (see ``--repeats``); nothing here is asserted.
 
     python benchmarks/fsdp.py                        # worlds 1, 2, 4; 8 layers of width 1024 (8.4M params)
@@ -46,7 +52,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("ddp", "sharded", "fsdp2")
+MODES = ("ddp", "sharded", "sharded-use", "fsdp2")
 
 
 def _rss_kib(field: str) -> int:
@@ -206,7 +212,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: dict) -> dict:
             x, y = sample
             return F.cross_entropy(apply(p, b, x[None]), y[None])
 
-        sharding = Sharding(params) if mode == "sharded" else None
+        sharding = None if mode == "ddp" else Sharding(params, unshard="use" if mode == "sharded-use" else "step")
         opt = vmapdp.optim.adamw(1e-3)
         step = vmapdp.make_train_step(
             loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=n * q, sample_rate=q,
@@ -216,8 +222,8 @@ def _run_mode(rank: int, world: int, mode: str, cfg: dict) -> dict:
         state = vmapdp.init_train_state(params, opt, seed=1, sharding=sharding)
         del params
         if sharding is not None:  # the probe's phases (instance attributes: the step looks them up on each call)
-            sharding.gather = probe.tagging("gather", sharding.gather, "clip")
-            sharding.reduce_scatter = probe.tagging("reduce_scatter", sharding.reduce_scatter, "update")
+            sharding.step_params = probe.tagging("gather", sharding.step_params, "clip")
+            sharding.reduce_step = probe.tagging("reduce", sharding.reduce_step, "update")
         for i, (indices, mask) in enumerate(vdist.sharded(sampler)):
             if i == total - 1:
                 with probe:
@@ -230,7 +236,7 @@ def _run_mode(rank: int, world: int, mode: str, cfg: dict) -> dict:
     peak = _rss_kib("VmHWM") - base
     param_bytes = 4 * sum(p.numel() for p in _model(cfg["width"], cfg["layers"], classes).parameters())
     transient = None if probe.peak is None else probe.peak / param_bytes
-    phases = {k: v / param_bytes for k, v in probe.peaks.items()} if mode == "sharded" and probe.peak is not None else None
+    phases = {k: v / param_bytes for k, v in probe.peaks.items()} if mode.startswith("sharded") and probe.peak is not None else None
     return {"rank": rank, "state_bytes": state_bytes, "peak_kib": peak, "times": times[cfg["warmup"]:], "transient": transient, "phases": phases}
 
 

@@ -161,16 +161,17 @@ def test_fsdp_benchmark_smoke_run(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"ddp", "sharded", "fsdp2"} and all(r["world"] == 2 and r["ms"] > 0 and r["peak_mib"] is None for r in rows.values())
+    assert set(rows) == {"ddp", "sharded", "sharded-use", "fsdp2"} and all(r["world"] == 2 and r["ms"] > 0 and r["peak_mib"] is None for r in rows.values())
     n = 16 * 16 + 16 + 16 * 10 + 10  # Linear(16, 16) and the head Linear(16, 10)
     assert rows["ddp"]["params"] == n == 442
     bytes_of = lambda r: round(r["state_mib"] * 2**20)  # noqa: E731
     # params, Adam's two moments (float32) and its step count: every rank all of them (ddp), half (sharded: 221 of
     # 442 elements of every leaf on each rank), FSDP2's rows (also 221) with torch's step count per parameter
     assert bytes_of(rows["ddp"]) == 3 * 4 * n + 4
-    assert bytes_of(rows["sharded"]) == 3 * 4 * (n // 2) + 4
+    assert bytes_of(rows["sharded"]) == bytes_of(rows["sharded-use"]) == 3 * 4 * (n // 2) + 4
     assert bytes_of(rows["fsdp2"]) == 3 * 4 * (n // 2) + 4 * 4
     assert "| sharded | 2 |" in done.stdout and "n/a" in done.stdout
     # the heap probe of one more step (glibc): it saw the step's temporaries, per phase for the sharded step
     assert all(r["transient"] > 0 for r in rows.values())
-    assert set(rows["sharded"]["phases"]) == {"step", "gather", "clip", "reduce_scatter", "update"} and rows["ddp"]["phases"] is None
+    assert set(rows["sharded"]["phases"]) == {"step", "gather", "clip", "reduce", "update"} and rows["ddp"]["phases"] is None
+    assert set(rows["sharded-use"]["phases"]) == {"step", "gather", "clip", "reduce", "update"}

@@ -210,6 +210,12 @@ def clipped_grad_sum(
 _CALL = "clipped_grad_sum(loss_fn)"
 
 
+def _sunk(result: tuple[dict[str, Tensor], Tensor, Tensor], sink: Callable[[str, Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """``result`` with each sum given to ``sink`` (None: as it is)."""
+    summed, norms, losses = result
+    return (summed if sink is None else {k: sink(k, v) for k, v in summed.items()}), norms, losses
+
+
 @dataclass(frozen=True, eq=False)
 class ClippedGradSum:
     """``fn(params, *shared, batch, mask=None) -> (summed, norms, losses)``: see :func:`clipped_grad_sum`.
@@ -250,9 +256,14 @@ class ClippedGradSum:
         """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
         return self._planned(args)[1]
 
-    def __call__(self, *args: Any, mask: Tensor | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    def __call__(self, *args: Any, mask: Tensor | None = None, sink: Callable[[str, Tensor], Tensor] | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """``(summed, norms, losses)`` of ``fn(params, *shared, batch)``. ``sink(name, sum)``, if
+        given, takes each param's clipped sum and ``summed`` holds what it returns: ghost clipping
+        calls it as each sum is formed (the sharded step reduce-scatters there, so that the full
+        sums never exist all at once), the other methods at the end."""
         try:
-            return self._dispatch(args, mask)
+            summed, norms, losses = self._dispatch(args, mask, sink)
+            return summed, norms, losses
         except RuntimeError as err:
             if "saved tensor hooks" in str(err):
                 raise UnsupportedModuleError(
@@ -264,7 +275,7 @@ class ClippedGradSum:
                 ) from err
             raise
 
-    def _dispatch(self, args: tuple, mask: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    def _dispatch(self, args: tuple, mask: Tensor | None, sink: Callable[[str, Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:
             raise TypeError(f"{_CALL}: expected fn(params, *shared, batch, mask=None); got {len(args)} positional arguments.")
         params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
@@ -272,16 +283,16 @@ class ClippedGradSum:
         if mask is not None:
             check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
         if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
-            return self._by_vmap(params, shared, batch, mask)
+            return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
         eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if self.method == "two_pass":
-                return self._by_two_pass(params, shared, batch, mask)
+                return _sunk(self._by_two_pass(params, shared, batch, mask), sink)
             key, plan = self._planned(args)
             if self.method == "auto" and self._choose(key, plan, params, shared, batch, mask) == "vmap":
-                return self._by_vmap(params, shared, batch, mask)
-            return self._by_ghost(params, shared, batch, mask, plan)
+                return _sunk(self._by_vmap(params, shared, batch, mask), sink)
+            return self._by_ghost(params, shared, batch, mask, plan, sink)
 
     def _planned(self, args: tuple) -> tuple[tuple, Plan | None]:
         if self.method in ("vmap", "two_pass") or batch_size(args[-1], call=_CALL) == 0:
@@ -305,7 +316,7 @@ class ClippedGradSum:
         names = auto_candidates(plan, params, batch_size(batch, call=_CALL))
         if torch.compiler.is_compiling():
             return names[0]
-        runs = {"ghost": lambda: self._by_ghost(params, shared, batch, mask, plan), "vmap": lambda: self._by_vmap(params, shared, batch, mask)}
+        runs = {"ghost": lambda: self._by_ghost(params, shared, batch, mask, plan, None), "vmap": lambda: self._by_vmap(params, shared, batch, mask)}
         return self._auto.choose(key, names, runs, next(iter(params.values())).device)
 
     def _weights(self, norms: Tensor) -> Tensor:
@@ -339,14 +350,14 @@ class ClippedGradSum:
             released_rows(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)
         return summed, norms_t, torch.where(real.to(norms_t.device), torch.cat(losses), 0.0)
 
-    def _by_ghost(self, params, shared, batch, mask, plan):
+    def _by_ghost(self, params, shared, batch, mask, plan, sink):
         grad_scale, loss_fn = self._ghost_form
         try:
             if grad_scale == 1.0:
-                norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, self._weights, randomness=self.randomness, plan=plan, call=_CALL)
+                norms, summed, losses = ghost_norms_and_sum(loss_fn, params, shared, batch, mask, self._weights, randomness=self.randomness, plan=plan, call=_CALL, sink=sink)
             else:
                 norms, summed, losses = ghost_norms_and_sum(
-                    loss_fn, params, shared, batch, mask, lambda n: self._weights(n / grad_scale), randomness=self.randomness, plan=plan, call=_CALL
+                    loss_fn, params, shared, batch, mask, lambda n: self._weights(n / grad_scale), randomness=self.randomness, plan=plan, call=_CALL, sink=sink
                 )
                 norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
         except RuntimeError as err:

@@ -233,32 +233,27 @@ class Sharding:
         return every[: self.numels[name]].view(self.shapes[name])
 
     def reduce_scatter(self, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """This rank's shards of the sum over ranks of ``full`` (one ``reduce_scatter`` per dtype)."""
+        """This rank's shards of the sum over ranks of ``full`` (one ``reduce_scatter`` per parameter:
+        the buffers are one parameter's size)."""
         call = "Sharding.reduce_scatter(sums)"
         if not isinstance(full, Mapping) or set(full) != set(self.names):
             raise ValueError(f"{call}: expected sums of {sorted(self.names)}, got {sorted(full) if isinstance(full, Mapping) else type(full).__name__}.")
+        return {k: self.reduce_scatter_one(k, full[k]) for k in self.names}
+
+    def reduce_scatter_one(self, name: str, full: Tensor) -> Tensor:
+        """This rank's shard of the sum over ranks of ``full``, a tensor of the shape of ``name``
+        (one ``reduce_scatter``; the sharded step's ``sink``, see :class:`vmapdp.ClippedGradSum`)."""
+        if tuple(full.shape) != self.shapes[name]:
+            raise ValueError(f"Sharding.reduce_scatter_one({name!r}, sum): the sum has shape {tuple(full.shape)}, the parameter {self.shapes[name]}.")
+        flat = full.detach().reshape(-1)
         if self.world_size == 1 or not _dist.is_initialized():
-            return {k: full[k].detach().reshape(-1).clone() for k in self.names}
-        out = {}
-        for dtype, names in self._groups(full).items():
-            device = full[names[0]].device
-            width = sum(self.chunk(k) for k in names)
-            rows = torch.zeros(self.world_size, width, dtype=dtype, device=device)  # row r: what rank r owns, leaf after leaf
-            pos = 0
-            for k in names:
-                flat = full[k].detach().reshape(-1)
-                for r in range(self.world_size):  # rank r's piece of this leaf into its row (the padding stays 0)
-                    start, stop = self.bounds(k, r)
-                    rows[r, pos : pos + stop - start] = flat[start:stop]
-                pos += self.chunk(k)
-            mine = torch.empty(width, dtype=dtype, device=device)
-            dist.reduce_scatter_single(mine, rows.view(-1), op=dist.ReduceOp.SUM)
-            pos = 0
-            for k in names:
-                start, stop = self.bounds(k)
-                out[k] = mine[pos : pos + stop - start].clone()
-                pos += self.chunk(k)
-        return out
+            return flat.clone()
+        c = self.chunk(name)
+        rows = flat if flat.numel() == self.world_size * c else torch.cat([flat, flat.new_zeros(self.world_size * c - flat.numel())])
+        mine = torch.empty(c, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_single(mine, rows.contiguous(), op=dist.ReduceOp.SUM)
+        start, stop = self.bounds(name)
+        return mine[: stop - start].clone() if stop - start < c else mine
 
     def write_to_module(self, module: nn.Module, local: Mapping[str, Tensor]) -> None:
         """Write the params whose shards ``local`` holds (``state.params``) into ``module``: a
@@ -284,12 +279,13 @@ class Sharding:
             for dest, value in pairs:
                 dest.copy_(value)
 
-    def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any) -> tuple[dict[str, Tensor], Any]:
+    def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any, *, scattered: bool = False) -> tuple[dict[str, Tensor], Any]:
         """The sharded step's reduction: first a check that every rank steps the same state (``same``:
         seed, step, noise binding, ledger, the replicated part of the noise state (correlated
         noise's step count and mechanism) and the adaptive clip norm; ValueError on every rank
         otherwise), then each rank's
-        shards of the summed clipped sums (reduce-scatter) and the telemetry summed over ranks."""
+        shards of the summed clipped sums (reduce-scatter; ``scattered``: ``summed`` holds them
+        already, reduce-scattered as they were formed) and the telemetry summed over ranks."""
         _dist.check_same(
             call,
             "the state's noise seed, step, run and ledger (and noise state, clip norm)",
@@ -299,7 +295,7 @@ class Sharding:
             "same checkpoint on every rank.",
             device=optree.tree_leaves(stats, namespace="torch")[0].device,
         )
-        return self.reduce_scatter(summed), _dist.all_reduce_sum(stats)
+        return (dict(summed) if scattered else self.reduce_scatter(summed)), _dist.all_reduce_sum(stats)
 
 
 aten = torch.ops.aten

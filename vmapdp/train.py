@@ -425,14 +425,15 @@ def _parse_ran(ran: Any) -> tuple[str, bool] | None:
     return (name, how == "eager") if name in METHODS and name != "auto" and how in ("", "eager") else None
 
 
-def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, backend: str | None) -> Callable:
+def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, backend: str | None, sink: Callable | None = None) -> Callable:
     """``chunk_sums(params, mask, shared, chunk) -> (clipped sum, StepStats)`` of one physical
     chunk: pure tensor work, compiled (``fullgraph``, static shapes) with ``backend`` (None: eager). With
     ``adaptive`` the threshold is ``shared[0]``, a traced tensor, and ``sum_fn`` clips ``loss / C``
-    to 1 (so the sum is scaled back by ``C``)."""
+    to 1 (so the sum is scaled back by ``C``). ``sink``: given each param's sum (eager only; the
+    sharded step's reduce-scatter, after which the sums are shards: what follows is element-wise)."""
 
     def chunk_sums(params, mask, shared, chunk):
-        summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask)  # padding rows add exactly 0
+        summed, norms, losses = sum_fn(params, *shared, chunk, mask=mask, sink=sink)  # padding rows add exactly 0
         if not adaptive:
             return summed, StepStats.of_chunk(mask, norms, losses, l2_clip_norm)
         c = shared[0]  # the traced threshold; an invalid one (unchecked while tracing) releases NaN, nothing
@@ -674,7 +675,11 @@ def make_train_step(
             privatizer = _dist.privatized_on_rank0(privatizer)
         count_privatizer = count_privatizer and _dist.privatized_on_rank0(count_privatizer)  # one count for every rank
 
-    chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None)
+    # unshard="use": each param's clipped sum is reduce-scattered as soon as it is formed (ghost) or at
+    # the end of its chunk (the other methods), so the full sums never exist all at once
+    scattered = sharding is not None and sharding.unshard == "use"
+    sink = sharding.reduce_scatter_one if scattered else None
+    chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, sink=sink)
     chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
     # "auto"'s choices per chunk shape: the method (raced eagerly), then, when compiling, whether the compiled
     # winner beats its eager run; distributed, every rank runs rank 0's choice (each timed its own rows)
@@ -741,7 +746,8 @@ def make_train_step(
             recorded[digest] = name
             total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
         if total is None:  # an empty batch: the step still releases noise
-            zeros = {k: torch.zeros_like(v, dtype=torch.promote_types(v.dtype, torch.float32)) for k, v in params.items()}
+            shapes = {k: state.params[k].shape if scattered else v.shape for k, v in params.items()}  # (scattered: the sums are shards)
+            zeros = {k: torch.zeros(shapes[k], dtype=torch.promote_types(v.dtype, torch.float32), device=v.device) for k, v in params.items()}
             total = (zeros, StepStats.zeros(mask.device))
         return total, tuple(sorted(recorded.items()))
 
@@ -761,7 +767,7 @@ def make_train_step(
         binding = noise_binding(state.run_id, config)
         if sharding is not None:  # each owner gets the global sum of its shards, after the same-state check
             same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip))
-            summed, stats = sharding.reduce_step(scall, summed, stats, same)
+            summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered)
         elif distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)

@@ -216,12 +216,15 @@ def ghost_norms_and_sum(
     randomness: str = "error",
     plan: Plan | None = None,
     call: str = "ghost clipping",
+    sink: Callable[[str, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor] | None, Tensor]:
     """Per-sample norms ``[B]`` and ``sum_i w_i g_i`` from one forward and one backward.
 
     ``weights_fn(norms)`` returns the per-sample clip factors (rows that must not contribute get
     weight 0 here); with ``weights_fn=None`` only the norms are computed. Returns
-    ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0.
+    ``(norms, summed or None, losses)``; masked rows get norm 0 and loss 0. ``sink(name, sum)``,
+    if given, takes each param's sum as soon as it is formed, and its result is kept instead (the
+    sharded step reduce-scatters it, so that the full sums never exist all at once).
 
     Stages: the tapped forward and one backward (``_tapped_uses``), the norms and their safe
     bounds (``_norms``), the book-keeping sum (``_clipped_sum``).
@@ -245,7 +248,7 @@ def ghost_norms_and_sum(
     w = torch.where(keep, weights_fn(safe), 0.0)
     # rows that must not contribute may hold NaN; zero them unless every row is kept (eager check)
     zero = None if (not torch.compiler.is_compiling() and bool(keep.all())) else keep
-    return norms, _clipped_sum(params, uses, other_grads, kept, w, zero), losses
+    return norms, _clipped_sum(params, uses, other_grads, kept, w, zero, sink), losses
 
 
 def _tapped_uses(
@@ -341,15 +344,23 @@ def _norms(
 
 
 def _clipped_sum(
-    params: dict[str, Tensor], uses: dict[str, list[Use]], other_grads: dict[str, Tensor], kept: dict[str, Tensor], w: Tensor, zero: Tensor | None
+    params: dict[str, Tensor],
+    uses: dict[str, list[Use]],
+    other_grads: dict[str, Tensor],
+    kept: dict[str, Tensor],
+    w: Tensor,
+    zero: Tensor | None,
+    sink: Callable[[str, Tensor], Tensor] | None,
 ) -> dict[str, Tensor]:
     """``sum_i w_i g_i`` per param: the per-sample grads at hand by ``clip_and_sum``'s weighted sum,
-    the covered uses by book-keeping (``_weighted``, in ``_sum_dtype``). Rows where ``zero`` is
-    False (not None) are zeroed first."""
+    the covered uses by book-keeping (``_weighted``, in ``_sum_dtype``), each given to ``sink`` as
+    soon as it is formed (None: kept as it is). Rows where ``zero`` is False (not None) are zeroed
+    first."""
+    sink = (lambda key, value: value) if sink is None else sink  # noqa: E731
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
     # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
     per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
-    summed = weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
+    summed = {k: sink(k, v) for k, v in weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w).items()}
     for key, p in params.items():
         if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
             continue
@@ -366,5 +377,6 @@ def _clipped_sum(
         total = parts[0].to(wide)  # (added in place: a vocabulary-sized float64 temporary costs its page faults once)
         for part in parts[1:]:  # (each part is a fresh tensor of the param's shape)
             total.add_(part)
-        summed[key] = total.to(dtype)
+        summed[key] = sink(key, total.to(dtype))
+        del parts, total
     return {k: summed[k] for k in params}
