@@ -778,7 +778,11 @@ def make_train_step(
             noisy, count, noise_state = adaptive_clipping.release(summed, stats, clip, key, state.noise_state, privatizer=privatizer, count_privatizer=count_privatizer)
             new_clip, estimate = adaptive_clipping.next_clip_norm(clip, count, expected_batch_size)
             extra = {"clip_norm": clip, "unclipped_estimate": estimate}
+        # the sums, the noisy sums and the update are each the params' size: only the update is alive
+        # while the optimizer runs (with its copies, it dominates the step's peak on a large model)
+        del summed
         update = {k: v / expected_batch_size for k, v in noisy.items()}
+        del noisy
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
         new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
         return new_state, {**stats.metrics(), **extra}
