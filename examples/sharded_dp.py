@@ -85,7 +85,7 @@ def main() -> None:
     def loss_fn(p, b, row):  # ONE sample: next-token loss
         return F.cross_entropy(apply(p, b, row[None, :-1])[0], row[1:])
 
-    sharding = Sharding(params)
+    sharding = Sharding(params, unshard="use")  # each param gathered only while an op uses it (eager, a named method)
     opt = vmapdp.optim.adamw(1e-3)
     sigma = vmapdp.accounting.calibrate_noise(target_epsilon=args.epsilon, delta=1e-5, sample_rate=args.sample_rate, steps=args.steps)
     # the secrets, drawn once on rank 0 (a restart reads them from the checkpoint instead)

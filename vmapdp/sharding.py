@@ -29,9 +29,13 @@ clipping's count of unclipped samples is summed over ranks with the telemetry an
 under the step's key (with ``secure``, by rank 0), so every rank gets the same next clip norm.
 
 Memory: the parameters, the optimizer state and the noise are 1/W per rank (up to one element
-per parameter of padding). The compute is not: the step gathers the whole model before the
-forward and holds the full clipped sum until the reduce-scatter, so the transient peak is that of
-the unsharded step plus one copy of the params (not per-layer unsharding; see the README).
+per parameter of padding). With ``unshard="step"`` the compute is not: the step gathers the whole
+model before the forward and holds the full clipped sums of a chunk until their reduce-scatter,
+so the transient peak is that of the unsharded step plus one copy of the params. With
+``unshard="use"`` each parameter is gathered only while an op uses it (``_GatheredOnUse``) and
+each parameter's clipped sum is reduce-scattered as soon as it is formed (the ``sink`` of
+:class:`vmapdp.ClippedGradSum`), so the step's transient shrinks with W too, but for what one
+parameter needs while in use (measured in benchmarks/fsdp.py; see the README).
 
 A model already under ``torch.distributed.fsdp.fully_shard`` (FSDP2): :func:`vmapdp.functionalize`
 reads it (its parameters are ``DTensor`` s): ``apply`` runs the module's forward without FSDP2's
