@@ -150,6 +150,17 @@ def fsdp_run():
         res["forward"] = model(X_FORWARD).clone()
     res["still_fsdp"] = isinstance(model, FSDPModule) and isinstance(model[0], FSDPModule)
     res["summary"] = summary(state, sharding)
+    # functionalize gathers nothing: its params are the module's DTensor shards (FSDP2's rows), which
+    # the unsharded entry points refuse with the fix
+    from torch.distributed.tensor import DTensor
+
+    apply, params, buffers = vmapdp.functionalize(model)
+    res["params_are_shards"] = all(isinstance(v, DTensor) for v in params.values())
+    res["local_elements"] = sum(v.to_local().numel() for v in params.values())
+    res["dtensor_error"] = _error(lambda: vmapdp.clipped_grad_sum(lambda p, b, x: apply(p, b, x[None]).sum(), l2_clip_norm=1.0)(params, buffers, X_FORWARD))
+    # the same run with each parameter gathered on use
+    state, sharding, _ = train("mlp", sharded=True, wrap=wrap, unshard="use")
+    res["use_summary"] = summary(state, sharding)
     return res
 
 
@@ -516,11 +527,15 @@ def test_a_fully_shard_model_trains_through_the_sharded_step_and_takes_the_param
     expected = model(X_FORWARD).detach()
     for r in runs["w2"]:
         f = r["fsdp"]
-        _close(f["summary"]["params"], single.params)  # functionalize gathered the same initial params, same noise
+        _close(f["summary"]["params"], single.params)  # the same initial params (read shard by shard), the same noise
         assert f["summary"]["ledger"] == single.ledger.to_json() and f["summary"]["run_id"] == single.run_id
         assert f["bad_error"] is not None and "the shard of '0.bias' has shape" in f["bad_error"] and f["untouched"]
         assert f["still_fsdp"]
         torch.testing.assert_close(f["forward"], expected, rtol=1e-5, atol=1e-6)  # FSDP2's own forward, trained params
+        assert f["params_are_shards"] and f["local_elements"] < sum(v.numel() for v in single.params.values())
+        assert f["dtensor_error"] is not None and "FSDP2 DTensor shards" in f["dtensor_error"] and "sharding=Sharding(params)" in f["dtensor_error"]
+        _close(f["use_summary"]["params"], single.params)
+        assert f["use_summary"]["run_id"] == single.run_id
 
 
 def _chi2_p(z, std):

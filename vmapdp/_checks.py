@@ -261,9 +261,11 @@ def noise_std_guarded(value: Any) -> Any:
     return value
 
 
-def params_dict(call: str, params: Any, *, what: str = "params", require_dict: bool = True) -> Any:
+def params_dict(call: str, params: Any, *, what: str = "params", require_dict: bool = True, fsdp_ok: bool = False) -> Any:
     """A non-empty dict of tensors (the trainable params from ``vmapdp.functionalize``); with
-    ``require_dict=False`` any pytree that holds at least one tensor."""
+    ``require_dict=False`` any pytree that holds at least one tensor. FSDP2's ``DTensor`` shards
+    (``functionalize`` of a ``fully_shard`` module) only where ``fsdp_ok`` (the calls that read
+    them one parameter at a time: ``Sharding``, ``init_train_state``)."""
     if require_dict and not isinstance(params, dict):
         raise _type_error(call, what, params, "a dict of tensors keyed like named_parameters() (from vmapdp.functionalize)")
     leaves = [leaf for leaf in optree.tree_leaves(params, namespace="torch") if isinstance(leaf, torch.Tensor)]
@@ -277,6 +279,16 @@ def params_dict(call: str, params: Any, *, what: str = "params", require_dict: b
         bad = [k for k, v in params.items() if not isinstance(v, torch.Tensor)]
         if bad:
             raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
+    if not fsdp_ok:
+        from vmapdp.sharding import _is_dtensor
+
+        if any(_is_dtensor(leaf) for leaf in leaves):
+            raise ValueError(
+                f"{call}: {what} hold FSDP2 DTensor shards (vmapdp.functionalize of a fully_shard module does not gather "
+                "them). Train them sharded: state = init_train_state(params, opt, sharding=Sharding(params)) and "
+                "make_train_step(..., sharding=) (see vmapdp.sharding); or gather them first: "
+                "{k: v.full_tensor() for k, v in params.items()} (the whole model on every rank)."
+            )
     return params
 
 

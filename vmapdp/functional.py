@@ -16,10 +16,12 @@ The dicts hold detached tensors that share storage with the module (no copy). vm
 writes into them in place; if you do, the module sees it.
 
 A module under FSDP2's ``fully_shard`` (``DTensor`` parameters) is read differently: ``params``
-are the full parameters, all-gathered (copies; a collective, so every rank calls
-``functionalize``), and ``apply`` runs a plain copy of the module tree without FSDP2's hooks.
-Shard them with :class:`vmapdp.sharding.Sharding` and write the trained shards back with
-``Sharding.write_to_module`` (see :mod:`vmapdp.sharding`).
+are its ``DTensor`` s themselves (detached, this rank's shards: nothing is gathered, so a model
+bigger than one device stays sharded), and ``apply`` runs a plain copy of the module tree without
+FSDP2's hooks. Train them with ``init_train_state(params, opt, sharding=Sharding(params))`` and
+``make_train_step(..., sharding=)``, which gather one parameter at a time, and write the trained
+shards back with ``Sharding.write_to_module`` (see :mod:`vmapdp.sharding`). The other entry points
+(``per_sample_grads``, ``clipped_grad_sum``, ...) refuse ``DTensor`` params with that fix.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
         ``module(*args, **kwargs)``; ``params`` holds the parameters with ``requires_grad=True``
         (tied weights once, under their first name), ``buffers`` the registered buffers and the
         frozen parameters. Values are detached tensors sharing storage with the module (under
-        FSDP2: full copies, gathered; see above).
+        FSDP2: its DTensors, not gathered; see above).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
@@ -128,9 +130,9 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
     params: Params = {}
     frozen: Buffers = {}
     for name, p in module.named_parameters():
-        # FSDP2 (fully_shard): the full parameter, all-gathered (a collective: every rank calls functionalize)
-        value = p.full_tensor() if fsdp and hasattr(p, "full_tensor") else p
-        (params if p.requires_grad else frozen)[name] = value.detach()
+        if fsdp and not p.requires_grad and hasattr(p, "full_tensor"):
+            p = p.full_tensor()  # a frozen FSDP2 parameter is a buffer of the plain twin: gathered
+        (params if p.requires_grad else frozen)[name] = p.detach()  # (a trainable FSDP2 one stays a DTensor shard)
     buffers: Buffers = {name: b.detach() for name, b in module.named_buffers()}
     buffers.update(frozen)
     from vmapdp.validation import with_vmap_recurrent

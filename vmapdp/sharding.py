@@ -39,15 +39,16 @@ parameter needs while in use (measured in benchmarks/fsdp.py; see the README).
 
 A model already under ``torch.distributed.fsdp.fully_shard`` (FSDP2): :func:`vmapdp.functionalize`
 reads it (its parameters are ``DTensor`` s): ``apply`` runs the module's forward without FSDP2's
-hooks (no collective inside ``vmap``), and ``params`` are the FULL parameters, all-gathered once
-(``DTensor.full_tensor()``, a collective: every rank calls ``functionalize``). FSDP2 shards each
-parameter on dim 0 (``torch.chunk`` of the rows, padded), vmapdp on the flattened parameter; the
-two layouts differ (``Linear(5, 9).weight`` on 2 ranks: FSDP2 rows 0-4 | 5-8, i.e. elements
-0-24 | 25-44; vmapdp elements 0-22 | 23-44), so the conversion is explicit: ``Sharding(params)``
-and ``init_train_state(params, ..., sharding=)`` shard the gathered params in vmapdp's layout,
-and :meth:`Sharding.write_to_module` writes a state's shards back into the module's FSDP2 shards
-(a gather, then each rank copies its rows), after which the module's own forward is the trained
-model. The module keeps its FSDP2 shards while vmapdp trains its own (1/W each).
+hooks (no collective inside ``vmap``), and ``params`` are the module's trainable ``DTensor`` s
+themselves, not gathered. FSDP2 shards each parameter on dim 0 (``torch.chunk`` of the rows,
+padded), vmapdp on the flattened parameter; the two layouts differ (``Linear(5, 9).weight`` on 2
+ranks: FSDP2 rows 0-4 | 5-8, i.e. elements 0-24 | 25-44; vmapdp elements 0-22 | 23-44), so the
+conversion is explicit and one parameter at a time: ``Sharding(params)`` reads the shapes,
+``init_train_state(params, ..., sharding=)`` gathers each parameter in turn (``full_value``, a
+collective: every rank calls it) for the run id and keeps its flat shard, and
+:meth:`Sharding.write_to_module` writes a state's shards back into the module's FSDP2 shards
+(each parameter gathered, then each rank copies its rows), after which the module's own forward
+is the trained model. The module keeps its FSDP2 shards while vmapdp trains its own (1/W each).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Sharding:
         call = "Sharding(params)"
         from vmapdp import _checks
 
-        _checks.params_dict(call, params)
+        _checks.params_dict(call, params, fsdp_ok=True)
         self.unshard = _checks.choice(call, "unshard", unshard, UNSHARD, why="when the step gathers a parameter's full value")
         self.world_size = _dist.world_size() if world_size is None else _checks.positive_int(call, "world_size", world_size)
         self.rank = _dist.rank() if rank is None else rank
@@ -147,12 +148,13 @@ class Sharding:
                 )
 
     def shard(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """This rank's shards of the full ``params`` (1-D copies: nothing is shared with ``params``)."""
+        """This rank's shards of the full ``params`` (1-D copies: nothing is shared with ``params``).
+        FSDP2's ``DTensor`` s are gathered one at a time (a collective: every rank calls it)."""
         self.check_full("Sharding.shard(params)", params)
         out = {}
         for k in self.names:
             start, stop = self.bounds(k)
-            out[k] = params[k].detach().reshape(-1)[start:stop].clone()
+            out[k] = full_value(params[k]).detach().reshape(-1)[start:stop].clone()
         return out
 
     def check_local(self, call: str, local: Mapping[str, Tensor]) -> None:
@@ -271,17 +273,19 @@ class Sharding:
         from vmapdp import _checks
 
         targets = _checks.fsdp_module_params(call, module, self.names)
-        full = self.gather(local)
+        for k in self.names:  # every shape checked before the first write (FSDP2 changed its layout: refuse rather than scramble)
+            p = targets[k]
+            dest = p.to_local() if _is_dtensor(p) else p
+            rows = _fsdp_rows(p, torch.empty(self.shapes[k], dtype=self.dtypes[k], device="meta")) if _is_dtensor(p) else p
+            if tuple(rows.shape) != tuple(dest.shape):
+                raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(rows.shape)}.")
         with torch.no_grad():
-            pairs = []  # (destination, value), every shape checked before the first write
-            for k in self.names:
-                p = targets[k]
-                dest, value = (p.to_local(), _fsdp_rows(p, full[k])) if _is_dtensor(p) else (p, full[k])
-                if tuple(value.shape) != tuple(dest.shape):  # (FSDP2 changed its layout: refuse rather than scramble)
-                    raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(value.shape)}.")
-                pairs.append((dest, value))
-            for dest, value in pairs:
-                dest.copy_(value)
+            for k in self.names:  # one parameter gathered at a time
+                p, full = targets[k], self.gather_one(k, local[k])
+                if _is_dtensor(p):
+                    p.to_local().copy_(_fsdp_rows(p, full))
+                else:
+                    p.copy_(full)
 
     def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any, *, scattered: bool = False) -> tuple[dict[str, Tensor], Any]:
         """The sharded step's reduction: first a check that every rank steps the same state (``same``:
@@ -361,6 +365,11 @@ class _GatheredOnUse(Tensor):
 
 def _gathered_in(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, _GatheredOnUse) for t in optree.tree_leaves((args, kwargs), none_is_leaf=True))
+
+
+def full_value(t: Tensor) -> Tensor:
+    """The full value of a parameter: an FSDP2 ``DTensor`` all-gathered (a collective), else ``t``."""
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -51,7 +51,7 @@ from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
-from vmapdp.sharding import Sharding
+from vmapdp.sharding import Sharding, full_value
 
 __all__ = ["TrainState", "StepStats", "init_train_state", "make_train_step", "PrivacyBudgetExceeded", "noise_binding", "step_config"]
 
@@ -164,7 +164,7 @@ def params_digest(params: dict[str, Tensor]) -> str:
     """Hex SHA-256 of a params dict: names (sorted), dtypes, shapes and bytes (the run id of a state)."""
     h = hashlib.sha256(b"vmapdp-params:")
     for k in sorted(params):
-        v = params[k].detach()
+        v = full_value(params[k]).detach()  # (an FSDP2 DTensor gathered, one parameter at a time)
         h.update(repr((k, str(v.dtype), tuple(v.shape))).encode())
         h.update(tensor_bytes(v))
     return h.hexdigest()
@@ -215,7 +215,7 @@ def init_train_state(
             with ``make_train_step(..., sharding=)``.
     """
     call = "init_train_state(params, optimizer)"
-    _checks.params_dict(call, params)
+    _checks.params_dict(call, params, fsdp_ok=True)
     if privatizer is not None:
         _checks.privatizer(call, privatizer)
     if secure and seed is not None:
@@ -226,8 +226,8 @@ def init_train_state(
     if not secure and seed is None:
         seed = secrets.randbits(128)
     run_id = params_digest(params)  # of the full params, sharded or not
-    if sharding is None:
-        params = {k: v.detach().clone() for k, v in params.items()}
+    if sharding is None:  # (an FSDP2 DTensor gathered: the whole model on every rank)
+        params = {k: full_value(v).detach().clone() for k, v in params.items()}
     else:  # copies of this rank's shards only (no full copy)
         _checks.sharding(call, sharding, privatizer=privatizer)
         params = sharding.shard(params)
