@@ -78,11 +78,12 @@ def make_sampler(noise, steps, key=SAMPLER_KEY):
 
 
 def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, until=None, on_step=None, wrap=None, noise=None, adaptive=False, secure=False,
-          unshard="step", method="ghost"):
+          unshard="step", method="ghost", batches=None):
     """``steps`` DP steps (Poisson batches, the same sampler key everywhere); sharded: this rank's
     share of each batch, the state sharded (``unshard``: Sharding's). ``noise``: a key of ``MF``
-    (correlated noise over a run of ``STEPS``); ``adaptive``: adaptive clipping. Returns (state,
-    sharding, sampler)."""
+    (correlated noise over a run of ``STEPS``); ``adaptive``: adaptive clipping; ``batches``: global
+    ``(indices, mask)`` batches instead of the sampler's (each rank takes its ``vdist.shard``). Returns
+    (state, sharding, sampler)."""
     params, buffers, data, loss_fn, opt = problem(kind, wrap)
     sharding = Sharding(params, unshard=unshard) if sharded else None
     priv = None if noise is None else correlated_noise(MF[noise], steps=STEPS)
@@ -97,7 +98,9 @@ def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, un
     )
     if state is None:
         state = vmapdp.init_train_state(params, opt, seed=None if secure else seed, secure=secure, privatizer=priv, sharding=sharding)
-    for indices, mask in vdist.sharded(sampler) if sharded else sampler:
+    if batches is not None:
+        batches = [vdist.shard(i, m, CAPACITY) for i, m in batches] if sharded else batches
+    for indices, mask in batches if batches is not None else vdist.sharded(sampler) if sharded else sampler:
         state, _ = step(state, gather(data, indices), mask, buffers)
         if on_step is not None:
             on_step(state, sharding, sampler)
@@ -274,6 +277,16 @@ def use_runs(world):
     return res
 
 
+def uneven_batches():
+    """Two global batches of 17 rows (padded to 2 * CAPACITY): one row past W * local_capacity at
+    W = 2 and 4, so vdist.shard gives rank 0 two chunks and the other ranks one."""
+    g, out = torch.Generator().manual_seed(11), []
+    for _ in range(2):
+        mask = torch.arange(2 * CAPACITY) < 17
+        out.append((torch.where(mask, torch.randperm(N, generator=g)[: 2 * CAPACITY], 0), mask))
+    return out
+
+
 def _error(fn):
     try:
         fn()
@@ -298,6 +311,7 @@ def _worker4(rank, world, init_file, out):
             state, sharding, _ = train(kind, sharded=True)
             res[kind] = summary(state, sharding)
         res["use"] = use_runs(world)
+        res["use-uneven"] = summary(*train("mlp", sharded=True, steps=2, unshard="use", batches=uneven_batches())[:2])
         # a checkpoint at step 2 (the MLP, Adam), then resumed on these 4 ranks
         half, sharding, sampler = train("mlp", sharded=True, steps=2)
         sc.save_sharded(os.path.join(out, "ckpt4"), half, sharding, sampler=sampler)
@@ -322,6 +336,7 @@ def _worker2(rank, world, init_file, out):
             state, sharding, _ = train(kind, sharded=True)
             res[kind] = summary(state, sharding)
         res["use"] = use_runs(world)
+        res["use-uneven"] = summary(*train("mlp", sharded=True, steps=2, unshard="use", batches=uneven_batches())[:2])
         # the 4-rank checkpoint of step 2, resumed on 2 ranks
         params, _, _, _, opt = problem("mlp")
         sharding = Sharding(params)
@@ -458,6 +473,21 @@ def test_gathering_each_parameter_on_use_equals_one_process_with_one_full_parame
             assert run["gathers"] > STEPS * len(single.params)
             # ... and freed before the next is gathered: never two full parameters at once
             assert run["peak_gathered"] == 1 and run["alive_after"] == 0
+
+
+@pytest.mark.parametrize("world", ["w2", "w4"])
+def test_gathering_on_use_when_the_ranks_shares_span_different_numbers_of_chunks(runs, world):
+    # a global batch one row past the ranks' capacity: rank 0's share spans two chunks, the others'
+    # one; every rank must still make the same gathers and reduce-scatters (else: a hang, or sums of
+    # parameters of one size paired up wrongly), and the run equals one process
+    single, _, _ = train("mlp", sharded=False, steps=2, batches=uneven_batches())
+    w = len(runs[world])
+    indices, mask = uneven_batches()[0]
+    c = vdist.local_capacity(CAPACITY, w)
+    assert [len(vdist.shard(indices, mask, CAPACITY, rank=r, world_size=w)[0]) for r in range(w)] == [2 * c] + [c] * (w - 1)
+    for r in runs[world]:
+        _close(r["use-uneven"]["params"], single.params)
+        assert r["use-uneven"]["ledger"] == single.ledger.to_json() and r["use-uneven"]["step"] == 2
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
