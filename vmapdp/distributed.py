@@ -176,6 +176,16 @@ def broadcast_int(value: int, src: int = 0) -> int:
     return int(t.item())
 
 
+def max_ints(values: list[int]) -> list[int]:
+    """The element-wise largest of ``values`` over all ranks (one ``all_reduce``; ``values`` itself
+    without a process group). Every rank passes a list of the same length."""
+    if not is_initialized():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
 def _digest(value: Any) -> int:
     """A 62-bit digest of ``repr(value)`` (secret values stay in the process: only the digest travels)."""
     return int.from_bytes(hashlib.sha256(b"vmapdp-check-same:" + repr(value).encode()).digest()[:8], "little") >> 2

@@ -425,6 +425,34 @@ def _parse_ran(ran: Any) -> tuple[str, bool] | None:
     return (name, how == "eager") if name in METHODS and name != "auto" and how in ("", "eager") else None
 
 
+def _same_chunks(batch: Any, mask: Tensor, n: int, physical_batch_size: int | None) -> tuple[Any, Tensor, int]:
+    """``Sharding(unshard="use")``: each chunk makes its own gathers (one per use of a parameter)
+    and reduce-scatters (one per parameter), so every rank must run the same number of chunks of
+    the same size, or the collectives pair up wrongly (a hang, or the sums of two parameters of
+    one size added together). ``vmapdp.distributed.shard`` gives the ranks shares that differ by a
+    row, which can span one chunk more on some ranks. The ranks agree on the largest row count
+    (one ``all_reduce``; ValueError on every rank if one is not a multiple of
+    ``physical_batch_size``) and each pads its batch to it with masked rows (copies of its first
+    row, zeros if it has none), which add exactly 0. Returns ``(batch, mask, rows)``."""
+    uneven = physical_batch_size is not None and n % physical_batch_size != 0
+    most, uneven = _dist.max_ints([n, int(uneven)])
+    if uneven:
+        raise ValueError(
+            f"step(state, batch, mask): a rank's batch (this one has {n} rows) is not a multiple of physical_batch_size="
+            f"{physical_batch_size}; pad it with the sampler (vmapdp.distributed.sharded does)."
+        )
+    if most > n:
+        pad = most - n
+
+        def grow(x: Tensor) -> Tensor:
+            fill = x[:1] if n else x.new_zeros((1, *x.shape[1:]))
+            return torch.cat([x, fill.expand(pad, *x.shape[1:])])
+
+        batch = optree.tree_map(grow, batch, namespace="torch")
+        mask = torch.cat([mask, mask.new_zeros(pad)])
+    return batch, mask, most
+
+
 def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, backend: str | None, sink: Callable | None = None) -> Callable:
     """``chunk_sums(params, mask, shared, chunk) -> (clipped sum, StepStats)`` of one physical
     chunk: pure tensor work, compiled (``fullgraph``, static shapes) with ``backend`` (None: eager). With
@@ -733,6 +761,8 @@ def make_train_step(
     def clipped_sums(state: TrainState, params: dict, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
         """The clipped sum and telemetry of the batch at ``params`` (the full ones), chunk by
         chunk, and the methods the state records (each chunk shape's, with this batch's added)."""
+        if scattered:  # the same chunks on every rank (padded with masked rows): see _same_chunks
+            batch, mask, n = _same_chunks(batch, mask, n, physical_batch_size)
         size = physical_batch_size or max(n, 1)
         if n % size:
             raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
