@@ -13,6 +13,7 @@ Three spawns run every multi-process check and write their results to files that
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -287,6 +288,47 @@ def uneven_batches():
     return out
 
 
+class FourWeights(nn.Module):
+    """Four 4x4 weights in ghost's order of sums: ``a`` is also used outside its linear (an
+    uncovered op), so ghost keeps its per-sample grads only within the keep budget, which depends on
+    the chunk's row count; ``r`` (on 3 positions: direct) is always kept; kept sums come first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.r, self.b, self.h = (nn.Linear(4, 4, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x.mean(1)) + self.r(x).mean(1) + 0.1 * torch.sin(self.a.weight).sum()
+        return self.h(torch.tanh(self.b(torch.tanh(h))))
+
+
+ROWS_DATA = (torch.randn(13, 3, 4, generator=torch.Generator().manual_seed(0)), torch.randint(0, 4, (13,), generator=torch.Generator().manual_seed(1)))
+
+
+def rows_step(rows, sharded):
+    """One ghost step of FourWeights (sgd(1)) on ``ROWS_DATA[rows]``, physical_batch_size
+    None, ghost's keep budget 80 elements (5 rows of a 4x4 weight): 5 rows keep ``a``'s per-sample
+    grads, 8 do not. The full params after it."""
+    from vmapdp.ghost import limits
+
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(FourWeights())
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    opt, sharding = optim.sgd(1.0), Sharding(params, unshard="use") if sharded else None
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, expected_batch_size=1.0,
+                                  compile=False, method="ghost", sharding=sharding)
+    state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+    batch = tuple(t[rows] for t in ROWS_DATA)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(limits, "LIMITS", dataclasses.replace(limits.LIMITS, keep_elements=80))
+        state, _ = step(state, batch, torch.ones(len(batch[0]), dtype=torch.bool), buffers)
+    return sharding.gather(state.params) if sharded else state.params
+
+
 def _error(fn):
     try:
         fn()
@@ -337,6 +379,7 @@ def _worker2(rank, world, init_file, out):
             res[kind] = summary(state, sharding)
         res["use"] = use_runs(world)
         res["use-uneven"] = summary(*train("mlp", sharded=True, steps=2, unshard="use", batches=uneven_batches())[:2])
+        res["use-rows"] = rows_step(slice(0, 5) if rank == 0 else slice(5, 13), sharded=True)  # 5 rows here, 8 there
         # the 4-rank checkpoint of step 2, resumed on 2 ranks
         params, _, _, _, opt = problem("mlp")
         sharding = Sharding(params)
@@ -488,6 +531,15 @@ def test_gathering_on_use_when_the_ranks_shares_span_different_numbers_of_chunks
     for r in runs[world]:
         _close(r["use-uneven"]["params"], single.params)
         assert r["use-uneven"]["ledger"] == single.ledger.to_json() and r["use-uneven"]["step"] == 2
+
+
+def test_gathering_on_use_with_different_row_counts_pairs_each_sum_with_its_own(runs):
+    # physical_batch_size=None, 5 rows on rank 0 and 8 on rank 1: ghost forms the sums in another
+    # order on each rank (a's kept on rank 0 only); every reduce-scatter must still pair a param's
+    # sum with the same param's (a.weight and r.weight, both 4x4, were silently swapped)
+    single = rows_step(slice(0, 13), sharded=False)
+    for r in runs["w2"]:
+        _close(r["use-rows"], single)
 
 
 @pytest.mark.parametrize("world", ["w2", "w4"])
