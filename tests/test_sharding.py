@@ -877,3 +877,36 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
                 sc.load_sharded(tmp_path / name, like=like, sharding=sharding)
     finally:
         vdist.shutdown()
+
+
+def test_a_gathered_on_use_param_never_leaks_its_gathered_buffer_nor_takes_a_write(monkeypatch):
+    """White-box, one process: each gather is a fresh buffer (as on W ranks). Ops that return views of
+    a param (unsafe_split, view(dtype), view_as_complex included) give another gathered-on-use
+    tensor, never a plain tensor on the gathered buffer (which autograd would then save whole); an
+    in-place write into a param (it would go to a temporary gather and be lost, and the forward
+    would use the unwritten value) is refused with the fix."""
+    from vmapdp.sharding import _GatheredOnUse
+
+    buffers = []
+
+    def gather_one(self, name, shard):
+        every = shard.clone()
+        buffers.append(every.untyped_storage().data_ptr())
+        return every.view(self.shapes[name])
+
+    monkeypatch.setattr(Sharding, "gather_one", gather_one)
+    w = torch.randn(4, 6)
+    params = Sharding({"w": w}, unshard="use").step_params({"w": w.reshape(-1)})
+    views = {
+        "unsafe_split": lambda t: t.unsafe_split(2, 1)[1], "unsafe_chunk": lambda t: torch.unsafe_chunk(t, 3, 1)[2],
+        "view(dtype)": lambda t: t.view(torch.int32), "view_as_complex": lambda t: torch.view_as_complex(t.view(4, 3, 2)),
+        "split": lambda t: t.split([1, 3])[1], "narrow": lambda t: t.narrow(1, 2, 3),
+    }
+    for tag, op in views.items():
+        out = op(params["w"])
+        assert isinstance(out, _GatheredOnUse), tag
+        assert torch.equal(out.full(), op(w)), tag
+        assert not any(isinstance(o, torch.Tensor) and type(o) is torch.Tensor and o.untyped_storage().data_ptr() in buffers for o in [out]), tag
+    for tag, write in {"mul_": lambda t: t.mul_(2), "clamp_": lambda t: t.clamp_(max=0.5), "t_": lambda t: t.t_(), "copy_": lambda t: t.copy_(torch.zeros(4, 6))}.items():
+        with pytest.raises(RuntimeError, match=r"writes into the parameter 'w' in place.*unshard='step'"):
+            write(params["w"])
