@@ -315,6 +315,7 @@ _VIEW_OPS = {
     aten.expand.default, aten.detach.default, aten.alias.default, aten.unsqueeze.default, aten.squeeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor, aten.select.int, aten.as_strided.default,
     aten.diagonal.default, aten.unfold.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+    aten.unsafe_split.Tensor, aten.unsafe_split_with_sizes.default, aten.view.dtype, aten.view_as_complex.default, aten.view_as_real.default,
     aten._to_copy.default,  # (a cast: the mixed-precision copies of the params, cast after each gather)
 }
 
@@ -350,6 +351,13 @@ class _GatheredOnUse(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        if written is not None:  # (the write would go to a temporary gather: lost, and the op's result unwritten)
+            raise RuntimeError(
+                f"Sharding(unshard='use'): {func} writes into the parameter {written!r} in place, which is gathered for each "
+                "use and dropped, so the write would be lost. Write out of place in the model (w = w.clamp(...) instead of "
+                "w.clamp_(...)), or use Sharding(params, unshard='step')."
+            )
         if func in _VIEW_OPS and isinstance(args[0], _GatheredOnUse) and not _gathered_in(args[1:], kwargs):
             src = args[0]
             if func is aten._to_copy.default and kwargs.get("device") not in (None, src.device):
@@ -361,6 +369,20 @@ class _GatheredOnUse(Tensor):
                 return cls(src.sharding, src.param, src.shard, src.views + ((func, args[1:], kwargs, None),), shaped)
         full = lambda t: t.full() if isinstance(t, _GatheredOnUse) else t  # noqa: E731
         return func(*optree.tree_map(full, args, none_is_leaf=True), **optree.tree_map(full, kwargs, none_is_leaf=True))
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The parameter of a gathered-on-use tensor that ``func`` writes into (its schema marks the
+    argument written), or None."""
+    if not func._schema.is_mutable:
+        return None
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, _GatheredOnUse):
+                    return t.param
+    return None
 
 
 def _gathered_in(args: tuple, kwargs: dict) -> bool:
