@@ -407,6 +407,10 @@ def _worker2(rank, world, init_file, out):
         res["sampler_untouched"] = sampler.state_dict() == before
         # ranks that step different states fail together
         res["seed_error"] = _error(lambda: train("mlp", sharded=True, steps=1, seed=SEED + rank))
+        # ... also where each parameter is gathered at its uses (the ranks would make different gathers),
+        # and where they gather at different times
+        res["use_method_error"] = _error(lambda: train("mlp", sharded=True, steps=1, unshard="use", method="ghost" if rank == 0 else "vmap"))
+        res["unshard_error"] = _error(lambda: train("mlp", sharded=True, steps=1, unshard="use" if rank == 0 else "step"))
         # ... and so do ranks whose ledgers differ (same seed and step count, another event on rank 1)
         other = vmapdp.accounting.PoissonGaussianEvent(noise_multiplier=1.1 if rank == 0 else 2.0, sample_rate=Q)
         forged = like._replace(ledger=like.ledger.append(other), step=1)
@@ -587,6 +591,8 @@ def test_ranks_that_disagree_fail_together_and_checkpoints_are_not_overwritten(r
     for r in runs["w2"]:
         assert r["seed_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["seed_error"]
         assert r["ledger_error"] is not None and "disagree on the state's noise seed, step, run and ledger" in r["ledger_error"]
+        for key in ("use_method_error", "unshard_error"):  # refused before the first gather, not a hang
+            assert r[key] is not None and "the ranks disagree on the state's noise seed, step, run and ledger" in r[key], key
         assert r["exists_error"] is not None and "never overwritten" in r["exists_error"]
 
 
