@@ -4,9 +4,9 @@
 run the data-parallel step of :mod:`vmapdp.distributed` with the persistent state sharded
 (ZeRO-3 / FSDP-style). One logical step on ``W`` ranks::
 
-    every rank:  full = gather(own shards)                   # all_gather, transient (one per dtype)
+    every rank:  check that all ranks step the same state      # seed, step, run, config and ledger
+                 full = gather(own shards)                   # all_gather, transient (one per dtype)
                  clipped sum + telemetry over its own rows     # the usual chunk loop, on `full`
-                 check that all ranks step the same state      # seed, step, run, config and ledger
     all ranks:   own sum = reduce_scatter(clipped sums)        # each owner gets the global sum of its shard
                  own sum + the noise of its shard only         # keyed by the global element index
                  ÷ the GLOBAL expected batch size, optimizer update of its shard
@@ -287,22 +287,31 @@ class Sharding:
                 else:
                     p.copy_(full)
 
-    def reduce_step(self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any, *, scattered: bool = False) -> tuple[dict[str, Tensor], Any]:
-        """The sharded step's reduction: first a check that every rank steps the same state (``same``:
-        seed, step, noise binding, ledger, the replicated part of the noise state (correlated
-        noise's step count and mechanism) and the adaptive clip norm; ValueError on every rank
-        otherwise), then each rank's
-        shards of the summed clipped sums (reduce-scatter; ``scattered``: ``summed`` holds them
-        already, reduce-scattered as they were formed) and the telemetry summed over ranks."""
+    def check_step(self, call: str, same: Any, device: torch.device) -> None:
+        """A check that every rank steps the same state (``same``: seed, step, noise binding (the
+        step's configuration, the method included), ledger, the replicated part of the noise state
+        (correlated noise's step count and mechanism), the adaptive clip norm and ``unshard``);
+        ValueError on every rank otherwise. The sharded step runs it before the first gather:
+        ranks that disagree would make different collectives (with ``unshard="use"``, per use)."""
         _dist.check_same(
             call,
-            "the state's noise seed, step, run and ledger (and noise state, clip norm)",
+            "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard)",
             same,
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "
-            "same checkpoint on every rank.",
-            device=optree.tree_leaves(stats, namespace="torch")[0].device,
+            "same checkpoint on every rank; and make the same train step (method, precision, Sharding(unshard=)) everywhere.",
+            device=device,
         )
+
+    def reduce_step(
+        self, call: str, summed: Mapping[str, Tensor], stats: Any, same: Any, *, scattered: bool = False, checked: bool = False
+    ) -> tuple[dict[str, Tensor], Any]:
+        """The sharded step's reduction: first :meth:`check_step` (unless ``checked``: the caller ran
+        it), then each rank's shards of the summed clipped sums (reduce-scatter; ``scattered``:
+        ``summed`` holds them already, reduce-scattered as they were formed) and the telemetry
+        summed over ranks."""
+        if not checked:
+            self.check_step(call, same, optree.tree_leaves(stats, namespace="torch")[0].device)
         return (dict(summed) if scattered else self.reduce_scatter(summed)), _dist.all_reduce_sum(stats)
 
 

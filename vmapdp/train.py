@@ -791,13 +791,16 @@ def make_train_step(
             clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
             clip = _adaptive.check_clip_norm(scall, clip)
             shared = (clip, *shared)
+        binding = noise_binding(state.run_id, config)
+        if sharding is not None:  # the same-state check, before the first gather (ranks that disagree would gather differently)
+            same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip),
+                    sharding.unshard)
+            sharding.check_step(scall, same, mask.device)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
-        binding = noise_binding(state.run_id, config)
-        if sharding is not None:  # each owner gets the global sum of its shards, after the same-state check
-            same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip))
-            summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered)
+        if sharding is not None:  # each owner gets the global sum of its shards
+            summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered, checked=True)
         elif distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
