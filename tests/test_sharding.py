@@ -913,6 +913,6 @@ def test_a_gathered_on_use_param_never_leaks_its_gathered_buffer_nor_takes_a_wri
         assert isinstance(out, _GatheredOnUse), tag
         assert torch.equal(out.full(), op(w)), tag
         assert not any(isinstance(o, torch.Tensor) and type(o) is torch.Tensor and o.untyped_storage().data_ptr() in buffers for o in [out]), tag
-    for tag, write in {"mul_": lambda t: t.mul_(2), "clamp_": lambda t: t.clamp_(max=0.5), "t_": lambda t: t.t_(), "copy_": lambda t: t.copy_(torch.zeros(4, 6))}.items():
+    for write in {"mul_": lambda t: t.mul_(2), "clamp_": lambda t: t.clamp_(max=0.5), "t_": lambda t: t.t_(), "copy_": lambda t: t.copy_(torch.zeros(4, 6))}.values():
         with pytest.raises(RuntimeError, match=r"writes into the parameter 'w' in place.*unshard='step'"):
             write(params["w"])
