@@ -916,3 +916,31 @@ def test_a_gathered_on_use_param_never_leaks_its_gathered_buffer_nor_takes_a_wri
     for write in {"mul_": lambda t: t.mul_(2), "clamp_": lambda t: t.clamp_(max=0.5), "t_": lambda t: t.t_(), "copy_": lambda t: t.copy_(torch.zeros(4, 6))}.values():
         with pytest.raises(RuntimeError, match=r"writes into the parameter 'w' in place.*unshard='step'"):
             write(params["w"])
+
+
+@pytest.mark.parametrize("keep_elements", [0, 40])  # 40: only 0.bias (5 x 6) is kept
+def test_the_sink_takes_every_sum_once_in_the_params_order_whatever_ghost_kept(monkeypatch, keep_elements):
+    """The sharded step's sink is a collective: every rank must call it for the same params in the
+    same order, whichever per-sample grads ghost kept (the keep budget depends on the row count)."""
+    from dataclasses import replace
+
+    from vmapdp.ghost import limits
+
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=keep_elements, keep_ratio=0.0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    apply, params, buffers = vmapdp.functionalize(model)
+    params = {k: params[k] for k in ("2.weight", "0.bias", "0.weight", "2.bias")}  # not the module's order
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+    batch = (torch.randn(5, 4), torch.randint(0, 3, (5,)))
+    seen = []
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=0.5, method="ghost")
+    summed, _, _ = fn(params, buffers, batch, sink=lambda k, v: seen.append(k) or -v)
+    expected, _, _ = fn(params, buffers, batch)
+    assert seen == list(params)
+    for k in params:
+        assert torch.equal(summed[k], -expected[k])

@@ -369,7 +369,7 @@ class _GatheredOnUse(Tensor):
             )
         if func in _VIEW_OPS and isinstance(args[0], _GatheredOnUse) and not _gathered_in(args[1:], kwargs):
             src = args[0]
-            if func is aten._to_copy.default and kwargs.get("device") not in (None, src.device):
+            if func is aten._to_copy.default and not _same_device(kwargs.get("device"), src.device):
                 pass  # a move to another device: the full value, below
             else:
                 shaped = func(torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta"), *args[1:], **kwargs)
@@ -378,6 +378,19 @@ class _GatheredOnUse(Tensor):
                 return cls(src.sharding, src.param, src.shard, src.views + ((func, args[1:], kwargs, None),), shaped)
         full = lambda t: t.full() if isinstance(t, _GatheredOnUse) else t  # noqa: E731
         return func(*optree.tree_map(full, args, none_is_leaf=True), **optree.tree_map(full, kwargs, none_is_leaf=True))
+
+
+def _same_device(to: Any, device: torch.device) -> bool:
+    """``.to(device=to)`` keeps a tensor on ``device`` (None, or ``"cuda"`` for ``cuda:0`` when that is current)."""
+    if to is None:
+        return True
+    to = torch.device(to)
+    if to.type != device.type:
+        return False
+    if to.index is None and device.type != "cpu":
+        module = getattr(torch, device.type, None)
+        return module is None or not hasattr(module, "current_device") or module.current_device() == device.index
+    return to.index is None or to.index == device.index
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> str | None:

@@ -360,9 +360,11 @@ def _clipped_sum(
     # per-sample grads at hand (kept, or of uses no rule covers): clip_and_sum's weighted sum
     # (each w_i g_i of these has norm <= C: summed in float32 their rounding is clip_and_sum's)
     per_sample = {k: kept[k] if k in kept else other_grads[k] for k in params if k in kept or (k in other_grads and k not in uses)}
-    summed = {k: sink(k, v) for k, v in weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w).items()}
-    for key, p in params.items():
-        if key in summed:  # kept (every use of it is in its per-sample grads), or other uses only
+    at_hand = weighted_sum(per_sample if zero is None else zero_rows(per_sample, zero), w)
+    summed: dict[str, Tensor] = {}
+    for key, p in params.items():  # (in the params' order, whatever was kept: the sharded step's sink is a collective)
+        if key in at_hand:  # kept (every use of it is in its per-sample grads), or other uses only
+            summed[key] = sink(key, at_hand.pop(key))
             continue
         dtype = acc_dtype(p.dtype)
         wide = _sum_dtype(dtype)
@@ -379,4 +381,4 @@ def _clipped_sum(
             total.add_(part)
         summed[key] = sink(key, total.to(dtype))
         del parts, total
-    return {k: summed[k] for k in params}
+    return summed
