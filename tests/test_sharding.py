@@ -162,6 +162,27 @@ def fsdp_run():
     res["params_are_shards"] = all(isinstance(v, DTensor) for v in params.values())
     res["local_elements"] = sum(v.to_local().numel() for v in params.values())
     res["dtensor_error"] = _error(lambda: vmapdp.clipped_grad_sum(lambda p, b, x: apply(p, b, x[None]).sum(), l2_clip_norm=1.0)(params, buffers, X_FORWARD))
+    # the curvature functions, make_private and validate (with inputs) refuse it too, with the fix,
+    # not with a DTensor error from inside (make_private: before any step; the module is untouched)
+    def any_error(fn):
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 (the test reads which one)
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    out1 = lambda p, b, x: apply(p, b, x[None])[0]  # noqa: E731
+    res["curvature_errors"] = [
+        any_error(lambda: vmapdp.per_sample_jacobian(out1)(params, buffers, X_FORWARD)),
+        any_error(lambda: vmapdp.empirical_ntk(out1)(params, buffers, X_FORWARD, X_FORWARD)),
+        any_error(lambda: vmapdp.hutchinson_trace(lambda p, b, x: out1(p, b, x).sum(), num_probes=1, generator=torch.Generator().manual_seed(0))(params, buffers, X_FORWARD)),
+    ]
+    before = {k: p.to_local().clone() for k, p in model.named_parameters()}
+    rows = list(zip(X_FORWARD, torch.zeros(len(X_FORWARD), dtype=torch.long)))
+    res["make_private_error"] = any_error(lambda: vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), rows, l2_clip_norm=1.0, delta=1e-3,
+                                                                      noise_multiplier=1.0, batch_size=2, compile=False, method="ghost", seed=1).fit(1))
+    res["make_private_untouched"] = all(torch.equal(p.to_local(), before[k]) for k, p in model.named_parameters())
+    res["validate_error"] = any_error(lambda: vmapdp.validate(model, X_FORWARD))
     # the same run with each parameter gathered on use
     state, sharding, _ = train("mlp", sharded=True, wrap=wrap, unshard="use")
     res["use_summary"] = summary(state, sharding)
@@ -622,6 +643,11 @@ def test_a_fully_shard_model_trains_through_the_sharded_step_and_takes_the_param
         torch.testing.assert_close(f["forward"], expected, rtol=1e-5, atol=1e-6)  # FSDP2's own forward, trained params
         assert f["params_are_shards"] and f["local_elements"] < sum(v.numel() for v in single.params.values())
         assert f["dtensor_error"] is not None and "FSDP2 DTensor shards" in f["dtensor_error"] and "sharding=Sharding(params)" in f["dtensor_error"]
+        for err in f["curvature_errors"]:
+            assert err is not None and err.startswith("ValueError") and "FSDP2 DTensor shards" in err and "full_tensor()" in err, err
+        assert f["make_private_error"] is not None and f["make_private_error"].startswith("ValueError") and "fully_shard" in f["make_private_error"], f["make_private_error"]
+        assert f["make_private_untouched"]
+        assert f["validate_error"] is not None and f["validate_error"].startswith("ValueError") and "fully_shard" in f["validate_error"], f["validate_error"]
         _close(f["use_summary"]["params"], single.params)
         assert f["use_summary"]["run_id"] == single.run_id
 
