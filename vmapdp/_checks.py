@@ -280,16 +280,22 @@ def params_dict(call: str, params: Any, *, what: str = "params", require_dict: b
         if bad:
             raise TypeError(f"{call}: {what} must map names to tensors; {bad[:5]} are not tensors.")
     if not fsdp_ok:
-        from vmapdp.sharding import _is_dtensor
-
-        if any(_is_dtensor(leaf) for leaf in leaves):
-            raise ValueError(
-                f"{call}: {what} hold FSDP2 DTensor shards (vmapdp.functionalize of a fully_shard module does not gather "
-                "them). Train them sharded: state = init_train_state(params, opt, sharding=Sharding(params)) and "
-                "make_train_step(..., sharding=) (see vmapdp.sharding); or gather them first: "
-                "{k: v.full_tensor() for k, v in params.items()} (the whole model on every rank)."
-            )
+        no_dtensor(call, leaves, what)
     return params
+
+
+def no_dtensor(call: str, tree: Any, what: str = "params") -> None:
+    """ValueError, with the fix, where ``tree`` holds FSDP2 ``DTensor`` shards (``functionalize`` of a
+    ``fully_shard`` module): the calls that run the model on full params cannot take them."""
+    from vmapdp.sharding import _is_dtensor
+
+    if any(_is_dtensor(leaf) for leaf in optree.tree_leaves(tree, namespace="torch")):
+        raise ValueError(
+            f"{call}: {what} hold FSDP2 DTensor shards (vmapdp.functionalize of a fully_shard module does not gather "
+            "them). Train them sharded: state = init_train_state(params, opt, sharding=Sharding(params)) and "
+            "make_train_step(..., sharding=) (see vmapdp.sharding); or gather them first: "
+            "{k: v.full_tensor() for k, v in params.items()} (the whole model on every rank)."
+        )
 
 
 def privatizer(call: str, value: Any) -> Any:

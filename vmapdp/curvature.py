@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
+from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_chunk_size, check_mask, leaves_with_paths
 from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 
@@ -114,6 +115,7 @@ def _check_nargs(call: str, args: tuple, n_batched: int, form: str) -> None:
             f"{call}{form}: expected at least {1 + n_batched} arguments, got {len(args)}. "
             "params comes first, shared arguments (buffers, ...) next, the batched argument(s) last."
         )
+    _checks.no_dtensor(call, args[0])  # (FSDP2 shards from functionalize: refused with the fix)
 
 
 def _scalar(fn: Callable[..., Any], call: str, name: str) -> Callable[..., Tensor]:

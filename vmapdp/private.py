@@ -212,6 +212,15 @@ def make_private(
     call = "make_private(model, optimizer, data)"
     if not isinstance(model, nn.Module):
         raise TypeError(f"{call}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    from vmapdp.sharding import is_fsdp_module
+
+    if is_fsdp_module(model):  # (its steps would run the whole model on every rank, each on all the data)
+        raise ValueError(
+            f"{call}: model is under FSDP2's fully_shard (DTensor parameters); make_private trains one process's model. "
+            "Train it sharded: apply, params, buffers = vmapdp.functionalize(model); sharding = vmapdp.sharding.Sharding(params); "
+            "init_train_state(params, opt, sharding=sharding), make_train_step(..., sharding=sharding) and "
+            "sharding.write_to_module(model, state.params) (see vmapdp.sharding); or call make_private before fully_shard."
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{call}: optimizer must be a torch.optim.Optimizer over model.parameters(), got {type(optimizer).__name__}.")
     if isinstance(data, torch.utils.data.DataLoader):

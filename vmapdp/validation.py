@@ -143,6 +143,12 @@ def validate(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"validate(module): expected a torch.nn.Module, got {type(module).__name__}")
+    if (example_args or example_kwargs) and _fsdp(module):  # (the dynamic checks run deep copies, which FSDP2 refuses)
+        raise ValueError(
+            f"validate({type(module).__name__}, *example_args): the module is under FSDP2's fully_shard, which cannot be "
+            "deep-copied for the dynamic checks. Validate the model before fully_shard (with example inputs), or call "
+            "validate(module) without inputs for the static checks."
+        )
     problems = _static_problems(module)
     if example_args or example_kwargs:
         problems += _dynamic_problems(module, example_args, example_kwargs, problems)
@@ -157,6 +163,12 @@ def validate(
             )
         )
     return problems
+
+
+def _fsdp(module: nn.Module) -> bool:
+    from vmapdp.sharding import is_fsdp_module
+
+    return is_fsdp_module(module)
 
 
 def fix(module: nn.Module) -> nn.Module:
