@@ -183,6 +183,20 @@ def fsdp_run():
                                                                       noise_multiplier=1.0, batch_size=2, compile=False, method="ghost", seed=1).fit(1))
     res["make_private_untouched"] = all(torch.equal(p.to_local(), before[k]) for k, p in model.named_parameters())
     res["validate_error"] = any_error(lambda: vmapdp.validate(model, X_FORWARD))
+    # a module left unsharded (a forward with reshard_after_forward=False) holds plain full params, and
+    # apply would run FSDP2's hooks inside vmap: functionalize refuses it with the fix, which works
+    # (every unit resharded: the root's reshard() alone leaves its children unsharded)
+    lazy = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3))
+    fully_shard(lazy[0], mesh=mesh, reshard_after_forward=False)
+    fully_shard(lazy[2], mesh=mesh, reshard_after_forward=False)
+    fully_shard(lazy, mesh=mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        lazy(X_FORWARD)
+    res["unsharded_error"] = any_error(lambda: vmapdp.functionalize(lazy))
+    for m in lazy.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    res["resharded_are_shards"] = all(isinstance(v, DTensor) for v in vmapdp.functionalize(lazy)[1].values())
     # the same run with each parameter gathered on use
     state, sharding, _ = train("mlp", sharded=True, wrap=wrap, unshard="use")
     res["use_summary"] = summary(state, sharding)
@@ -647,6 +661,8 @@ def test_a_fully_shard_model_trains_through_the_sharded_step_and_takes_the_param
             assert err is not None and err.startswith("ValueError") and "FSDP2 DTensor shards" in err and "full_tensor()" in err, err
         assert f["make_private_error"] is not None and f["make_private_error"].startswith("ValueError") and "fully_shard" in f["make_private_error"], f["make_private_error"]
         assert f["make_private_untouched"]
+        assert f["unsharded_error"] is not None and f["unsharded_error"].startswith("ValueError") and "reshard()" in f["unsharded_error"], f["unsharded_error"]
+        assert f["resharded_are_shards"]
         assert f["validate_error"] is not None and f["validate_error"].startswith("ValueError") and "fully_shard" in f["validate_error"], f["validate_error"]
         _close(f["use_summary"]["params"], single.params)
         assert f["use_summary"]["run_id"] == single.run_id
