@@ -366,9 +366,11 @@ def fsdp_module_params(call: str, module: Any, names: Sequence[str]) -> dict[str
     for k, p in params.items():
         if not isinstance(p, DTensor):
             if fsdp:
+                from vmapdp.sharding import RESHARD_FIX
+
                 raise ValueError(
                     f"{call}: {k!r} of this fully_shard module is not a DTensor: the module is unsharded (after a forward "
-                    "with reshard_after_forward=False, or unshard()). Call module.reshard() first."
+                    f"with reshard_after_forward=False, or unshard()); {RESHARD_FIX}."
                 )
             continue
         if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):

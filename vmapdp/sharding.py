@@ -434,6 +434,22 @@ def _fsdp_rows(p: Tensor, full: Tensor) -> Tensor:
     return full[min(r * c, rows) : min((r + 1) * c, rows)]
 
 
+RESHARD_FIX = "reshard every fully_shard unit first: for m in module.modules(): if isinstance(m, FSDPModule): m.reshard() (the root's reshard() alone leaves its children unsharded)"
+
+
+def not_sharded(module: nn.Module) -> list[str]:
+    """The parameters of a module under ``fully_shard`` (some submodule an ``FSDPModule``) that are
+    not ``DTensor`` s: unsharded (after a forward with ``reshard_after_forward=False``, or
+    ``unshard()``), or outside every unit. ``[]`` for a plain module."""
+    if not dist.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in module.modules()):
+        return []
+    return [k for k, p in module.named_parameters() if not _is_dtensor(p)]
+
+
 def is_fsdp_module(module: nn.Module) -> bool:
     """Whether ``module`` holds ``DTensor`` parameters (``fully_shard``, FSDP2)."""
     return any(_is_dtensor(p) for p in module.parameters())
