@@ -787,3 +787,21 @@ def test_a_transpose_the_compiler_hides_is_refused_with_the_fix():
         else:
             with pytest.raises(Exception, match=r"write W\.t\(\) instead of W\.T"):
                 compiled(params, x)
+
+
+@pytest.mark.parametrize("keep", [0, 23, 24])
+def test_a_param_only_an_uncovered_op_uses_beyond_the_keep_budget(monkeypatch, keep):
+    """A param whose only use no ghost rule covers (its per-sample grads come from the per-sample
+    view, ``other_grads``) and whose B x numel exceeds what is left of the keep budget (here 6 x 4 = 24
+    elements > 0 or 23; 24 fits; by default 2**23, e.g. a 4.2M-element param at batch 2) once hit ``uses[0]`` of an
+    empty list in ``_sq_norms`` (IndexError; found in review). Its norm comes from those grads."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=keep))
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 5, generator=g), "odd": torch.randn(4, generator=g)}
+    x = torch.randn(len(MASK), 5, generator=g)
+
+    def loss_fn(p, b, xi):
+        return (torch.cumsum(p["odd"], 0) * F.linear(xi[None], p["w"])).sum()
+
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, {}, x, mask=MASK)
+    _assert_close(summed, norms, *_reference(loss_fn, params, {}, x, MASK), rtol=1e-5)
