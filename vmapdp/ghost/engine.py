@@ -181,7 +181,7 @@ def _sq_norms(uses: list[Use], other: Tensor | None, keep_grads: bool, shape: tu
         return (*crossed, None)
     # else formed: the sum will be book-keeping in ``dtype``, so the norm is formed in ``dtype``
     # too (rounding like that sum: Use.to), a slice of samples at a time
-    b = uses[0].u.shape[0]
+    b = uses[0].u.shape[0] if uses else other.shape[0]  # (no covered use: the per-sample view's grads alone)
     sqs = []
     for s, e in slices(b, 2 * math.prod(shape)):
         part = _joint_grads([u.rows(s, e) for u in uses], None if other is None else other[s:e], shape, dtype)
