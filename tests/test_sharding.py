@@ -986,3 +986,49 @@ def test_the_sink_takes_every_sum_once_in_the_params_order_whatever_ghost_kept(m
     assert seen == list(params)
     for k in params:
         assert torch.equal(summed[k], -expected[k])
+
+
+def test_write_to_module_refuses_a_plain_module_of_other_shapes_before_writing():
+    """A plain module whose parameter has another shape than the sharding's: refused before any
+    write (the check compared the module's parameter with itself: the (1,) bias was broadcast into
+    the module's (4,) one, silently, and the weight written; found in review)."""
+    torch.manual_seed(0)
+    src = nn.Linear(5, 4)
+    src.bias = nn.Parameter(torch.randn(1))
+    _, params, _ = vmapdp.functionalize(src)
+    sharding = Sharding(params, rank=0, world_size=1)
+    dst = nn.Linear(5, 4)
+    before = {k: v.detach().clone() for k, v in dst.named_parameters()}
+    err = _error(lambda: sharding.write_to_module(dst, sharding.shard(params)))
+    assert err is not None and "'bias'" in err and "(4,)" in err, err
+    assert all(torch.equal(p, before[k]) for k, p in dst.named_parameters())
+
+
+def _other_shapes_worker(rank, world, init_file, out):
+    """The sharding of a Linear(5, 8), a fully_shard Linear(5, 9) (rank 0 holds 5 rows, rank 1 4:
+    rank 1's rows fit). Each rank's error, and whether the module was left untouched."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    torch.manual_seed(0)
+    _, params, _ = vmapdp.functionalize(nn.Linear(5, 8))
+    sharding = Sharding(params)
+    module = fully_shard(nn.Linear(5, 9), mesh=init_device_mesh("cpu", (world,)))
+    before = {k: p.to_local().clone() for k, p in module.named_parameters()}
+    err = _error(lambda: sharding.write_to_module(module, sharding.shard(params)))
+    untouched = all(torch.equal(p.to_local(), before[k]) for k, p in module.named_parameters())
+    dist.barrier()  # (both ranks still in step)
+    torch.save({"error": err, "untouched": untouched}, os.path.join(out, f"other-shapes-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_write_to_module_refuses_an_fsdp_module_of_other_shapes_on_every_rank(tmp_path):
+    """The refusal must not depend on the rank's rows: rank 0 refused (5 rows held, 4 expected)
+    while rank 1 (4 and 4) went on into the first parameter's all_gather alone (a dead peer or a
+    hang; found in review). The full shapes are compared, the same on every rank."""
+    mp.spawn(_other_shapes_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        res = torch.load(tmp_path / f"other-shapes-{r}.pt", weights_only=True)
+        assert res["error"] is not None and "'weight'" in res["error"] and "(9, 5)" in res["error"] and "(8, 5)" in res["error"], res["error"]
+        assert res["untouched"]
