@@ -273,12 +273,14 @@ class Sharding:
         from vmapdp import _checks
 
         targets = _checks.fsdp_module_params(call, module, self.names)
-        for k in self.names:  # every shape checked before the first write (FSDP2 changed its layout: refuse rather than scramble)
+        for k in self.names:  # every shape checked before the first write (and the first gather)
             p = targets[k]
-            dest = p.to_local() if _is_dtensor(p) else p
-            rows = _fsdp_rows(p, torch.empty(self.shapes[k], dtype=self.dtypes[k], device="meta")) if _is_dtensor(p) else p
-            if tuple(rows.shape) != tuple(dest.shape):
-                raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(rows.shape)}.")
+            if tuple(p.shape) != self.shapes[k]:  # (a DTensor's shape is the full one: every rank refuses alike)
+                raise RuntimeError(f"{call}: {k!r}: the module's parameter is {tuple(p.shape)}, the sharding's {self.shapes[k]}. Pass the module the params came from.")
+            if _is_dtensor(p):  # (FSDP2 changed its layout: refuse rather than scramble)
+                dest, rows = p.to_local(), _fsdp_rows(p, torch.empty(self.shapes[k], dtype=self.dtypes[k], device="meta"))
+                if tuple(rows.shape) != tuple(dest.shape):
+                    raise RuntimeError(f"{call}: {k!r}: the module holds {tuple(dest.shape)} on this rank, its rows of the full parameter are {tuple(rows.shape)}.")
         with torch.no_grad():
             for k in self.names:  # one parameter gathered at a time
                 p, full = targets[k], self.gather_one(k, local[k])
