@@ -113,8 +113,7 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
 
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: a module under ``fully_shard`` holds a parameter that is not a ``DTensor``
-            (unsharded: reshard every unit first).
+        ValueError: a ``fully_shard`` unit of the module is unsharded (reshard every unit first).
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -126,13 +125,13 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize(module): expected an nn.Module, got {type(module).__name__}.")
-    from vmapdp.sharding import RESHARD_FIX, is_fsdp_module, not_sharded, plain_twin
+    from vmapdp.sharding import RESHARD_FIX, is_fsdp_module, plain_twin, unsharded_units
 
-    plain = not_sharded(module)
-    if plain:  # (its params would be full plain copies, and apply would run FSDP2's hooks inside vmap)
+    unsharded = unsharded_units(module)
+    if unsharded:  # (its params would be full plain copies, and apply would run FSDP2's hooks inside vmap)
         raise ValueError(
-            f"functionalize(module): the module is under FSDP2's fully_shard but {plain[:5]} are not DTensors: it is "
-            f"unsharded (after a forward with reshard_after_forward=False, or unshard()), or they are outside every unit; {RESHARD_FIX}."
+            f"functionalize(module): the fully_shard units {unsharded[:5]} are unsharded (after a forward with "
+            f"reshard_after_forward=False, or unshard()): their parameters are not DTensors; {RESHARD_FIX}."
         )
     fsdp = is_fsdp_module(module)
     params: Params = {}

@@ -439,17 +439,25 @@ def _fsdp_rows(p: Tensor, full: Tensor) -> Tensor:
 RESHARD_FIX = "reshard every fully_shard unit first: for m in module.modules(): if isinstance(m, FSDPModule): m.reshard() (the root's reshard() alone leaves its children unsharded)"
 
 
-def not_sharded(module: nn.Module) -> list[str]:
-    """The parameters of a module under ``fully_shard`` (some submodule an ``FSDPModule``) that are
-    not ``DTensor`` s: unsharded (after a forward with ``reshard_after_forward=False``, or
-    ``unshard()``), or outside every unit. ``[]`` for a plain module."""
+def unsharded_units(module: nn.Module) -> list[str]:
+    """The ``fully_shard`` units of ``module`` whose parameters are not sharded now (after a forward
+    with ``reshard_after_forward=False``, or ``unshard()``): their parameters are plain full
+    tensors. ``[]`` for a plain module (and for parameters ``fully_shard`` was told to ignore)."""
     if not dist.is_available():
         return []
     from torch.distributed.fsdp import FSDPModule
 
-    if not any(isinstance(m, FSDPModule) for m in module.modules()):
-        return []
-    return [k for k, p in module.named_parameters() if not _is_dtensor(p)]
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [] if group is None else [group]
+            if any(not getattr(g, "is_sharded", True) for g in groups):
+                out.append(name or "(the root)")
+    return out
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
