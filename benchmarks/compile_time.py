@@ -3,13 +3,21 @@
 For each model (``models.py``'s four and a tiny GPT-2) and each ``method``, one child process
 builds ``vmapdp.make_train_step(compile=True, method=...)`` and times:
 
+* ``isa_probe_s``: Inductor's one-time check of the CPU's vector instruction sets
+  (``torch._inductor.cpu_vec_isa.pick_vec_isa``: one C++ build per candidate, kept in the cache
+  directory, then a load test in a subprocess per candidate, every process), which the first CPU
+  compile of a process pays, whatever it compiles; timed on its own so that it is not charged to
+  the noise kernel;
 * ``noise_compile_s``: the first keyed draw (``vmapdp.noise.keyed_normal``), which compiles the
   Box-Muller transform (once per process) minus a second draw;
 * ``race_s``: ``"auto"``'s race (``vmapdp.clipped.race``, wrapped with a timer), zero for a named method;
 * ``first_step_s``: the first step, noise compile excluded (race, dynamo trace, Inductor compile
   or cache load, first run); ``compile_s`` of it in ``torch.compile`` (dynamo's
   ``_compile.compile_inner``, all graphs), ``backend_s`` of that in AOTAutograd and Inductor
-  (``OutputGraph.call_user_compiler``);
+  (``OutputGraph.call_user_compiler``); ``trace_s`` of ``compile_s`` in dynamo's bytecode tracing
+  (``bytecode_tracing``), ``cpp_s`` the C++ compiler's seconds (``compile_file``, summed over
+  Inductor's ``compile_threads`` threads, so it can exceed the wall time) for ``kernels`` builds
+  (one per CPU kernel, 0 when served by the cache);
 * ``second_step_s`` and ``steady_ms`` (median of ``--repeats`` later steps), and ``eager_ms``,
   the same step with ``compile=False`` (median, interleaved with the compiled one);
 * ``graphs``: dynamo's ``unique_graphs`` after the first step; ``recompiles``: graphs added by the
@@ -43,6 +51,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # models.py
 MODEL_NAMES = ("mnist", "cifar10", "embedding", "lstm", "gpt2")
+# torch._dynamo.utils.compilation_time_metrics key -> row column (seconds in the first step)
+PHASES = {"_compile.compile_inner": "compile_s", "OutputGraph.call_user_compiler": "backend_s", "bytecode_tracing": "trace_s", "compile_file": "cpp_s"}
 
 
 def _problem(name: str, batch_size: int, seq_len: int):
@@ -78,6 +88,7 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
     t0 = time.perf_counter()
     import torch
     import torch._dynamo
+    import torch._inductor.compile_fx  # noqa: F401  (Inductor's import, here rather than in the first compile)
 
     import vmapdp
     from vmapdp import clipped
@@ -94,6 +105,11 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
             race_s[0] += time.perf_counter() - start
 
     clipped.race = timed_race
+    start = time.perf_counter()
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.pick_vec_isa()
+    isa_probe_s = time.perf_counter() - start
     start = time.perf_counter()
     vmapdp.noise.keyed_normal((4,), key=b"warm-up")
     first = time.perf_counter() - start
@@ -113,11 +129,13 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
 
     metrics = torch._dynamo.utils.compilation_time_metrics
     spent = lambda name: sum(metrics.get(name, ()))  # noqa: E731
-    compile_before, backend_before = spent("_compile.compile_inner"), spent("OutputGraph.call_user_compiler")
+    before = {k: spent(k) for k in PHASES}
+    kernels_before = len(metrics.get("compile_file", ()))
     start = time.perf_counter()
     state, _ = step(state, batches[0], masks[0], buffers)
     first_step_s = time.perf_counter() - start
-    compile_s, backend_s = spent("_compile.compile_inner") - compile_before, spent("OutputGraph.call_user_compiler") - backend_before
+    phases = {name: round(spent(k) - before[k], 3) for k, name in PHASES.items()}
+    kernels = len(metrics.get("compile_file", ())) - kernels_before
     graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     start = time.perf_counter()
     state, _ = step(state, batches[1], masks[1], buffers)
@@ -137,11 +155,12 @@ def child(name: str, method: str, batch_size: int, seq_len: int, repeats: int) -
         "method": method,
         "batch_size": batch_size,
         "import_s": round(import_s, 3),
+        "isa_probe_s": round(isa_probe_s, 3),
         "noise_compile_s": round(noise_compile_s, 3),
         "race_s": round(race_s[0], 3),
         "first_step_s": round(first_step_s, 3),
-        "compile_s": round(compile_s, 3),
-        "backend_s": round(backend_s, 3),
+        **phases,
+        "kernels": kernels,
         "second_step_s": round(second_step_s, 3),
         "steady_ms": round(statistics.median(compiled_ms), 2),
         "eager_ms": round(statistics.median(eager_ms), 2),
@@ -170,12 +189,13 @@ def run_child(name: str, method: str, args: argparse.Namespace, cache_dir: str) 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | method (ran) | cache | first step s | race s | compile s | noise compile s | process s | steady ms | eager ms | graphs | recompiles |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | method (ran) | cache | first step s | race s | compile s | trace s | C++ s (kernels) | ISA probe s | noise compile s | process s | steady ms | eager ms | graphs | recompiles |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['method']} ({','.join(r['chosen'])}) | {r['cache']} | {r['first_step_s']:.1f} | {r['race_s']:.1f} | {r.get('compile_s', math.nan):.1f} | "
+            f"{r.get('trace_s', math.nan):.1f} | {r.get('cpp_s', math.nan):.1f} ({r.get('kernels', '?')}) | {r.get('isa_probe_s', math.nan):.1f} | "
             f"{r['noise_compile_s']:.1f} | {r['process_s']:.1f} | {r['steady_ms']:.1f} | {r['eager_ms']:.1f} | {r['graphs']} | {r['recompiles']} |"
         )
     return "\n".join(lines)
