@@ -83,3 +83,19 @@ def test_block_ranges_compose_and_bad_arguments_raise():
         chacha.keystream(RFC_KEY, bytes(12), 0, 1, backend="gpu")
     with pytest.raises(ValueError, match=r"counters must be in"):
         chacha.chacha20_blocks(RFC_KEY, torch.tensor([2**32]), bytes(12))
+
+
+@pytest.mark.parametrize("first, n", [(0, 1), (7, 33), (2**32 - 3, 3), (123_456_789, 1000)])
+def test_keystream_words_are_the_keystream_bytes_read_as_int64(first, n):
+    """The words the keyed noise of an accelerator is made from (computed where the noise is
+    needed) are the keystream bytes' little-endian int64 view, bit for bit; the sign bit too (the
+    high 32-bit word shifted into it)."""
+    g = torch.Generator().manual_seed(first + n)
+    key = bytes(torch.randint(0, 256, (32,), generator=g).tolist())
+    nonce = bytes(torch.randint(0, 256, (12,), generator=g).tolist())
+    words = chacha.keystream_words(key, nonce, first, n)
+    assert words.dtype == torch.int64 and words.shape == (n, 8)
+    assert torch.equal(words, chacha.keystream(key, nonce, first, n).view(torch.int64).view(n, 8))
+    assert (words < 0).any() or n < 8  # (about half the words have the top bit set)
+    with pytest.raises(ValueError, match=r"outside the 32-bit counter"):
+        chacha.keystream_words(key, nonce, 2**32 - n, n + 1)

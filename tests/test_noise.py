@@ -295,7 +295,7 @@ def test_transform_known_answers_and_the_open_interval(dtype):
     words[0, 2] = 2**62  # u = 1/2: r = sqrt(2 ln 2)
     for fused in (False, True):
         out = torch.empty(1, 2, pairs, dtype=dtype)
-        _g._normals_into(words.view(torch.uint8).reshape(-1), precision, fused, out)
+        _g._normals_into(words, precision, fused, out)
         cos, sin = out[0, 0], out[0, 1]
         assert torch.isfinite(out).all()
         assert float(cos[0]) == pytest.approx((128 * math.log(2)) ** 0.5, rel=1e-6) and float(sin[0]) == 0.0
@@ -325,3 +325,43 @@ def test_keyed_noise_on_a_dict_is_the_same_before_and_after_the_first_vmap():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_for_an_accelerator_are_made_on_it_and_match_the_host(monkeypatch, dtype):
+    """The accelerator path (the keystream by the torch twin where the noise is needed, then the
+    transform op by op there), run on the CPU by declaring the CPU an accelerator: no host keystream
+    is made (OpenSSL's chunks are never asked for), the draws are bitwise the host's op-by-op
+    transform of the same words (several device-sized pieces: offsets and slices compose), and
+    within the stated ulp bound of the default (fused) draws."""
+    host = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype)
+    eager = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, fused=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the host keystream was made for an accelerator")
+
+    monkeypatch.setattr(_g, "_host", lambda device: False)
+    monkeypatch.setattr(_g.chacha, "keystream_chunks", refuse)
+    monkeypatch.setattr(_g, "_DEVICE_CHUNK_GROUPS", 7)  # pieces of 7 groups: 3000 elements span several
+    device = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype)
+    assert torch.equal(device, eager)
+    torch.testing.assert_close(device, host, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    assert torch.equal(keyed_normal((100,), KEY, leaf=3, offset=1017, dtype=dtype), device[1000:1100])
+    with pytest.raises(ValueError, match=r"fused=True is the CPU's compiled transform"):
+        keyed_normal((10,), KEY, fused=True)
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'openssl' or 'torch'"):
+        keyed_normal((10,), KEY, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_on_cuda_match_the_cpu(dtype):
+    """On CUDA the keystream and the transform run on the device; the keystream bits equal the
+    CPU's and the normals agree within the stated ulp bound (CUDA's log/cos/sin are not the CPU's)."""
+    cpu = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype)
+    cuda = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda")
+    assert cuda.device.type == "cuda"
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    words = _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40, device="cuda")
+    assert torch.equal(words.cpu(), _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40))

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["keystream", "keystream_chunks", "chacha20_blocks", "words_to_bytes", "have_openssl"]
+__all__ = ["keystream", "keystream_chunks", "keystream_words", "chacha20_blocks", "words_to_bytes", "have_openssl"]
 
 _MASK = 0xFFFFFFFF
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
@@ -94,6 +94,23 @@ def chacha20_blocks(key: bytes, counters: Tensor, nonce: bytes) -> Tensor:
     _check(key, nonce, 0, 0)
     if counters.numel() and (int(counters.min()) < 0 or int(counters.max()) > _MASK):
         raise ValueError("chacha20_blocks: counters must be in [0, 2**32).")
+    return _blocks(key, counters, nonce)
+
+
+def keystream_words(key: bytes, nonce: bytes, first_block: int, nblocks: int, *, device: torch.device | str = "cpu") -> Tensor:
+    """The keystream of blocks ``[first_block, first_block + nblocks)`` as ``[nblocks, 8]`` int64
+    words, computed on ``device`` by :func:`chacha20_blocks`'s torch ops: word ``j`` of a block is
+    its bytes ``8j .. 8j + 7`` read as a little-endian signed 64-bit integer, i.e.
+    ``keystream(...).view(torch.int64)`` bit for bit, without bytes or a trip through the host
+    (the keyed noise of tensors on an accelerator is made where they are)."""
+    _check(key, nonce, first_block, nblocks)
+    counters = torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device)
+    w = _blocks(key, counters, nonce)  # [n, 16], each in [0, 2**32)
+    return w[:, 0::2] | (w[:, 1::2] << 32)  # (the shift wraps into the sign bit, as the bytes' int64 view reads)
+
+
+def _blocks(key: bytes, counters: Tensor, nonce: bytes) -> Tensor:
+    """:func:`chacha20_blocks` without its checks (``counters`` known to be in range)."""
     consts = list(_SIGMA) + _words(key)
     init = [torch.full_like(counters, w) for w in consts] + [counters.clone()] + [torch.full_like(counters, w) for w in _words(nonce)]
     x = list(init)

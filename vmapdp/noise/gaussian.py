@@ -58,6 +58,9 @@ _FP32, _FP64 = 32, 64  # precision tags, in the nonce
 # angle); a float32 pair a 64-bit radius word and a 32-bit angle word: 3 blocks = 16 int64 + 16 int32
 _LAYOUT = {_FP64: (1, 4), _FP32: (3, 16)}
 _CHUNK_GROUPS = 4096  # groups of keystream per piece: 768 KiB (float32), 256 KiB (float64), within a core's L2
+# on an accelerator (the torch twin, op by op): pieces large enough that the ~2,000 ops of 20 rounds
+# are not launch-bound; 12 MiB of keystream (float32) and ~32 int64 words of state per block
+_DEVICE_CHUNK_GROUPS = 1 << 16
 
 
 def stream_key(key: bytes | int | str) -> bytes:
@@ -98,12 +101,20 @@ def keyed_normal(
         offset: the first element.
         dtype: the output dtype. float64 is computed in float64; every other dtype in float32
             and cast (half precision never draws noise in half precision).
+        device: where the samples are returned. On an accelerator (any device but the CPU) the
+            keystream is made there, by the torch twin of ChaCha20
+            (:func:`vmapdp.noise.chacha.keystream_words`), and transformed there op by op: no
+            host hashing, no copy of the noise over the bus.
         backend: ``"openssl"``, ``"torch"`` or ``"auto"`` (see :func:`vmapdp.noise.chacha.keystream`;
-            the same bits either way).
-        fused: transform with the Inductor-compiled kernel (one pass over each cache-sized piece of
-            keystream) or op by op in eager torch. ``None``: fused where Inductor can compile (a
-            C++ compiler is present). The two agree within a few ulps, not bitwise: a run is
-            reproducible on one setting.
+            the same bits either way). ``"auto"``: OpenSSL for the CPU (made on the host, then
+            copied when ``backend="openssl"`` is asked for another device), the torch twin on
+            ``device`` otherwise.
+        fused: transform with the Inductor-compiled CPU kernel (one pass over each cache-sized
+            piece of keystream) or op by op in eager torch. ``None``: fused where Inductor can
+            compile (a C++ compiler is present) and the transform runs on the CPU; on another
+            device always op by op (``True`` is refused there). The two agree within a few ulps,
+            not bitwise, and so do the CPU's and an accelerator's math functions: a run is
+            reproducible on one setting and device type (the keystream bits are the same on all).
 
     How the bits become normals (Box-Muller, ``z = sqrt(-2 ln u) * (cos, sin)(theta)``), in the
     working precision (float64 for float64, else float32):
@@ -151,14 +162,30 @@ def keyed_normal(
         raise ValueError(f"keyed_normal: offset={offset!r} must be an int >= 0.")
     if n == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
+    if backend not in ("auto", "openssl", "torch"):
+        raise ValueError(f"keyed_normal: backend must be 'auto', 'openssl' or 'torch', got {backend!r}.")
+    device = torch.device(device)
+    on_host = _host(device)
+    if not on_host and fused:
+        raise ValueError(f"keyed_normal: fused=True is the CPU's compiled transform; on {device} the transform runs op by op (fused=None or False).")
+    if backend == "auto" and not on_host:
+        backend = "torch"  # the keystream made on the device: nothing hashed on one host thread and copied over the bus
     precision = _FP64 if dtype == torch.float64 else _FP32
     blocks, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
     g0, g1 = offset // per_group, -(-(offset + n) // per_group)
-    out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32)
-    chunks = chacha.keystream_chunks(stream_key(key), _nonce(leaf, precision), g0 * blocks, (g1 - g0) * blocks, chunk_blocks=blocks * _CHUNK_GROUPS, backend=backend)
-    for start, raw in chunks:  # keystream a cache-sized piece at a time, transformed at once
-        _normals_into(raw, precision, fused, out[start // blocks : start // blocks + raw.numel() // (64 * blocks)])
+    skey, nonce = stream_key(key), _nonce(leaf, precision)
+    where = device if backend == "torch" else torch.device("cpu")  # OpenSSL's stream is on the host
+    out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
+    if backend == "torch":  # [blocks, 8] int64 words on the device, a piece at a time
+        step = blocks * (_CHUNK_GROUPS if on_host else _DEVICE_CHUNK_GROUPS)
+        for lo in range(0, (g1 - g0) * blocks, step):
+            words = chacha.keystream_words(skey, nonce, g0 * blocks + lo, min(step, (g1 - g0) * blocks - lo), device=device)
+            _normals_into(words.view(-1, 8 * blocks), precision, fused if on_host else False, out[lo // blocks : lo // blocks + words.shape[0] // blocks])
+    else:
+        chunks = chacha.keystream_chunks(skey, nonce, g0 * blocks, (g1 - g0) * blocks, chunk_blocks=blocks * _CHUNK_GROUPS, backend=backend)
+        for start, raw in chunks:  # keystream a cache-sized piece at a time, transformed at once
+            _normals_into(_words(raw, precision), precision, fused, out[start // blocks : start // blocks + raw.numel() // (64 * blocks)])
     z = out.reshape(-1)[offset - g0 * per_group : offset - g0 * per_group + n]
     return z.reshape(shape).to(dtype=dtype, device=device)
 
@@ -230,10 +257,14 @@ def _fused(precision: int) -> Any:
         return _FUSED[precision]
 
 
-def _normals_into(raw: Tensor, precision: int, fused: bool | None, out: Tensor) -> None:
-    """Box-Muller on keystream (or CSPRNG) bytes, written into ``out`` (``[groups, 2, pairs]``, float32 or float64)."""
+def _host(device: torch.device) -> bool:
+    """Whether noise for ``device`` is made on the host (the CPU) or on the device itself."""
+    return device.type == "cpu"
+
+
+def _normals_into(words: Tensor, precision: int, fused: bool | None, out: Tensor) -> None:
+    """Box-Muller on keystream (or CSPRNG) words (``_words``), written into ``out`` (``[groups, 2, pairs]``, float32 or float64)."""
     global _fused_ok
-    words = _words(raw, precision)
     if fused is False or (fused is None and _fused_ok is False):
         out.copy_(_EAGER[precision](words))
         return
@@ -271,7 +302,7 @@ def secure_normal(shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32,
     groups = -(-n // (2 * pairs))
     raw = torch.frombuffer(bytearray(secrets.token_bytes(64 * blocks * groups)), dtype=torch.uint8)
     out = torch.empty(groups, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32)
-    _normals_into(raw, precision, None, out)
+    _normals_into(_words(raw, precision), precision, None, out)
     return out.reshape(-1)[:n].reshape(shape).to(dtype=dtype, device=device)
 
 
