@@ -1032,3 +1032,32 @@ def test_write_to_module_refuses_an_fsdp_module_of_other_shapes_on_every_rank(tm
         res = torch.load(tmp_path / f"other-shapes-{r}.pt", weights_only=True)
         assert res["error"] is not None and "'weight'" in res["error"] and "(9, 5)" in res["error"] and "(8, 5)" in res["error"], res["error"]
         assert res["untouched"]
+
+
+def _chunking_worker(rank, world, init_file, out, setting):
+    """One unshard='use' step of the MLP on 4 rows per rank, the ranks told different chunk sizes
+    (``setting``: physical_batch_size, or two_pass's norm_chunk_size). Each rank's error."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=10))
+    try:
+        params, buffers, data, loss_fn, opt = problem("mlp")
+        sharding = Sharding(params, unshard="use")
+        kw = {"physical_batch_size": 2 if rank == 0 else 4, "method": "ghost"} if setting == "physical_batch_size" else {"norm_chunk_size": 2 if rank == 0 else 4, "method": "two_pass"}
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False, sharding=sharding, **kw)
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        rows = slice(4 * rank, 4 * rank + 4)
+        err = _error(lambda: step(state, (data[0][rows], data[1][rows]), torch.ones(4, dtype=torch.bool), buffers))
+        torch.save({"error": err}, os.path.join(out, f"chunking-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("setting", ["physical_batch_size", "norm_chunk_size"])
+def test_gathering_on_use_ranks_that_chunk_differently_fail_together(tmp_path, setting):
+    """With unshard='use' every chunk (and two_pass's norm chunk) makes its own gathers and
+    reduce-scatters, so ranks told different chunk sizes make different collectives: they must be
+    refused together with the same-state error, before the first gather (found in review: both
+    ranks waited in gloo until its timeout; with unshard='step' such ranks equal one process)."""
+    mp.spawn(_chunking_worker, args=(2, str(tmp_path / "init"), str(tmp_path), setting), nprocs=2, join=True)
+    for r in range(2):
+        err = torch.load(tmp_path / f"chunking-{r}.pt", weights_only=True)["error"]
+        assert err is not None and "the ranks disagree" in err and setting in err, err
