@@ -707,6 +707,8 @@ def make_train_step(
     # the end of its chunk (the other methods), so the full sums never exist all at once
     scattered = sharding is not None and sharding.unshard == "use"
     sink = sharding.reduce_scatter_one if scattered else None
+    # ... and each chunk (two_pass: each norm chunk) makes its own gathers and reduce-scatters: the ranks must chunk alike
+    chunking = (("physical_batch_size", physical_batch_size), ("norm_chunk_size", norm_chunk_size)) if scattered else None
     chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, sink=sink)
     chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
     # "auto"'s choices per chunk shape: the method (raced eagerly), then, when compiling, whether the compiled
@@ -794,7 +796,7 @@ def make_train_step(
         binding = noise_binding(state.run_id, config)
         if sharding is not None:  # the same-state check, before the first gather (ranks that disagree would gather differently)
             same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip),
-                    sharding.unshard)
+                    sharding.unshard, chunking)
             sharding.check_step(scall, same, mask.device)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
