@@ -1061,3 +1061,49 @@ def test_gathering_on_use_ranks_that_chunk_differently_fail_together(tmp_path, s
     for r in range(2):
         err = torch.load(tmp_path / f"chunking-{r}.pt", weights_only=True)["error"]
         assert err is not None and "the ranks disagree" in err and setting in err, err
+
+
+def _order_worker(rank, world, init_file, out, unshard):
+    """One sharded ghost step of two 4x4 weights, rank 1's params dict in the reverse order (its
+    Sharding then lays out, gathers and reduce-scatters the params in another order). Each rank's
+    error, and the full params it gathers after the step if there was none."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    try:
+        torch.manual_seed(0)
+        apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False)))
+        if rank == 1:
+            params = dict(reversed(list(params.items())))
+
+        def loss_fn(p, b, sample):
+            x, y = sample
+            return F.cross_entropy(apply(p, b, x[None]), y[None])
+
+        opt, sharding = optim.sgd(1.0), Sharding(params, unshard=unshard)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, expected_batch_size=1.0,
+                                      compile=False, method="ghost", sharding=sharding)
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(8, 4, generator=g)[4 * rank : 4 * rank + 4], torch.randint(0, 4, (8,), generator=g)[4 * rank : 4 * rank + 4]
+        res = {"error": None, "params": None}
+        try:
+            state, _ = step(state, (x, y), torch.ones(4, dtype=torch.bool), buffers)
+            res["params"] = sharding.gather(state.params)
+        except (ValueError, RuntimeError) as err:
+            res["error"] = f"{type(err).__name__}: {err}"
+        torch.save(res, os.path.join(out, f"order-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unshard", ["step", "use"])
+def test_ranks_whose_params_are_in_another_order_fail_together(tmp_path, unshard):
+    """The shards are laid out, gathered (unshard='step': one buffer per dtype in the params' order)
+    and reduce-scattered (unshard='use': one parameter at a time, in the params' order) by the order
+    of the params dict: ranks whose dicts list the same params in another order (a dict built from a
+    set: hash-randomised per process) must be refused together. Found in review: they released
+    silently, each rank's sum of one 4x4 weight added into the other's shard, and the ranks then
+    gathered different models (a max abs difference of 1.2 to 2.7 from one process)."""
+    mp.spawn(_order_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
+    for r in range(2):
+        res = torch.load(tmp_path / f"order-{r}.pt", weights_only=True)
+        assert res["error"] is not None and "the ranks disagree" in res["error"] and "order" in res["error"], (res["error"], res["params"])
