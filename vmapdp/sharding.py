@@ -293,17 +293,18 @@ class Sharding:
         """A check that every rank steps the same state (``same``: seed, step, noise binding (the
         step's configuration, the method included), ledger, the replicated part of the noise state
         (correlated noise's step count and mechanism), the adaptive clip norm, ``unshard`` and, with
-        ``unshard="use"``, the chunking: ``physical_batch_size`` and ``norm_chunk_size``);
+        ``unshard="use"``, the chunking: ``physical_batch_size`` and ``norm_chunk_size``), and the
+        order of :attr:`names` (the shards are laid out, gathered and reduce-scattered in it);
         ValueError on every rank otherwise. The sharded step runs it before the first gather:
         ranks that disagree would make different collectives (with ``unshard="use"``, per use)."""
         _dist.check_same(
             call,
             "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard; "
-            "with unshard='use', physical_batch_size and norm_chunk_size)",
-            same,
+            "with unshard='use', physical_batch_size and norm_chunk_size; the params' names in their order)",
+            (same, self.names),
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "
-            "same checkpoint on every rank; and make the same train step (method, precision, Sharding(unshard=); with unshard='use' also physical_batch_size and norm_chunk_size) everywhere.",
+            "same checkpoint on every rank; build Sharding(params) from params dicts in the same order (functionalize's) on every rank; and make the same train step (method, precision, Sharding(unshard=); with unshard='use' also physical_batch_size and norm_chunk_size) everywhere.",
             device=device,
         )
 
