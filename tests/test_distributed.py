@@ -126,6 +126,22 @@ def _worker(rank, world, init_file, out_dir):
         res["float_all_reduces"] = [s for s in sent if s[0].is_floating_point]
         # ranks that step different states (seed=None on each) fail together, none waits forever
         res["seed_error"] = _expect_error(lambda: train(True, steps=1, seed=100 + vdist.rank()))
+        # a rank whose own inputs are refused (rank 0's mask has the wrong length): every rank raises
+        # at the step's same-state check, rank 0 its own error, the other that a rank failed, instead
+        # of waiting in its next collective until the group's timeout; nothing released, and the
+        # group stays usable: the next step runs on both
+        params, buffers, data, loss_fn = problem()
+        opt = optim.sgd(0.5)
+        one = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                     compile=False, distributed=True, method="ghost")
+        st = vmapdp.init_train_state(params, opt, seed=7)
+        rows = gather(data, torch.arange(4) + 4 * vdist.rank())
+        try:
+            one(st, rows, torch.ones(3 if vdist.rank() == 0 else 4, dtype=torch.bool), buffers)
+            res["one_rank_error"] = None
+        except (ValueError, RuntimeError) as err:
+            res["one_rank_error"] = f"{type(err).__name__}: {err}"
+        res["after_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -200,6 +216,17 @@ def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
         assert r["seed_error"] is not None and "disagree on the state's noise seed and step" in r["seed_error"]
         assert "same seed" in r["seed_error"]
+
+
+def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(ranks):
+    """Found in review: a local refusal on one rank (a bad mask; the sampler position, which only
+    rank 0 checks) left the others waiting in the step's next collective until the group's timeout
+    (60 s here; 30 min by default)."""
+    r0, r1 = ranks
+    assert r0["one_rank_error"].startswith("ValueError: step(state, batch, mask): mask"), r0["one_rank_error"]
+    assert r1["one_rank_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed before the ranks' check"), r1["one_rank_error"]
+    assert "nothing was released" in r1["one_rank_error"]
+    assert r0["after_error"] == r1["after_error"] == 1
 
 
 def test_ranks_with_different_samplers_fail_together(ranks):

@@ -1010,7 +1010,7 @@ def _other_shapes_worker(rank, world, init_file, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.manual_seed(0)
     _, params, _ = vmapdp.functionalize(nn.Linear(5, 8))
     sharding = Sharding(params)
@@ -1037,7 +1037,7 @@ def test_write_to_module_refuses_an_fsdp_module_of_other_shapes_on_every_rank(tm
 def _chunking_worker(rank, world, init_file, out, setting):
     """One unshard='use' step of the MLP on 4 rows per rank, the ranks told different chunk sizes
     (``setting``: physical_batch_size, or two_pass's norm_chunk_size). Each rank's error."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=10))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         params, buffers, data, loss_fn, opt = problem("mlp")
         sharding = Sharding(params, unshard="use")
@@ -1067,7 +1067,7 @@ def _order_worker(rank, world, init_file, out, unshard):
     """One sharded ghost step of two 4x4 weights, rank 1's params dict in the reverse order (its
     Sharding then lays out, gathers and reduce-scatters the params in another order). Each rank's
     error, and the full params it gathers after the step if there was none."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         torch.manual_seed(0)
         apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False)))
@@ -1107,3 +1107,39 @@ def test_ranks_whose_params_are_in_another_order_fail_together(tmp_path, unshard
     for r in range(2):
         res = torch.load(tmp_path / f"order-{r}.pt", weights_only=True)
         assert res["error"] is not None and "the ranks disagree" in res["error"] and "order" in res["error"], (res["error"], res["params"])
+
+
+def _one_rank_refused_worker(rank, world, init_file, out, unshard):
+    """One sharded step where rank 0's mask has the wrong length (its own check refuses it), then
+    a good step on both ranks. Each rank's error and the step count after."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        params, buffers, data, loss_fn, opt = problem("mlp")
+        sharding = Sharding(params, unshard=unshard)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
+                                      method="ghost", sharding=sharding)
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        rows = slice(4 * rank, 4 * rank + 4)
+        batch = (data[0][rows], data[1][rows])
+        res = {"error": None}
+        try:
+            step(state, batch, torch.ones(3 if rank == 0 else 4, dtype=torch.bool), buffers)
+        except (ValueError, RuntimeError) as err:
+            res["error"] = f"{type(err).__name__}: {err}"
+        res["after"] = step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        torch.save(res, os.path.join(out, f"refused-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unshard", ["step", "use"])
+def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(tmp_path, unshard):
+    """Found in review: an input only one rank refuses (here a mask of the wrong length on rank 0)
+    left the other rank waiting in the same-state check's all_reduce until gloo's timeout. Now the
+    check carries the failure: rank 0 raises its error, rank 1 that another rank failed, nothing is
+    released, and the next step runs on both."""
+    mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
+    assert r0["error"] is not None and r0["error"].startswith("ValueError: step(state, batch, mask): mask"), r0["error"]
+    assert r1["error"] is not None and "another rank failed" in r1["error"] and "nothing was released" in r1["error"], r1["error"]
+    assert r0["after"] == r1["after"] == 1

@@ -4,7 +4,9 @@ One logical DP-SGD step on ``W`` ranks (``make_train_step(..., distributed=True)
 
     every rank:  the same global Poisson sample (indices, mask)    # same sampler key on all ranks
                  its own disjoint share of it                       # shard(): sampled row j -> rank j % W
-                 clipped sum + telemetry over its rows              # the usual chunk loop
+    all ranks:   check that they step the same state (seed, step)   # check_step(): one tiny all_reduce (a rank's
+                                                                    # own input error is raised on all there)
+    every rank:  clipped sum + telemetry over its rows              # the usual chunk loop
     all ranks:   one all_reduce(SUM) of the sums and telemetry      # all_reduce_step()
                  the same noise, drawn once from (noise_seed, step) # identical key on every rank
                  ÷ the GLOBAL expected batch size, optimizer update # identical params on every rank
@@ -59,6 +61,7 @@ __all__ = [
     "broadcast_tree",
     "privatized_on_rank0",
     "check_same",
+    "check_step",
     "local_capacity",
     "shard",
     "sharded",
@@ -191,29 +194,46 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.sha256(b"vmapdp-check-same:" + repr(value).encode()).digest()[:8], "little") >> 2
 
 
-def check_same(call: str, what: str, value: Any, *, fix: str, device: torch.device | str | None = None) -> None:
+def check_same(
+    call: str,
+    what: str,
+    value: Any,
+    *,
+    fix: str,
+    device: torch.device | str | None = None,
+    error: BaseException | None = None,
+    elsewhere: str | None = None,
+) -> None:
     """Raise on EVERY rank (none is left waiting in a collective) unless all ranks hold the same ``value``.
 
-    One tiny ``all_reduce(MAX)`` of ``[digest, -digest]``: every rank sees the largest and the
-    smallest digest, and they agree iff all ranks do. A no-op without a process group.
+    One tiny ``all_reduce(MAX)`` of ``[digest, -digest, failed]``: every rank sees the largest and
+    the smallest digest, and they agree iff all ranks do. ``error``: an exception this rank hit on
+    its own before the collective (a bad argument, a refusal only it checks); then every rank
+    raises instead of the others waiting in their next collective until the process group's
+    timeout: this rank ``error``, the others a RuntimeError (``elsewhere``, default: another rank
+    failed before this collective, nothing was released). Without a process group: ``error`` is
+    raised, else nothing happens.
     """
     if not is_initialized():
+        if error is not None:
+            raise error
         return
-    d = _digest(value)
-    t = torch.tensor([d, -d], dtype=torch.int64, device=device if device is not None else _comm_device())
+    d = 0 if error is not None else _digest(value)
+    t = torch.tensor([d, -d, int(error is not None)], dtype=torch.int64, device=device if device is not None else _comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[2]):
+        if error is not None:
+            raise error
+        raise RuntimeError(elsewhere or f"{call}: another rank failed before the ranks' check of {what} (its error is raised there); nothing was released.")
     if int(t[0]) != -int(t[1]):
         raise ValueError(f"{call}: the ranks disagree on {what} (this is rank {rank()} of {world_size()}). {fix}")
 
 
-def all_reduce_step(call: str, summed: Any, stats: Any, noise_key: Any) -> tuple[Any, Any]:
-    """The train step's reduction: the clipped sums and the telemetry (a pytree of tensors, the
-    step's ``StepStats``), summed leaf-wise over ranks.
-
-    First checks (one tiny collective) that every rank steps the same state, identified by
-    ``noise_key = (noise_seed, step)``: ranks with different seeds would draw different noise and
-    their params would drift apart silently. Then ONE ``all_reduce`` of ``(summed, stats)``.
-    """
+def check_step(call: str, noise_key: Any, *, error: BaseException | None = None) -> None:
+    """The train step's check (one tiny collective, before any other of the step) that every rank
+    steps the same state, identified by ``noise_key = (noise_seed, step, ...)``: ranks with
+    different seeds would draw different noise and their params would drift apart silently.
+    ``error``: what this rank's own checks of its inputs raised (see :func:`check_same`)."""
     check_same(
         call,
         "the state's noise seed and step",
@@ -221,8 +241,19 @@ def all_reduce_step(call: str, summed: Any, stats: Any, noise_key: Any) -> tuple
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "
         "same checkpoint on every rank.",
-        device=optree.tree_leaves(stats, namespace="torch")[0].device,
+        error=error,
     )
+
+
+def all_reduce_step(call: str, summed: Any, stats: Any, noise_key: Any, *, checked: bool = False) -> tuple[Any, Any]:
+    """The train step's reduction: the clipped sums and the telemetry (a pytree of tensors, the
+    step's ``StepStats``), summed leaf-wise over ranks.
+
+    First :func:`check_step` (unless ``checked``: the caller ran it), then ONE ``all_reduce`` of
+    ``(summed, stats)``.
+    """
+    if not checked:
+        check_step(call, noise_key)
     return all_reduce_sum((summed, stats))
 
 

@@ -135,13 +135,8 @@ def _layout(sharding: Sharding) -> list:
 def _fail_together(call: str, error: BaseException | None, what: str) -> None:
     """Raise on every rank if any rank failed (``error`` not None): its own error on a rank that
     failed, a RuntimeError naming the stage on the others (none is left waiting in a collective)."""
-    try:
-        _dist.check_same(call, "whether " + what + " succeeded", error is None, fix="")
-    except ValueError:
-        if error is None:
-            raise RuntimeError(f"{call}: {what} failed on another rank (its error is raised there); nothing was {'saved' if 'save' in call else 'loaded'}.") from None
-    if error is not None:
-        raise error
+    nothing = "saved" if "save" in call else "loaded"
+    _dist.check_same(call, what, None, fix="", error=error, elsewhere=f"{call}: {what} failed on another rank (its error is raised there); nothing was {nothing}.")
 
 
 def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding, *, sampler: Any = None, key: bytes | str | None = None) -> None:

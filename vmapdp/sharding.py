@@ -289,14 +289,16 @@ class Sharding:
                 else:
                     p.copy_(full)
 
-    def check_step(self, call: str, same: Any, device: torch.device) -> None:
+    def check_step(self, call: str, same: Any, device: torch.device | None = None, *, error: BaseException | None = None) -> None:
         """A check that every rank steps the same state (``same``: seed, step, noise binding (the
         step's configuration, the method included), ledger, the replicated part of the noise state
         (correlated noise's step count and mechanism), the adaptive clip norm, ``unshard`` and, with
         ``unshard="use"``, the chunking: ``physical_batch_size`` and ``norm_chunk_size``), and the
         order of :attr:`names` (the shards are laid out, gathered and reduce-scattered in it);
         ValueError on every rank otherwise. The sharded step runs it before the first gather:
-        ranks that disagree would make different collectives (with ``unshard="use"``, per use)."""
+        ranks that disagree would make different collectives (with ``unshard="use"``, per use).
+        ``error``: what this rank's own checks of its inputs raised; every rank then raises (see
+        :func:`vmapdp.distributed.check_same`). ``device``: of the collective (None: the backend's)."""
         _dist.check_same(
             call,
             "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard; "
@@ -306,6 +308,7 @@ class Sharding:
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "
             "same checkpoint on every rank; build Sharding(params) from params dicts in the same order (functionalize's) on every rank; and make the same train step (method, precision, Sharding(unshard=); with unshard='use' also physical_batch_size and norm_chunk_size) everywhere.",
             device=device,
+            error=error,
         )
 
     def reduce_step(

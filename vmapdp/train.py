@@ -785,26 +785,35 @@ def make_train_step(
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
-        n, mask = _checked_inputs(scall, state, batch, mask, secure)
-        _check_sampler_position(scall, sampler, state.step, distributed)
-        ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
-        clip = None
-        if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor
-            clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
-            clip = _adaptive.check_clip_norm(scall, clip)
-            shared = (clip, *shared)
-        binding = noise_binding(state.run_id, config)
-        if sharding is not None:  # the same-state check, before the first gather (ranks that disagree would gather differently)
-            same = (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state), None if clip is None else float(clip),
-                    sharding.unshard, chunking)
-            sharding.check_step(scall, same, mask.device)
+        failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
+        try:
+            n, mask = _checked_inputs(scall, state, batch, mask, secure)
+            _check_sampler_position(scall, sampler, state.step, distributed)
+            ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
+            clip = None
+            if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor
+                clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
+                clip = _adaptive.check_clip_norm(scall, clip)
+                shared = (clip, *shared)
+            binding = noise_binding(state.run_id, config)
+        except Exception as err:
+            if not distributed:
+                raise
+            failed = err  # (the other ranks would wait in the step's first collective until the group's timeout)
+        # the same-state check, before the step's first collective (ranks that disagree would gather or choose differently)
+        if sharding is not None:
+            same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state),
+                                        None if clip is None else float(clip), sharding.unshard, chunking)
+            sharding.check_step(scall, same, error=failed)
+        elif distributed:
+            _dist.check_step(scall, None if failed else (state.noise_seed, state.step, binding), error=failed)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
         if sharding is not None:  # each owner gets the global sum of its shards
             summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered, checked=True)
-        elif distributed:  # sum over ranks (one all_reduce), after checking that all ranks step the same state
-            summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding))
+        elif distributed:  # sum over ranks (one all_reduce)
+            summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding), checked=True)
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
