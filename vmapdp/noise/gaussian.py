@@ -165,22 +165,22 @@ def keyed_normal(
     if backend not in ("auto", "openssl", "torch"):
         raise ValueError(f"keyed_normal: backend must be 'auto', 'openssl' or 'torch', got {backend!r}.")
     device = torch.device(device)
-    on_host = _host(device)
-    if not on_host and fused:
-        raise ValueError(f"keyed_normal: fused=True is the CPU's compiled transform; on {device} the transform runs op by op (fused=None or False).")
-    if backend == "auto" and not on_host:
+    if backend == "auto" and not _host(device):
         backend = "torch"  # the keystream made on the device: nothing hashed on one host thread and copied over the bus
+    where = device if backend == "torch" else torch.device("cpu")  # where the keystream and the transform run (OpenSSL's: the host)
+    on_host = _host(where)
+    if fused and not on_host:
+        raise ValueError(f"keyed_normal: fused=True is the CPU's compiled transform; on {device} the transform runs op by op (fused=None or False).")
     precision = _FP64 if dtype == torch.float64 else _FP32
     blocks, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
     g0, g1 = offset // per_group, -(-(offset + n) // per_group)
     skey, nonce = stream_key(key), _nonce(leaf, precision)
-    where = device if backend == "torch" else torch.device("cpu")  # OpenSSL's stream is on the host
     out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
-    if backend == "torch":  # [blocks, 8] int64 words on the device, a piece at a time
+    if backend == "torch":  # [nblocks, 8] int64 words where the noise is needed, a piece at a time
         step = blocks * (_CHUNK_GROUPS if on_host else _DEVICE_CHUNK_GROUPS)
         for lo in range(0, (g1 - g0) * blocks, step):
-            words = chacha.keystream_words(skey, nonce, g0 * blocks + lo, min(step, (g1 - g0) * blocks - lo), device=device)
+            words = chacha.keystream_words(skey, nonce, g0 * blocks + lo, min(step, (g1 - g0) * blocks - lo), device=where)
             _normals_into(words.view(-1, 8 * blocks), precision, fused if on_host else False, out[lo // blocks : lo // blocks + words.shape[0] // blocks])
     else:
         chunks = chacha.keystream_chunks(skey, nonce, g0 * blocks, (g1 - g0) * blocks, chunk_blocks=blocks * _CHUNK_GROUPS, backend=backend)
