@@ -1143,3 +1143,41 @@ def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(tmp_path, un
     assert r0["error"] is not None and r0["error"].startswith("ValueError: step(state, batch, mask): mask"), r0["error"]
     assert r1["error"] is not None and "another rank failed" in r1["error"] and "nothing was released" in r1["error"], r1["error"]
     assert r0["after"] == r1["after"] == 1
+
+
+def _uneven_rows_worker(rank, world, init_file, out, unshard):
+    """One step where rank 0's batch (3 rows, a mask that fits) is not a multiple of
+    physical_batch_size=2 and rank 1's (4 rows) is: data-parallel (``unshard=None``: no Sharding)
+    or sharded. Each rank's error. (No step after it: with the refusal raised after the same-state
+    check, the ranks' next collectives pair up wrongly and gloo aborts the process.)"""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        params, buffers, data, loss_fn, opt = problem("mlp")
+        sharding = None if unshard is None else Sharding(params, unshard=unshard)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
+                                      method="ghost", physical_batch_size=2, distributed=True, sharding=sharding)
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        k = 3 if rank == 0 else 4
+        batch = (data[0][4 * rank : 4 * rank + k], data[1][4 * rank : 4 * rank + k])
+        res = {"error": None}
+        try:
+            step(state, batch, torch.ones(k, dtype=torch.bool), buffers)
+        except Exception as err:  # noqa: BLE001 (recorded for the parent)
+            res["error"] = f"{type(err).__name__}: {err}"
+        torch.save(res, os.path.join(out, f"uneven-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unshard", [None, "step"])
+def test_a_batch_one_rank_cannot_chunk_makes_every_rank_raise_at_the_check(tmp_path, unshard):
+    """Found in review: the refusal of a batch that is not a multiple of physical_batch_size (a
+    step input only the rank that holds it checks) ran in the chunk loop, after the same-state
+    check that carries a rank's own refusal to the others: rank 1 went on into the step's
+    reduction and waited there (or, had rank 0 caught its error and stepped again, their next
+    collectives paired up wrongly: gloo aborted). It must be raised at the check, like a bad mask:
+    rank 0 its own error, rank 1 that another rank failed."""
+    mp.spawn(_uneven_rows_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"uneven-{r}.pt", weights_only=True) for r in range(2))
+    assert r0["error"] is not None and "not a multiple of physical_batch_size=2" in r0["error"], r0["error"]
+    assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
