@@ -376,6 +376,12 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
 
 
 
+def _check_rows(n: int, size: int) -> None:
+    """Refuse a batch of ``n`` rows that the chunk loop cannot split into chunks of ``size``."""
+    if n % size:
+        raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
+
+
 def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool) -> None:
     """Refuse a step whose state is further on than the sampler that drew its batch.
 
@@ -766,8 +772,7 @@ def make_train_step(
         if scattered:  # the same chunks on every rank (padded with masked rows): see _same_chunks
             batch, mask, n = _same_chunks(batch, mask, n, physical_batch_size)
         size = physical_batch_size or max(n, 1)
-        if n % size:
-            raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
+        _check_rows(n, size)  # (the step checks it before its same-state check; scattered: _same_chunks padded to a multiple)
         total, recorded = None, dict(state.methods)
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
@@ -790,6 +795,8 @@ def make_train_step(
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
             _check_sampler_position(scall, sampler, state.step, distributed)
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
+            if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
+                _check_rows(n, physical_batch_size or max(n, 1))
             clip = None
             if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor
                 clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
