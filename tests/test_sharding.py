@@ -1020,7 +1020,7 @@ def _other_shapes_worker(rank, world, init_file, out):
     untouched = all(torch.equal(p.to_local(), before[k]) for k, p in module.named_parameters())
     dist.barrier()  # (both ranks still in step)
     torch.save({"error": err, "untouched": untouched}, os.path.join(out, f"other-shapes-{rank}.pt"))
-    dist.destroy_process_group()
+    vdist.shutdown()
 
 
 def test_write_to_module_refuses_an_fsdp_module_of_other_shapes_on_every_rank(tmp_path):
@@ -1048,7 +1048,7 @@ def _chunking_worker(rank, world, init_file, out, setting):
         err = _error(lambda: step(state, (data[0][rows], data[1][rows]), torch.ones(4, dtype=torch.bool), buffers))
         torch.save({"error": err}, os.path.join(out, f"chunking-{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        vdist.shutdown()
 
 
 @pytest.mark.parametrize("setting", ["physical_batch_size", "norm_chunk_size"])
@@ -1092,7 +1092,7 @@ def _order_worker(rank, world, init_file, out, unshard):
             res["error"] = f"{type(err).__name__}: {err}"
         torch.save(res, os.path.join(out, f"order-{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        vdist.shutdown()
 
 
 @pytest.mark.parametrize("unshard", ["step", "use"])
@@ -1129,7 +1129,7 @@ def _one_rank_refused_worker(rank, world, init_file, out, unshard):
         res["after"] = step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step
         torch.save(res, os.path.join(out, f"refused-{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        vdist.shutdown()
 
 
 @pytest.mark.parametrize("unshard", ["step", "use"])
@@ -1166,7 +1166,7 @@ def _uneven_rows_worker(rank, world, init_file, out, unshard):
             res["error"] = f"{type(err).__name__}: {err}"
         torch.save(res, os.path.join(out, f"uneven-{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        vdist.shutdown()
 
 
 @pytest.mark.parametrize("unshard", [None, "step"])
