@@ -1181,3 +1181,37 @@ def test_a_batch_one_rank_cannot_chunk_makes_every_rank_raise_at_the_check(tmp_p
     r0, r1 = (torch.load(tmp_path / f"uneven-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] is not None and "not a multiple of physical_batch_size=2" in r0["error"], r0["error"]
     assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
+
+
+def _unsharded_state_worker(rank, world, init_file, out, unshard):
+    """One sharded step where rank 0's state holds the full params (init_train_state without
+    sharding=: not its shards, which the step's check_local refuses) and rank 1's its shards. Each
+    rank's error."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        params, buffers, data, loss_fn, opt = problem("mlp")
+        sharding = Sharding(params, unshard=unshard)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
+                                      method="ghost", sharding=sharding)
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=None if rank == 0 else sharding)
+        batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
+        res = {"error": None}
+        try:
+            step(state, batch, torch.ones(4, dtype=torch.bool), buffers)
+        except Exception as err:  # noqa: BLE001 (recorded for the parent)
+            res["error"] = f"{type(err).__name__}: {err}"
+        torch.save(res, os.path.join(out, f"unsharded-{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+@pytest.mark.parametrize("unshard", ["step", "use"])
+def test_a_rank_whose_state_is_not_its_shards_makes_every_rank_raise_at_the_check(tmp_path, unshard):
+    """Found in review: a state whose params are not this rank's shards (a bad state, refused by
+    Sharding.check_local) was refused when the step gathered the params, after the same-state check
+    that carries a rank's own refusal: the other rank went on into the gather and waited there. It
+    must be raised at the check: rank 0 its own error, rank 1 that another rank failed."""
+    mp.spawn(_unsharded_state_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"unsharded-{r}.pt", weights_only=True) for r in range(2))
+    assert r0["error"] is not None and "the state was sharded for another world size or layout" in r0["error"], r0["error"]
+    assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
