@@ -797,6 +797,8 @@ def make_train_step(
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
+            if sharding is not None:  # this rank's shards (step_params would refuse them after the check, in the first gather)
+                sharding.check_local(scall, state.params)
             clip = None
             if adaptive_clipping is not None:  # the threshold enters the compiled chunk as a traced tensor
                 clip = _adaptive.initial_clip_norm(l2_clip_norm, mask.device) if state.clip_norm is None else state.clip_norm
