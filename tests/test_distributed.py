@@ -297,3 +297,35 @@ def test_shutdown_destroys_the_group_and_is_a_no_op_without_one(tmp_path):
     assert vdist.is_initialized() and vdist.world_size() == 1
     vdist.shutdown()
     assert not vdist.is_initialized() and vdist.world_size() == 1
+
+
+def _peer_gone_worker(rank, world, init_file, out_dir):
+    """Rank 1 leaves the group at once; rank 0 then steps with a mask of the wrong length. Rank 0's error."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        if rank == 1:
+            return
+        params, buffers, data, loss_fn = problem()
+        opt = optim.sgd(0.5)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                      compile=False, distributed=True, method="ghost")
+        state = vmapdp.init_train_state(params, opt, seed=7)
+        try:
+            step(state, gather(data, torch.arange(4)), torch.ones(3, dtype=torch.bool), buffers)
+            err = None
+        except Exception as e:  # noqa: BLE001 (recorded for the parent)
+            err = e
+        torch.save({"type": type(err).__name__, "error": str(err), "cause": repr(err.__context__) if err is not None else None}, os.path.join(out_dir, "peer-gone.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def test_a_rank_refusing_its_inputs_raises_its_own_error_when_the_check_itself_fails(tmp_path):
+    """Found in review: the rank that refused its own inputs now reaches the same-state check's
+    all_reduce before raising; when that collective fails (a peer has gone, or the group's timeout),
+    the rank raised gloo's error and lost its own (a mask that does not fit; a budget, which a loop
+    may catch to stop). Its own error must be raised, the collective's failure chained to it."""
+    mp.spawn(_peer_gone_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    res = torch.load(tmp_path / "peer-gone.pt", weights_only=True)
+    assert res["type"] == "ValueError" and res["error"].startswith("step(state, batch, mask): mask"), res
+    assert res["cause"] is not None and "RuntimeError" in res["cause"], res
