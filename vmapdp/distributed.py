@@ -211,7 +211,8 @@ def check_same(
     its own before the collective (a bad argument, a refusal only it checks); then every rank
     raises instead of the others waiting in their next collective until the process group's
     timeout: this rank ``error``, the others a RuntimeError (``elsewhere``, default: another rank
-    failed before this collective, nothing was released). Without a process group: ``error`` is
+    failed before this collective, nothing was released); a rank with ``error`` raises it also when
+    the collective itself fails (a peer gone, the timeout). Without a process group: ``error`` is
     raised, else nothing happens.
     """
     if not is_initialized():
@@ -220,7 +221,12 @@ def check_same(
         return
     d = 0 if error is not None else _digest(value)
     t = torch.tensor([d, -d, int(error is not None)], dtype=torch.int64, device=device if device is not None else _comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    except Exception as failure:
+        if error is not None:
+            raise error from failure  # this rank's own failure, not the collective's (a peer gone, the timeout)
+        raise
     if int(t[2]):
         if error is not None:
             raise error
