@@ -18,8 +18,9 @@ Rows: one per size. Columns (median ms over interleaved rounds, and the ratio to
   secret-safe; the speed to aim for); ``randn gen``: with an explicit ``torch.Generator``.
 
 The fused kernel's one-off compilation (per process and precision) is timed separately
-(``compile_s``). Timings are for the CPU only: on CUDA the keystream would still be made on the
-host (see README, Speed).
+(``compile_s``). ``--device cuda``: the noise for CUDA tensors, made there by one compiled kernel
+(keystream and transform; ``chacha20_f32``, the default), op by op there (``..._op_by_op``), or
+by OpenSSL on the host and copied (``..._host_copy``), against ``torch.randn`` on the device.
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = leave as is")
     parser.add_argument("--quick", action="store_true", help="sizes 1000 and 100000, 2 rounds")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--device", default="cpu", help="where the noise is needed (cuda: the keystream made there by one compiled kernel, against op by op there and OpenSSL on the host plus the copy)")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if args.quick:
         args.sizes, args.repeats = "1000,100000", 2
     if args.threads > 0:
@@ -73,30 +78,43 @@ def main(argv=None) -> list[dict]:
     key = b"benchmark-key"
 
     t = time.perf_counter()
-    gaussian.keyed_normal((10,), key)
+    gaussian.keyed_normal((10,), key, device=device)
+    sync()
     compile32 = time.perf_counter() - t
     t = time.perf_counter()
-    gaussian.keyed_normal((10,), key, dtype=torch.float64)
+    gaussian.keyed_normal((10,), key, dtype=torch.float64, device=device)
+    sync()
     compile64 = time.perf_counter() - t
 
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in sizes:
-        methods = {
-            "shake_old": lambda: shake_normal(n, key),
-            "chacha20_f32": lambda: gaussian.keyed_normal((n,), key),
-            "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64),
-            "randn": lambda: torch.randn(n),
-            "randn_gen": lambda: torch.randn(n, generator=gen),
-        }
+        if cuda:
+            methods = {
+                "chacha20_f32": lambda: gaussian.keyed_normal((n,), key, device=device),
+                "chacha20_f32_op_by_op": lambda: gaussian.keyed_normal((n,), key, device=device, fused=False),
+                "chacha20_f32_host_copy": lambda: gaussian.keyed_normal((n,), key, device=device, backend="openssl"),
+                "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64, device=device),
+                "randn": lambda: torch.randn(n, device=device),
+            }
+        else:
+            methods = {
+                "shake_old": lambda: shake_normal(n, key),
+                "chacha20_f32": lambda: gaussian.keyed_normal((n,), key),
+                "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64),
+                "randn": lambda: torch.randn(n),
+                "randn_gen": lambda: torch.randn(n, generator=gen),
+            }
         times = {m: [] for m in methods}
         loads = []
         for fn in methods.values():  # warm-up
             fn()
         for _ in range(args.repeats):  # interleaved rounds
             for m, fn in methods.items():
+                sync()
                 t = time.perf_counter()
                 fn()
+                sync()
                 times[m].append((time.perf_counter() - t) * 1e3)
             loads.append(_load())
         med = {m: statistics.median(v) for m, v in times.items()}
@@ -113,16 +131,17 @@ def main(argv=None) -> list[dict]:
 
     meta = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": torch.cuda.get_device_name(device) if cuda else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "compile_s": {"float32": round(compile32, 2), "float64": round(compile64, 2)},
     }
     print(f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['threads']} threads; fused kernel compile s: {meta['compile_s']}")
-    print("| elements | shake (old) | chacha20 f32 | chacha20 f64 | randn | randn gen |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    names = list(methods)
+    print("| elements | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
     for row in rows:
-        cells = [f"{row['ms'][m]:.1f} ({row['ratio_to_randn'][m]:.2f}x)" for m in ("shake_old", "chacha20_f32", "chacha20_f64", "randn", "randn_gen")]
+        cells = [f"{row['ms'][m]:.3g} ({row['ratio_to_randn'][m]:.2f}x)" for m in names]
         print(f"| {row['n']:,} | " + " | ".join(cells) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -329,25 +329,43 @@ def test_keyed_noise_on_a_dict_is_the_same_before_and_after_the_first_vmap():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_keyed_normals_for_an_accelerator_are_made_on_it_and_match_the_host(monkeypatch, dtype):
-    """The accelerator path (the keystream by the torch twin where the noise is needed, then the
-    transform op by op there), run on the CPU by declaring the CPU an accelerator: no host keystream
-    is made (OpenSSL's chunks are never asked for), the draws are bitwise the host's op-by-op
-    transform of the same words (several device-sized pieces: offsets and slices compose), and
-    within the stated ulp bound of the default (fused) draws."""
+    """The accelerator path, run on the CPU by declaring the CPU an accelerator. By default one
+    kernel makes the keystream and the transform on the device (here the very function Inductor
+    compiles there, run uncompiled: compiling it for the CPU takes minutes); with fused=False, or
+    where that kernel does not compile, the same ops run one by one. Either way no host keystream is
+    made (OpenSSL's chunks are never asked for), the draws are bitwise the host's op-by-op transform
+    of the same words over several device-sized pieces (offsets and slices compose), and within the
+    stated ulp bound of the default (fused) host draws. A kernel that does not compile is fallen back
+    from once and remembered; asked for with fused=True, its error is raised."""
     host = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype)
     eager = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, fused=False)
 
     def refuse(*args, **kwargs):
         raise AssertionError("the host keystream was made for an accelerator")
 
+    compiled = []
     monkeypatch.setattr(_g, "_host", lambda device: False)
     monkeypatch.setattr(_g.chacha, "keystream_chunks", refuse)
-    monkeypatch.setattr(_g, "_DEVICE_CHUNK_GROUPS", 7)  # pieces of 7 groups: 3000 elements span several
-    device = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype)
-    assert torch.equal(device, eager)
-    torch.testing.assert_close(device, host, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
-    assert torch.equal(keyed_normal((100,), KEY, leaf=3, offset=1017, dtype=dtype), device[1000:1100])
-    with pytest.raises(ValueError, match=r"fused=True is the CPU's compiled transform"):
+    monkeypatch.setattr(_g, "_device_ok", {})
+    monkeypatch.setattr(_g, "_device_fused", lambda precision, device: compiled.append(precision) or _g._INTO_DEVICE[precision])
+    monkeypatch.setattr(_g, "_DEVICE_FUSED_GROUPS", 5)  # pieces of 5 groups: 3000 elements span several
+    monkeypatch.setattr(_g, "_DEVICE_CHUNK_GROUPS", 7)
+    one_kernel = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype)
+    assert compiled and _g._device_ok == {"cpu": True}
+    assert torch.equal(one_kernel, eager)
+    torch.testing.assert_close(one_kernel, host, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    assert torch.equal(keyed_normal((100,), KEY, leaf=3, offset=1017, dtype=dtype), one_kernel[1000:1100])
+    op_by_op = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, fused=False)
+    assert torch.equal(op_by_op, eager)
+
+    def no_compiler(precision, device):
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(_g, "_device_ok", {})
+    monkeypatch.setattr(_g, "_device_fused", no_compiler)
+    assert torch.equal(keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype), eager)
+    assert _g._device_ok == {"cpu": False}
+    with pytest.raises(RuntimeError, match="no compiler"):
         keyed_normal((10,), KEY, fused=True)
     with pytest.raises(ValueError, match=r"backend must be 'auto', 'openssl' or 'torch'"):
         keyed_normal((10,), KEY, backend="cuda")
@@ -357,11 +375,14 @@ def test_keyed_normals_for_an_accelerator_are_made_on_it_and_match_the_host(monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_keyed_normals_on_cuda_match_the_cpu(dtype):
-    """On CUDA the keystream and the transform run on the device; the keystream bits equal the
-    CPU's and the normals agree within the stated ulp bound (CUDA's log/cos/sin are not the CPU's)."""
+    """On CUDA the keystream and the transform run on the device (one compiled kernel by default, op
+    by op with fused=False); the keystream bits equal the CPU's and the normals agree within the
+    stated ulp bound (CUDA's log/cos/sin are not the CPU's)."""
     cpu = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype)
-    cuda = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda")
-    assert cuda.device.type == "cuda"
-    torch.testing.assert_close(cuda.cpu(), cpu, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    for fused in (None, False):
+        cuda = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda", fused=fused)
+        assert cuda.device.type == "cuda"
+        torch.testing.assert_close(cuda.cpu(), cpu, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    assert _g._device_ok.get("cuda") is True
     words = _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40, device="cuda")
     assert torch.equal(words.cpu(), _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40))

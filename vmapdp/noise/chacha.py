@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["keystream", "keystream_chunks", "keystream_words", "chacha20_blocks", "words_to_bytes", "have_openssl"]
+__all__ = ["keystream", "keystream_chunks", "keystream_words", "key_words", "words64", "block_counters", "chacha20_blocks", "words_to_bytes", "have_openssl"]
 
 _MASK = 0xFFFFFFFF
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
@@ -104,15 +104,39 @@ def keystream_words(key: bytes, nonce: bytes, first_block: int, nblocks: int, *,
     ``keystream(...).view(torch.int64)`` bit for bit, without bytes or a trip through the host
     (the keyed noise of tensors on an accelerator is made where they are)."""
     _check(key, nonce, first_block, nblocks)
-    counters = torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device)
-    w = _blocks(key, counters, nonce)  # [n, 16], each in [0, 2**32)
-    return w[:, 0::2] | (w[:, 1::2] << 32)  # (the shift wraps into the sign bit, as the bytes' int64 view reads)
+    return words64(block_counters(first_block, nblocks, device=device), key_words(key, nonce, device=device))
+
+
+def block_counters(first_block: int, nblocks: int, *, device: torch.device | str = "cpu") -> Tensor:
+    """The block counters ``[first_block, first_block + nblocks)`` as an int64 tensor on ``device``;
+    ValueError past the 32-bit counter (a stream never wraps around)."""
+    _check(bytes(32), bytes(12), first_block, nblocks)
+    return torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device)
+
+
+def key_words(key: bytes, nonce: bytes, *, device: torch.device | str = "cpu") -> Tensor:
+    """The key's 8 and the nonce's 3 little-endian 32-bit words, an int64 ``[11]`` tensor: the
+    block function's inputs as a tensor, so that one compiled kernel serves every key and stream."""
+    _check(key, nonce, 0, 0)
+    return torch.tensor(_words(key) + _words(nonce), dtype=torch.int64, device=device)
+
+
+def words64(counters: Tensor, kn: Tensor) -> Tensor:
+    """The blocks at ``counters`` (int64, in range) of the stream ``kn`` (:func:`key_words`) as
+    ``[n, 8]`` int64 words (see :func:`keystream_words`): plain torch ops, traceable and compilable."""
+    w = _rounds(counters, kn)
+    return torch.stack([w[2 * j] | (w[2 * j + 1] << 32) for j in range(8)], dim=1)  # (the shift wraps into the sign bit, as the bytes' int64 view reads)
 
 
 def _blocks(key: bytes, counters: Tensor, nonce: bytes) -> Tensor:
     """:func:`chacha20_blocks` without its checks (``counters`` known to be in range)."""
-    consts = list(_SIGMA) + _words(key)
-    init = [torch.full_like(counters, w) for w in consts] + [counters.clone()] + [torch.full_like(counters, w) for w in _words(nonce)]
+    return torch.stack(_rounds(counters, key_words(key, nonce, device=counters.device)), dim=1)
+
+
+def _rounds(counters: Tensor, kn: Tensor) -> list[Tensor]:
+    """The 16 output words (each ``[n]``, in ``[0, 2**32)``) of the blocks at ``counters``."""
+    zero = torch.zeros_like(counters)
+    init = [zero + c for c in _SIGMA] + [zero + kn[i] for i in range(8)] + [counters] + [zero + kn[8 + i] for i in range(3)]
     x = list(init)
     for _ in range(10):  # 20 rounds: column then diagonal quarter rounds
         _quarter(x, 0, 4, 8, 12)
@@ -123,7 +147,7 @@ def _blocks(key: bytes, counters: Tensor, nonce: bytes) -> Tensor:
         _quarter(x, 1, 6, 11, 12)
         _quarter(x, 2, 7, 8, 13)
         _quarter(x, 3, 4, 9, 14)
-    return torch.stack([(a + b) & _MASK for a, b in zip(x, init)], dim=1)
+    return [(a + b) & _MASK for a, b in zip(x, init)]
 
 
 def words_to_bytes(words: Tensor) -> Tensor:

@@ -61,6 +61,8 @@ _CHUNK_GROUPS = 4096  # groups of keystream per piece: 768 KiB (float32), 256 Ki
 # on an accelerator (the torch twin, op by op): pieces large enough that the ~2,000 ops of 20 rounds
 # are not launch-bound; 12 MiB of keystream (float32) and ~32 int64 words of state per block
 _DEVICE_CHUNK_GROUPS = 1 << 16
+# ... and for the compiled kernel, which holds no keystream: only the pieces' counters (24 MiB at float32)
+_DEVICE_FUSED_GROUPS = 1 << 20
 
 
 def stream_key(key: bytes | int | str) -> bytes:
@@ -101,20 +103,24 @@ def keyed_normal(
         offset: the first element.
         dtype: the output dtype. float64 is computed in float64; every other dtype in float32
             and cast (half precision never draws noise in half precision).
-        device: where the samples are returned. On an accelerator (any device but the CPU) the
-            keystream is made there, by the torch twin of ChaCha20
-            (:func:`vmapdp.noise.chacha.keystream_words`), and transformed there op by op: no
-            host hashing, no copy of the noise over the bus.
+        device: where the samples are returned.
         backend: ``"openssl"``, ``"torch"`` or ``"auto"`` (see :func:`vmapdp.noise.chacha.keystream`;
-            the same bits either way). ``"auto"``: OpenSSL for the CPU (made on the host, then
-            copied when ``backend="openssl"`` is asked for another device), the torch twin on
-            ``device`` otherwise.
-        fused: transform with the Inductor-compiled CPU kernel (one pass over each cache-sized
-            piece of keystream) or op by op in eager torch. ``None``: fused where Inductor can
-            compile (a C++ compiler is present) and the transform runs on the CPU; on another
-            device always op by op (``True`` is refused there). The two agree within a few ulps,
-            not bitwise, and so do the CPU's and an accelerator's math functions: a run is
-            reproducible on one setting and device type (the keystream bits are the same on all).
+            the same bits either way). ``"openssl"``: the keystream and the transform on the host,
+            then copied to ``device``. ``"torch"``: the torch twin of ChaCha20
+            (:func:`vmapdp.noise.chacha.words64`) and the transform run on ``device`` itself: on
+            an accelerator nothing is made on the host or copied over the bus. ``"auto"``:
+            OpenSSL for the CPU (where it is installed), the torch twin on an accelerator.
+        fused: one compiled kernel (Inductor) or op by op in eager torch. On the CPU the kernel is
+            the transform of each cache-sized piece of keystream; on an accelerator it makes the
+            keystream and the transform together from the block counters (no keystream in
+            memory; ~2,000 ops one by one are launch-bound: on an H200, 1M float32 elements took
+            0.5 ms fused, 21 ms op by op and 4.8 ms from OpenSSL with the copy; 100M: 4.6, 1020
+            and 568 ms; benchmarks/README.md). ``None``: fused where Inductor compiles for that
+            device (once per process, precision and device: ~27 s on the H200, cached on disk),
+            else op by op from then on; ``True``: fused or raise. Fused and op by op agree within
+            a few ulps, not bitwise, and so do the CPU's and an accelerator's math functions: a
+            run is reproducible on one setting and device type (the keystream bits are the same
+            on all).
 
     How the bits become normals (Box-Muller, ``z = sqrt(-2 ln u) * (cos, sin)(theta)``), in the
     working precision (float64 for float64, else float32):
@@ -165,19 +171,19 @@ def keyed_normal(
     if backend not in ("auto", "openssl", "torch"):
         raise ValueError(f"keyed_normal: backend must be 'auto', 'openssl' or 'torch', got {backend!r}.")
     device = torch.device(device)
-    if backend == "auto" and not _host(device):
-        backend = "torch"  # the keystream made on the device: nothing hashed on one host thread and copied over the bus
+    if backend == "auto":  # the keystream where the noise is needed: on an accelerator, one compiled kernel
+        backend = "torch" if not _host(device) or not chacha.have_openssl() else "openssl"
     where = device if backend == "torch" else torch.device("cpu")  # where the keystream and the transform run (OpenSSL's: the host)
     on_host = _host(where)
-    if fused and not on_host:
-        raise ValueError(f"keyed_normal: fused=True is the CPU's compiled transform; on {device} the transform runs op by op (fused=None or False).")
     precision = _FP64 if dtype == torch.float64 else _FP32
     blocks, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
     g0, g1 = offset // per_group, -(-(offset + n) // per_group)
     skey, nonce = stream_key(key), _nonce(leaf, precision)
     out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
-    if backend == "torch":  # [nblocks, 8] int64 words where the noise is needed, a piece at a time
+    if backend == "torch" and not on_host and _device_compiled(skey, nonce, g0 * blocks, precision, fused, out):
+        pass  # (the keystream and the transform in one compiled kernel on the device)
+    elif backend == "torch":  # [nblocks, 8] int64 words where the noise is needed, a piece at a time, transformed op by op
         step = blocks * (_CHUNK_GROUPS if on_host else _DEVICE_CHUNK_GROUPS)
         for lo in range(0, (g1 - g0) * blocks, step):
             words = chacha.keystream_words(skey, nonce, g0 * blocks + lo, min(step, (g1 - g0) * blocks - lo), device=where)
@@ -255,6 +261,65 @@ def _fused(precision: int) -> Any:
             with torch._inductor.config.patch({"cpp.threads": 1}):
                 _FUSED[precision] = torch._inductor.standalone_compile(graph, [example, out])
         return _FUSED[precision]
+
+
+def _into_device32(counters: Tensor, kn: Tensor, out: Tensor):  # (unannotated, as _into32)
+    out.copy_(_transform32(chacha.words64(counters, kn).view(-1, 24)))
+    return ()
+
+
+def _into_device64(counters: Tensor, kn: Tensor, out: Tensor):
+    out.copy_(_transform64(chacha.words64(counters, kn).view(-1, 8)))
+    return ()
+
+
+_INTO_DEVICE = {_FP32: _into_device32, _FP64: _into_device64}
+_DEVICE_FUSED: dict[tuple[int, str], Any] = {}
+_device_ok: dict[str, bool] = {}  # device type -> whether the keystream kernel compiled there (absent: not tried yet)
+
+
+def _device_fused(precision: int, device: torch.device) -> Any:
+    """The keystream (ChaCha20's 20 rounds) and the transform compiled by Inductor into one kernel
+    for ``device`` (once per process, precision and device): the counters and the key's words are
+    its inputs, so it serves every key, stream and size. No keystream is held in memory."""
+    with _LOCK:
+        key = (precision, str(device))
+        if key not in _DEVICE_FUSED:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            blocks, pairs = _LAYOUT[precision]
+            counters = torch.arange(997 * blocks, dtype=torch.int64, device=device)  # 997: as in _fused
+            kn = torch.zeros(11, dtype=torch.int64, device=device)
+            out = torch.empty(997, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=device)
+            graph = make_fx(_INTO_DEVICE[precision], tracing_mode="symbolic")(counters, kn, out)
+            _DEVICE_FUSED[key] = torch._inductor.standalone_compile(graph, [counters, kn, out])
+        return _DEVICE_FUSED[key]
+
+
+def _device_compiled(skey: bytes, nonce: bytes, first_block: int, precision: int, fused: bool | None, out: Tensor) -> bool:
+    """Fill ``out`` (``[groups, 2, pairs]`` on an accelerator) from blocks ``first_block, ...`` with
+    the compiled kernel (:func:`_device_fused`), a piece at a time; False (nothing written) where
+    ``fused`` is False or the kernel does not compile on this device type (then the caller runs
+    the same ops one by one: the same keystream, normals within a few ulps)."""
+    kind = out.device.type
+    if fused is False or (fused is None and _device_ok.get(kind) is False):
+        return False
+    blocks, _ = _LAYOUT[precision]
+    counters = chacha.block_counters(first_block, out.shape[0] * blocks, device=out.device)  # (refuses a range past the counter)
+    try:
+        kernel = _device_fused(precision, out.device)
+        kn = chacha.key_words(skey, nonce, device=out.device)
+        with torch._C._DisableFuncTorch():  # pure in its own inputs, as in _normals_into
+            for lo in range(0, out.shape[0], _DEVICE_FUSED_GROUPS):
+                hi = min(lo + _DEVICE_FUSED_GROUPS, out.shape[0])
+                kernel(counters[lo * blocks : hi * blocks], kn, out[lo:hi])
+    except Exception:
+        if fused or _device_ok.get(kind):
+            raise
+        _device_ok[kind] = False  # no compiler for this device here: op by op from now on, a few ulps apart
+        return False
+    _device_ok[kind] = True
+    return True
 
 
 def _host(device: torch.device) -> bool:
