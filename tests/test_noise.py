@@ -357,6 +357,12 @@ def test_keyed_normals_for_an_accelerator_are_made_on_it_and_match_the_host(monk
     assert torch.equal(keyed_normal((100,), KEY, leaf=3, offset=1017, dtype=dtype), one_kernel[1000:1100])
     op_by_op = keyed_normal((3000,), KEY, leaf=3, offset=17, dtype=dtype, fused=False)
     assert torch.equal(op_by_op, eager)
+    blocks, pairs = _g._LAYOUT[_g._FP64 if dtype == torch.float64 else _g._FP32]
+    last = (2**32 // blocks) * 2 * pairs  # elements in a stream: it ends at the 32-bit block counter
+    assert torch.equal(keyed_normal((7,), KEY, offset=last - 7, dtype=dtype), keyed_normal((7,), KEY, offset=last - 7, dtype=dtype, fused=False))
+    for fused in (None, False):
+        with pytest.raises(ValueError, match=r"outside the 32-bit counter"):
+            keyed_normal((8,), KEY, offset=last - 7, dtype=dtype, fused=fused)
 
     def no_compiler(precision, device):
         raise RuntimeError("no compiler for this device")

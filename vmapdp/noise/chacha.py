@@ -32,7 +32,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["keystream", "keystream_chunks", "keystream_words", "key_words", "words64", "block_counters", "chacha20_blocks", "words_to_bytes", "have_openssl"]
+__all__ = ["keystream", "keystream_chunks", "keystream_words", "key_words", "words64", "block_counters", "check_blocks", "chacha20_blocks", "words_to_bytes", "have_openssl"]
 
 _MASK = 0xFFFFFFFF
 _SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
@@ -107,10 +107,16 @@ def keystream_words(key: bytes, nonce: bytes, first_block: int, nblocks: int, *,
     return words64(block_counters(first_block, nblocks, device=device), key_words(key, nonce, device=device))
 
 
-def block_counters(first_block: int, nblocks: int, *, device: torch.device | str = "cpu") -> Tensor:
-    """The block counters ``[first_block, first_block + nblocks)`` as an int64 tensor on ``device``;
-    ValueError past the 32-bit counter (a stream never wraps around)."""
+def check_blocks(first_block: int, nblocks: int) -> None:
+    """ValueError unless blocks ``[first_block, first_block + nblocks)`` are within the 32-bit
+    counter (a stream never wraps around)."""
     _check(bytes(32), bytes(12), first_block, nblocks)
+
+
+def block_counters(first_block: int, nblocks: int, *, device: torch.device | str = "cpu") -> Tensor:
+    """The block counters ``[first_block, first_block + nblocks)`` as an int64 tensor on ``device``
+    (checked: :func:`check_blocks`)."""
+    check_blocks(first_block, nblocks)
     return torch.arange(first_block, first_block + nblocks, dtype=torch.int64, device=device)
 
 

@@ -305,14 +305,14 @@ def _device_compiled(skey: bytes, nonce: bytes, first_block: int, precision: int
     if fused is False or (fused is None and _device_ok.get(kind) is False):
         return False
     blocks, _ = _LAYOUT[precision]
-    counters = chacha.block_counters(first_block, out.shape[0] * blocks, device=out.device)  # (refuses a range past the counter)
+    chacha.check_blocks(first_block, out.shape[0] * blocks)  # (a range past the counter is refused before anything is drawn)
     try:
         kernel = _device_fused(precision, out.device)
         kn = chacha.key_words(skey, nonce, device=out.device)
         with torch._C._DisableFuncTorch():  # pure in its own inputs, as in _normals_into
-            for lo in range(0, out.shape[0], _DEVICE_FUSED_GROUPS):
+            for lo in range(0, out.shape[0], _DEVICE_FUSED_GROUPS):  # (one piece's counters at a time)
                 hi = min(lo + _DEVICE_FUSED_GROUPS, out.shape[0])
-                kernel(counters[lo * blocks : hi * blocks], kn, out[lo:hi])
+                kernel(chacha.block_counters(first_block + lo * blocks, (hi - lo) * blocks, device=out.device), kn, out[lo:hi])
     except Exception:
         if fused or _device_ok.get(kind):
             raise
