@@ -142,6 +142,10 @@ def _worker(rank, world, init_file, out_dir):
         except (ValueError, RuntimeError) as err:
             res["one_rank_error"] = f"{type(err).__name__}: {err}"
         res["after_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        # same seed and step, another ledger on rank 1 (a state restored from another run's checkpoint):
+        # the ranks would release one update and report different budgets for it
+        odd = st._replace(ledger=st.ledger.append(PoissonSampler(N, Q, 1, key=SAMPLER_KEY).event(1.1))) if vdist.rank() == 1 else st
+        res["ledger_error"] = _expect_error(lambda: one(odd, rows, torch.ones(4, dtype=torch.bool), buffers))
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -214,7 +218,7 @@ def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
 
 def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
-        assert r["seed_error"] is not None and "disagree on the state's noise seed and step" in r["seed_error"]
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger and clip norm)" in r["seed_error"]
         assert "same seed" in r["seed_error"]
 
 
@@ -227,6 +231,13 @@ def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(ranks):
     assert r1["one_rank_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed before the ranks' check"), r1["one_rank_error"]
     assert "nothing was released" in r1["one_rank_error"]
     assert r0["after_error"] == r1["after_error"] == 1
+
+
+def test_ranks_with_different_ledgers_fail_together(ranks):
+    """The data-parallel step's same-state check binds the ledger too (it bound the seed and step
+    only; the sharded step's bound the ledger already)."""
+    for r in ranks:
+        assert r["ledger_error"] is not None and "ledger" in r["ledger_error"] and "disagree" in r["ledger_error"], r["ledger_error"]
 
 
 def test_ranks_with_different_samplers_fail_together(ranks):

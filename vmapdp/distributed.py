@@ -237,12 +237,14 @@ def check_same(
 
 def check_step(call: str, noise_key: Any, *, error: BaseException | None = None) -> None:
     """The train step's check (one tiny collective, before any other of the step) that every rank
-    steps the same state, identified by ``noise_key = (noise_seed, step, ...)``: ranks with
-    different seeds would draw different noise and their params would drift apart silently.
-    ``error``: what this rank's own checks of its inputs raised (see :func:`check_same`)."""
+    steps the same state, identified by ``noise_key = (noise_seed, step, ...)`` (the step passes the
+    noise binding, the ledger and the clip norm too): ranks with different seeds would draw
+    different noise and their params would drift apart silently, ranks with different ledgers would
+    report different budgets for one release. ``error``: what this rank's own checks of its inputs
+    raised (see :func:`check_same`)."""
     check_same(
         call,
-        "the state's noise seed and step",
+        "the state's noise seed and step (and its run, ledger and clip norm)",
         noise_key,
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "

@@ -815,7 +815,7 @@ def make_train_step(
                                         None if clip is None else float(clip), sharding.unshard, chunking)
             sharding.check_step(scall, same, error=failed)
         elif distributed:
-            _dist.check_step(scall, None if failed else (state.noise_seed, state.step, binding), error=failed)
+            _dist.check_step(scall, None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip)), error=failed)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
