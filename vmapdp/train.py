@@ -810,12 +810,12 @@ def make_train_step(
                 raise
             failed = err  # (the other ranks would wait in the step's first collective until the group's timeout)
         # the same-state check, before the step's first collective (ranks that disagree would gather or choose differently)
-        if sharding is not None:
-            same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), sharding.replicated(state.noise_state),
-                                        None if clip is None else float(clip), sharding.unshard, chunking)
+        same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip))
+        if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
+            same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
             sharding.check_step(scall, same, error=failed)
         elif distributed:
-            _dist.check_step(scall, None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip)), error=failed)
+            _dist.check_step(scall, same, error=failed)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
