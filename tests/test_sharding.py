@@ -1109,24 +1109,22 @@ def test_ranks_whose_params_are_in_another_order_fail_together(tmp_path, unshard
         assert res["error"] is not None and "the ranks disagree" in res["error"] and "order" in res["error"], (res["error"], res["params"])
 
 
-def _one_rank_refused_worker(rank, world, init_file, out, unshard):
-    """One sharded step where rank 0's mask has the wrong length (its own check refuses it), then
-    a good step on both ranks. Each rank's error and the step count after."""
+def _one_rank_refused_worker(rank, world, init_file, out, unshard, case):
+    """One sharded step in which rank 0's own checks refuse its inputs (``case``: "mask", a mask of
+    the wrong length; "unsharded", a state made without sharding=, which holds the full params, not
+    its shards), then (mask) a good step on both ranks. Each rank's error and the step count after."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         params, buffers, data, loss_fn, opt = problem("mlp")
         sharding = Sharding(params, unshard=unshard)
         step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
                                       method="ghost", sharding=sharding)
-        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
-        rows = slice(4 * rank, 4 * rank + 4)
-        batch = (data[0][rows], data[1][rows])
-        res = {"error": None}
-        try:
-            step(state, batch, torch.ones(3 if rank == 0 else 4, dtype=torch.bool), buffers)
-        except (ValueError, RuntimeError) as err:
-            res["error"] = f"{type(err).__name__}: {err}"
-        res["after"] = step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=None if (rank, case) == (0, "unsharded") else sharding)
+        batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
+        rows = 3 if (rank, case) == (0, "mask") else 4
+        res = {"error": _error(lambda: step(state, batch, torch.ones(rows, dtype=torch.bool), buffers)), "after": None}
+        if case == "mask":
+            res["after"] = step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step
         torch.save(res, os.path.join(out, f"refused-{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -1138,7 +1136,7 @@ def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(tmp_path, un
     left the other rank waiting in the same-state check's all_reduce until gloo's timeout. Now the
     check carries the failure: rank 0 raises its error, rank 1 that another rank failed, nothing is
     released, and the next step runs on both."""
-    mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
+    mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard, "mask"), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] is not None and r0["error"].startswith("ValueError: step(state, batch, mask): mask"), r0["error"]
     assert r1["error"] is not None and "another rank failed" in r1["error"] and "nothing was released" in r1["error"], r1["error"]
@@ -1159,11 +1157,7 @@ def _uneven_rows_worker(rank, world, init_file, out, unshard):
         state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
         k = 3 if rank == 0 else 4
         batch = (data[0][4 * rank : 4 * rank + k], data[1][4 * rank : 4 * rank + k])
-        res = {"error": None}
-        try:
-            step(state, batch, torch.ones(k, dtype=torch.bool), buffers)
-        except Exception as err:  # noqa: BLE001 (recorded for the parent)
-            res["error"] = f"{type(err).__name__}: {err}"
+        res = {"error": _error(lambda: step(state, batch, torch.ones(k, dtype=torch.bool), buffers))}
         torch.save(res, os.path.join(out, f"uneven-{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -1183,35 +1177,13 @@ def test_a_batch_one_rank_cannot_chunk_makes_every_rank_raise_at_the_check(tmp_p
     assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
 
 
-def _unsharded_state_worker(rank, world, init_file, out, unshard):
-    """One sharded step where rank 0's state holds the full params (init_train_state without
-    sharding=: not its shards, which the step's check_local refuses) and rank 1's its shards. Each
-    rank's error."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
-    try:
-        params, buffers, data, loss_fn, opt = problem("mlp")
-        sharding = Sharding(params, unshard=unshard)
-        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
-                                      method="ghost", sharding=sharding)
-        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=None if rank == 0 else sharding)
-        batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
-        res = {"error": None}
-        try:
-            step(state, batch, torch.ones(4, dtype=torch.bool), buffers)
-        except Exception as err:  # noqa: BLE001 (recorded for the parent)
-            res["error"] = f"{type(err).__name__}: {err}"
-        torch.save(res, os.path.join(out, f"unsharded-{rank}.pt"))
-    finally:
-        vdist.shutdown()
-
-
 @pytest.mark.parametrize("unshard", ["step", "use"])
 def test_a_rank_whose_state_is_not_its_shards_makes_every_rank_raise_at_the_check(tmp_path, unshard):
     """Found in review: a state whose params are not this rank's shards (a bad state, refused by
     Sharding.check_local) was refused when the step gathered the params, after the same-state check
     that carries a rank's own refusal: the other rank went on into the gather and waited there. It
     must be raised at the check: rank 0 its own error, rank 1 that another rank failed."""
-    mp.spawn(_unsharded_state_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"unsharded-{r}.pt", weights_only=True) for r in range(2))
+    mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), unshard, "unsharded"), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] is not None and "the state was sharded for another world size or layout" in r0["error"], r0["error"]
     assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
