@@ -51,12 +51,15 @@ def have_openssl() -> bool:
 
 
 def _check(key: bytes, nonce: bytes, first_block: int, nblocks: int) -> None:
+    _check_key(key, nonce)
+    check_blocks(first_block, nblocks)
+
+
+def _check_key(key: bytes, nonce: bytes) -> None:
     if not (isinstance(key, bytes) and len(key) == 32):
         raise ValueError("chacha20: key must be 32 bytes.")
     if not (isinstance(nonce, bytes) and len(nonce) == 12):
         raise ValueError("chacha20: nonce must be 12 bytes.")
-    if first_block < 0 or nblocks < 0 or first_block + nblocks > 1 << 32:
-        raise ValueError(f"chacha20: blocks [{first_block}, {first_block + nblocks}) are outside the 32-bit counter's [0, 2**32).")
 
 
 def _rotl(x: Tensor, n: int) -> Tensor:
@@ -91,7 +94,7 @@ def chacha20_blocks(key: bytes, counters: Tensor, nonce: bytes) -> Tensor:
     """
     if counters.dtype != torch.int64 or counters.dim() != 1:
         raise ValueError("chacha20_blocks: counters must be a 1-D int64 tensor.")
-    _check(key, nonce, 0, 0)
+    _check_key(key, nonce)
     if counters.numel() and (int(counters.min()) < 0 or int(counters.max()) > _MASK):
         raise ValueError("chacha20_blocks: counters must be in [0, 2**32).")
     return _blocks(key, counters, nonce)
@@ -103,14 +106,14 @@ def keystream_words(key: bytes, nonce: bytes, first_block: int, nblocks: int, *,
     its bytes ``8j .. 8j + 7`` read as a little-endian signed 64-bit integer, i.e.
     ``keystream(...).view(torch.int64)`` bit for bit, without bytes or a trip through the host
     (the keyed noise of tensors on an accelerator is made where they are)."""
-    _check(key, nonce, first_block, nblocks)
     return words64(block_counters(first_block, nblocks, device=device), key_words(key, nonce, device=device))
 
 
 def check_blocks(first_block: int, nblocks: int) -> None:
     """ValueError unless blocks ``[first_block, first_block + nblocks)`` are within the 32-bit
     counter (a stream never wraps around)."""
-    _check(bytes(32), bytes(12), first_block, nblocks)
+    if first_block < 0 or nblocks < 0 or first_block + nblocks > 1 << 32:
+        raise ValueError(f"chacha20: blocks [{first_block}, {first_block + nblocks}) are outside the 32-bit counter's [0, 2**32).")
 
 
 def block_counters(first_block: int, nblocks: int, *, device: torch.device | str = "cpu") -> Tensor:
@@ -123,7 +126,7 @@ def block_counters(first_block: int, nblocks: int, *, device: torch.device | str
 def key_words(key: bytes, nonce: bytes, *, device: torch.device | str = "cpu") -> Tensor:
     """The key's 8 and the nonce's 3 little-endian 32-bit words, an int64 ``[11]`` tensor: the
     block function's inputs as a tensor, so that one compiled kernel serves every key and stream."""
-    _check(key, nonce, 0, 0)
+    _check_key(key, nonce)
     return torch.tensor(_words(key) + _words(nonce), dtype=torch.int64, device=device)
 
 

@@ -181,14 +181,14 @@ def keyed_normal(
     g0, g1 = offset // per_group, -(-(offset + n) // per_group)
     skey, nonce = stream_key(key), _nonce(leaf, precision)
     out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
-    if backend == "torch" and not on_host and _device_compiled(skey, nonce, g0 * blocks, precision, fused, out):
-        pass  # (the keystream and the transform in one compiled kernel on the device)
-    elif backend == "torch":  # [nblocks, 8] int64 words where the noise is needed, a piece at a time, transformed op by op
+    # on an accelerator, the keystream and the transform in one compiled kernel where it compiles
+    compiled = backend == "torch" and not on_host and _device_compiled(skey, nonce, g0 * blocks, precision, fused, out)
+    if backend == "torch" and not compiled:  # [nblocks, 8] int64 words where the noise is needed, a piece at a time, transformed op by op
         step = blocks * (_CHUNK_GROUPS if on_host else _DEVICE_CHUNK_GROUPS)
         for lo in range(0, (g1 - g0) * blocks, step):
             words = chacha.keystream_words(skey, nonce, g0 * blocks + lo, min(step, (g1 - g0) * blocks - lo), device=where)
             _normals_into(words.view(-1, 8 * blocks), precision, fused if on_host else False, out[lo // blocks : lo // blocks + words.shape[0] // blocks])
-    else:
+    elif backend != "torch":
         chunks = chacha.keystream_chunks(skey, nonce, g0 * blocks, (g1 - g0) * blocks, chunk_blocks=blocks * _CHUNK_GROUPS, backend=backend)
         for start, raw in chunks:  # keystream a cache-sized piece at a time, transformed at once
             _normals_into(_words(raw, precision), precision, fused, out[start // blocks : start // blocks + raw.numel() // (64 * blocks)])
