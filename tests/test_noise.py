@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -377,18 +378,101 @@ def test_keyed_normals_for_an_accelerator_are_made_on_it_and_match_the_host(monk
         keyed_normal((10,), KEY, backend="cuda")
 
 
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """The CUDA kernel of vmapdp.noise._triton run on CPU tensors by Triton's interpreter (where
+    triton is installed: it comes with torch's CUDA wheels, not with the CPU ones CI installs; the
+    CUDA test below runs the same checks compiled)."""
+    pytest.importorskip("triton", reason="the Triton kernel's checks need triton (pip install triton), here run by its interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delitem(sys.modules, "vmapdp.noise._triton_kernels", raising=False)  # re-jitted under the interpreter
+    monkeypatch.setattr(_g._triton, "available", lambda device: True)
+    monkeypatch.setattr(_g, "_triton_ok", {})
+    yield _g._triton
+    sys.modules.pop("vmapdp.noise._triton_kernels", None)  # (a later import jits for the device again)
+
+
+def test_triton_keystream_is_openssls_bit_for_bit(triton_on_cpu):
+    """The kernel's block function (native 32-bit words) against OpenSSL's ChaCha20, for leaf
+    nonces of both precisions, a leaf index past 2**32 and the last counters of a stream."""
+    skey = _g.stream_key(KEY)
+    for leaf, precision, first, n in [(0, 32, 0, 300), (5, 64, 1000, 130), (2**40 + 3, 32, 2**32 - 140, 140)]:
+        nonce = _g._nonce(leaf, precision)
+        ours = triton_on_cpu.keystream(skey, nonce, first, n, device="cpu")
+        openssl = _g.chacha.keystream(skey, nonce, first, n).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        assert torch.equal(ours.reshape(-1), openssl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_kernel_draws_every_leaf_in_one_launch_within_the_ulp_bound(triton_on_cpu, monkeypatch, dtype):
+    """add_noise's leaves on a CUDA device are drawn by one launch (here: several, the batch cut
+    small), each leaf its own stream at its own offset: bitwise what keyed_normal draws for that leaf
+    alone (the same kernel), within the stated ulp bound of the host's draws (interpreted here:
+    numpy's log/cos/sin; the CUDA test checks the device's). A range past the counter is refused
+    before anything is drawn; a kernel that does not build is fallen back from once and
+    remembered, or raised with fused=True."""
+    launches = []
+    fill = triton_on_cpu.fill
+    monkeypatch.setattr(triton_on_cpu, "fill", lambda *a, **k: launches.append(len(a[2])) or fill(*a, **k))
+    shapes = {"a": (3, 50), "b": (7,), "c": (0, 4), "d": (40, 41)}
+    tree = {k: torch.zeros(v, dtype=dtype) for k, v in shapes.items()}
+    offsets = {"a": 5, "b": 0, "c": 0, "d": 123}
+    noisy = vmapdp.add_noise(tree, 1.0, key=KEY, offsets=offsets)
+    assert launches == [3] and _g._triton_ok == {"cpu": True}  # the empty leaf needs no segment
+    for i, k in enumerate(sorted(shapes)):
+        alone = keyed_normal(shapes[k], KEY, leaf=i, offset=offsets[k], dtype=dtype)
+        assert torch.equal(noisy[k], alone)
+        host = keyed_normal(shapes[k], KEY, leaf=i, offset=offsets[k], dtype=dtype, fused=False, backend="openssl")
+        torch.testing.assert_close(alone, host, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+    monkeypatch.setattr(_g, "_TRITON_BATCH_GROUPS", 40)  # "d" alone is larger: a launch of its own
+    launches.clear()
+    again = vmapdp.add_noise(tree, 1.0, key=KEY, offsets=offsets)
+    assert launches == [2, 1] and all(torch.equal(again[k], noisy[k]) for k in shapes)
+    blocks, pairs = _g._LAYOUT[_g._FP64 if dtype == torch.float64 else _g._FP32]
+    last = (2**32 // blocks) * 2 * pairs
+    ulps = {"rtol": 4 * torch.finfo(dtype).eps, "atol": 8 * torch.finfo(dtype).eps}
+    torch.testing.assert_close(keyed_normal((7,), KEY, offset=last - 7, dtype=dtype), keyed_normal((7,), KEY, offset=last - 7, dtype=dtype, backend="openssl"), **ulps)
+    launches.clear()
+    with pytest.raises(ValueError, match=r"outside the 32-bit counter"):
+        vmapdp.add_noise({"a": torch.zeros(3, dtype=dtype), "b": torch.zeros(8, dtype=dtype)}, 1.0, key=KEY, offsets={"a": 0, "b": last - 7})
+    assert launches == []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("triton cannot build here")
+
+    monkeypatch.setattr(triton_on_cpu, "fill", broken)
+    monkeypatch.setattr(_g, "_triton_ok", {})
+    torch.testing.assert_close(keyed_normal((40, 41), KEY, leaf=3, offset=123, dtype=dtype), noisy["d"], **ulps)  # (the host's draw here)
+    assert _g._triton_ok == {"cpu": False}
+    with pytest.raises(RuntimeError, match="triton cannot build"):
+        keyed_normal((10,), KEY, dtype=dtype, fused=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_keyed_normals_on_cuda_match_the_cpu(dtype):
-    """On CUDA the keystream and the transform run on the device (one compiled kernel by default, op
-    by op with fused=False); the keystream bits equal the CPU's and the normals agree within the
-    stated ulp bound (CUDA's log/cos/sin are not the CPU's)."""
+def test_keyed_normals_on_cuda_match_the_cpu(monkeypatch, dtype):
+    """On CUDA the keystream and the transform run on the device: the Triton kernel by default (all
+    of add_noise's leaves in one launch), Inductor's compile of the torch twin where triton is
+    missing, op by op with fused=False. The keystream bits equal the CPU's and the normals agree
+    within the stated ulp bound (CUDA's log/cos/sin are not the CPU's) on all three."""
+    ulps = {"rtol": 4 * torch.finfo(dtype).eps, "atol": 8 * torch.finfo(dtype).eps}
     cpu = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype)
     for fused in (None, False):
         cuda = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda", fused=fused)
         assert cuda.device.type == "cuda"
-        torch.testing.assert_close(cuda.cpu(), cpu, rtol=4 * torch.finfo(dtype).eps, atol=8 * torch.finfo(dtype).eps)
+        torch.testing.assert_close(cuda.cpu(), cpu, **ulps)
+    assert _g._triton_ok.get("cuda") is True
+    tree = {"a": torch.zeros(5000, dtype=dtype, device="cuda"), "b": torch.zeros(3, 7, dtype=dtype, device="cuda")}
+    noisy = vmapdp.add_noise(tree, 1.0, key=KEY, offsets={"a": 33, "b": 2})
+    torch.testing.assert_close(noisy["a"].cpu(), keyed_normal((5000,), KEY, leaf=0, offset=33, dtype=dtype), **ulps)
+    torch.testing.assert_close(noisy["b"].cpu(), keyed_normal((3, 7), KEY, leaf=1, offset=2, dtype=dtype), **ulps)
+    monkeypatch.setattr(_g._triton, "available", lambda device: False)
+    torch.testing.assert_close(keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda").cpu(), cpu, **ulps)
     assert _g._device_ok.get("cuda") is True
-    words = _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40, device="cuda")
-    assert torch.equal(words.cpu(), _g.chacha.keystream_words(_g.stream_key(KEY), _g._nonce(2, 32), 5, 40))
+    skey, nonce = _g.stream_key(KEY), _g._nonce(2, 32)
+    words = _g.chacha.keystream_words(skey, nonce, 5, 40, device="cuda")
+    assert torch.equal(words.cpu(), _g.chacha.keystream_words(skey, nonce, 5, 40))
+    for first in (5, 2**32 - 300):
+        ours = _g._triton.keystream(skey, nonce, first, 300, device="cuda").cpu().reshape(-1)
+        assert torch.equal(ours, _g.chacha.keystream(skey, nonce, first, 300).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)

@@ -39,7 +39,7 @@ from vmapdp._tree import acc_dtype
 from vmapdp.mf.accounting import mf_event, noise_sensitivity
 from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
 from vmapdp.mf.streaming import next_noise, state_rows
-from vmapdp.noise.gaussian import keyed_normal, secure_normal
+from vmapdp.noise.gaussian import _keyed_normals, secure_normal
 from vmapdp.noise.privatizers import Privatizer
 
 __all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
@@ -155,18 +155,20 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
             raise ValueError(f"{call}: offsets={offsets!r} must map every leaf {sorted(summed)} to its first element (an int >= 0): pass the step's Sharding.offsets.")
         paths, leaves, spec = optree.tree_flatten_with_path(summed, namespace="torch")
         names = [p[0] for p in paths]  # in optree's order of the leaves: add_noise's leaf index
-        out, buffers = [], {}
-        for i, (name, leaf) in enumerate(zip(names, leaves)):
-            dt, buf = acc_dtype(leaf.dtype), state["buffers"][name]
-            if buf.dtype != dt or tuple(buf.shape) != (rows, *leaf.shape):
+        for name, leaf in zip(names, leaves):
+            buf = state["buffers"][name]
+            if buf.dtype != acc_dtype(leaf.dtype) or tuple(buf.shape) != (rows, *leaf.shape):
                 raise ValueError(
-                    f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {dt} {(rows, *leaf.shape)}; make the state from the same params "
+                    f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {acc_dtype(leaf.dtype)} {(rows, *leaf.shape)}; make the state from the same params "
                     "(init_train_state(params, ..., privatizer=, sharding=) for a sharded step)."
                 )
-            if secure:
-                z = secure_normal(leaf.shape, dtype=dt, device=leaf.device)
-            else:
-                z = keyed_normal(leaf.shape, key, leaf=i, offset=0 if offsets is None else offsets[name], dtype=dt, device=leaf.device)
+        if secure:
+            fresh = [secure_normal(leaf.shape, dtype=acc_dtype(leaf.dtype), device=leaf.device) for leaf in leaves]
+        else:  # every leaf's draw at once (on a GPU: one launch of the noise kernel for the lot)
+            fresh = _keyed_normals(key, [(tuple(leaf.shape), i, 0 if offsets is None else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))])
+        out, buffers = [], {}
+        for name, leaf, z in zip(names, leaves, fresh):
+            dt, buf = acc_dtype(leaf.dtype), state["buffers"][name]
             y, buffers[name] = next_noise(strategy, z, buf.to(leaf.device))
             out.append(leaf.to(dt) + y * std)
         return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype
-from vmapdp.noise import chacha
+from vmapdp.noise import _triton, chacha
 
 __all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "stream_key"]
 
@@ -161,16 +161,89 @@ def keyed_normal(
         differential privacy", CCS 2012. J. Jin, E. McMurtry, B. Rubinstein, O. Ohrimenko, "Are
         we there yet? Timing and floating-point attacks on differential privacy systems", IEEE S&P 2022.
     """
-    n = math.prod(shape)
+    _check_stream(leaf, offset, backend)
+    return _keyed_normals(key, [(shape, leaf, offset, dtype, torch.device(device))], backend=backend, fused=fused)[0]
+
+
+def _check_stream(leaf: int, offset: int, backend: str) -> None:
     if isinstance(leaf, bool) or not isinstance(leaf, int) or not 0 <= leaf < 1 << 64:
         raise ValueError(f"keyed_normal: leaf={leaf!r} must be an int in [0, 2**64).")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"keyed_normal: offset={offset!r} must be an int >= 0.")
-    if n == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
     if backend not in ("auto", "openssl", "torch"):
         raise ValueError(f"keyed_normal: backend must be 'auto', 'openssl' or 'torch', got {backend!r}.")
-    device = torch.device(device)
+
+
+# float32 groups per launch of the Triton kernel (a batch of leaves' noise in one buffer: 256 MiB at most, or one leaf)
+_TRITON_BATCH_GROUPS = 1 << 21
+_triton_ok: dict[str, bool] = {}  # device type -> whether the Triton kernel ran there (absent: not tried yet)
+
+
+def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], int, int, torch.dtype, torch.device]], *, backend: str = "auto", fused: bool | None = None) -> list[Tensor]:
+    """:func:`keyed_normal` of each ``(shape, leaf, offset, dtype, device)`` (checked by the caller):
+    the leaves on a CUDA device in as few launches of the Triton kernel as their sizes allow
+    (:mod:`vmapdp.noise._triton`), the others one by one (:func:`_keyed_one`)."""
+    skey = stream_key(key)
+    out: list[Tensor | None] = [None] * len(items)
+    batches: dict[tuple[str, int], list[int]] = {}
+    for i, (shape, _, _, dtype, device) in enumerate(items):
+        if math.prod(shape) == 0:
+            out[i] = torch.zeros(shape, dtype=dtype, device=device)
+        elif backend != "openssl" and fused is not False and _triton.available(device) and (fused or _triton_ok.get(device.type) is not False):
+            batches.setdefault((str(device), _FP64 if dtype == torch.float64 else _FP32), []).append(i)
+        else:
+            out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+    for (device, precision), members in batches.items():
+        try:
+            _triton_batch(skey, items, members, precision, torch.device(device), out)
+        except Exception:
+            if fused or _triton_ok.get(torch.device(device).type):
+                raise
+            _triton_ok[torch.device(device).type] = False  # triton cannot build here: Inductor's kernel (or op by op) from now on
+            for i in members:
+                out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+        else:
+            _triton_ok[torch.device(device).type] = True
+    return out  # type: ignore[return-value]
+
+
+def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, device: torch.device, out: list) -> None:
+    """The Triton kernel's draws for ``items[members]`` (one device and precision), a launch per
+    batch of at most :data:`_TRITON_BATCH_GROUPS` groups (or one larger leaf)."""
+    blocks, pairs = _LAYOUT[precision]
+    per_group = 2 * pairs
+    spans = []
+    for i in members:
+        shape, leaf, offset = items[i][:3]
+        g0, g1 = offset // per_group, -(-(offset + math.prod(shape)) // per_group)
+        chacha.check_blocks(g0 * blocks, (g1 - g0) * blocks)  # (a range past the counter is refused before anything is drawn)
+        spans.append((i, leaf, g0, g1))
+    batch: list[tuple[int, int, int, int]] = []
+    total = 0
+    for k, span in enumerate(spans):
+        batch.append(span)
+        total += span[3] - span[2]
+        if k + 1 == len(spans) or total + spans[k + 1][3] - spans[k + 1][2] > _TRITON_BATCH_GROUPS:
+            buf = torch.empty(total, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=device)
+            segments, at = [], 0
+            for _, leaf, g0, g1 in batch:
+                segments.append((leaf, g0, g1 - g0, at))
+                at += g1 - g0
+            with torch._C._DisableFuncTorch():  # pure in its own inputs, as in _normals_into
+                _triton.fill(buf, skey, segments, precision=precision)
+            flat = buf.reshape(-1)
+            for (i, _, g0, _), (_, _, _, first) in zip(batch, segments):
+                shape, _, offset, dtype, _ = items[i]
+                start = first * per_group + offset - g0 * per_group
+                out[i] = flat[start : start + math.prod(shape)].reshape(shape).to(dtype)
+            batch, total = [], 0
+
+
+def _keyed_one(skey: bytes, shape: tuple[int, ...], leaf: int, offset: int, dtype: torch.dtype, device: torch.device, *, backend: str, fused: bool | None) -> Tensor:
+    """One leaf's :func:`keyed_normal` off the Triton kernel: OpenSSL's keystream and the fused
+    transform on the host; or the torch twin where the noise is needed (Inductor's compiled kernel
+    on an accelerator, op by op where it does not compile)."""
+    n = math.prod(shape)
     if backend == "auto":  # the keystream where the noise is needed: on an accelerator, one compiled kernel
         backend = "torch" if not _host(device) or not chacha.have_openssl() else "openssl"
     where = device if backend == "torch" else torch.device("cpu")  # where the keystream and the transform run (OpenSSL's: the host)
@@ -179,7 +252,7 @@ def keyed_normal(
     blocks, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
     g0, g1 = offset // per_group, -(-(offset + n) // per_group)
-    skey, nonce = stream_key(key), _nonce(leaf, precision)
+    nonce = _nonce(leaf, precision)
     out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
     # on an accelerator, the keystream and the transform in one compiled kernel where it compiles
     compiled = backend == "torch" and not on_host and _device_compiled(skey, nonce, g0 * blocks, precision, fused, out)
@@ -454,13 +527,8 @@ def add_noise(
         )
     if generator is None:
         base = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
-        return optree.tree_unflatten(
-            spec,
-            [
-                leaf.to(_dt(leaf)) + keyed_normal(leaf.shape, base, leaf=i, offset=starts[i], dtype=_dt(leaf), device=leaf.device) * std
-                for i, leaf in enumerate(leaves)
-            ],
-        )
+        noise = _keyed_normals(base, [(tuple(leaf.shape), i, starts[i], _dt(leaf), leaf.device) for i, leaf in enumerate(leaves)])
+        return optree.tree_unflatten(spec, [leaf.to(_dt(leaf)) + z * std for leaf, z in zip(leaves, noise)])
     out = []
     for leaf in leaves:
         if generator.device.type != leaf.device.type:
