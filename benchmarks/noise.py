@@ -20,7 +20,7 @@ Rows: one per size. Columns (median ms over interleaved rounds, and the ratio to
 The fused kernel's one-off compilation (per process and precision) is timed separately
 (``compile_s``). ``--device cuda``: the noise for CUDA tensors, made there by the Triton kernel
 (keystream and transform in native 32-bit words; ``chacha20_f32``, the default), by Inductor's
-compile of the torch twin (int64 words; ``..._inductor``: where triton is missing), or by OpenSSL on
+compile of the torch twin (int64 words; ``..._inductor``, with ``--inductor``: where triton is missing), or by OpenSSL on
 the host and copied (``..._host_copy``), against ``torch.randn`` on the device. ``--tree gpt2``
 adds a row for a whole step's noise: ``add_noise`` over GPT-2 small's 148 parameter tensors (124M
 elements; one launch of the Triton kernel) against ``randn`` per tensor.
@@ -103,6 +103,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads; 0 = leave as is")
     parser.add_argument("--quick", action="store_true", help="sizes 1000 and 100000, 2 rounds")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--inductor", action="store_true", help="with --device cuda: also Inductor's compile of the torch twin (~30 s to compile per precision)")
     parser.add_argument("--tree", default=None, choices=["gpt2"], help="also time add_noise over a model's parameter tensors (gpt2: GPT-2 small's 148)")
     parser.add_argument("--device", default="cpu", help="where the noise is needed (cuda: the keystream made there by one compiled kernel, against op by op there and OpenSSL on the host plus the copy)")
     args = parser.parse_args(argv)
@@ -129,7 +130,7 @@ def main(argv=None) -> list[dict]:
         return gaussian._keyed_one(gaussian.stream_key(key), shape, 0, 0, dtype, device, backend="torch", fused=None)
 
     t = time.perf_counter()
-    if cuda:
+    if cuda and args.inductor:
         inductor((10,), torch.float32)
         inductor((10,), torch.float64)
         sync()
@@ -141,10 +142,10 @@ def main(argv=None) -> list[dict]:
         if cuda:
             methods = {
                 "chacha20_f32": lambda: gaussian.keyed_normal((n,), key, device=device),
-                "chacha20_f32_inductor": lambda: inductor((n,), torch.float32),
+                **({"chacha20_f32_inductor": lambda: inductor((n,), torch.float32)} if args.inductor else {}),
                 "chacha20_f32_host_copy": lambda: gaussian.keyed_normal((n,), key, device=device, backend="openssl"),
                 "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64, device=device),
-                "chacha20_f64_inductor": lambda: inductor((n,), torch.float64),
+                **({"chacha20_f64_inductor": lambda: inductor((n,), torch.float64)} if args.inductor else {}),
                 "randn": lambda: torch.randn(n, device=device),
             }
         else:
@@ -169,7 +170,7 @@ def main(argv=None) -> list[dict]:
         "machine": torch.cuda.get_device_name(device) if cuda else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "compile_s": {"float32": round(compile32, 2), "float64": round(compile64, 2), **({"inductor_both": round(compile_inductor, 2)} if cuda else {})},
+        "compile_s": {"float32": round(compile32, 2), "float64": round(compile64, 2), **({"inductor_both": round(compile_inductor, 2)} if cuda and args.inductor else {})},
     }
     print(f"{meta['date']}, {meta['machine']}, torch {meta['torch']}, {meta['threads']} threads; fused kernel compile s: {meta['compile_s']}")
     for row in rows:

@@ -388,6 +388,7 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.delitem(sys.modules, "vmapdp.noise._triton_kernels", raising=False)  # re-jitted under the interpreter
     monkeypatch.setattr(_g._triton, "available", lambda device: True)
     monkeypatch.setattr(_g, "_triton_ok", {})
+    monkeypatch.setattr(_g, "_triton_checked", set())
     yield _g._triton
     sys.modules.pop("vmapdp.noise._triton_kernels", None)  # (a later import jits for the device again)
 
@@ -413,6 +414,7 @@ def test_triton_kernel_draws_every_leaf_in_one_launch_within_the_ulp_bound(trito
     remembered, or raised with fused=True."""
     launches = []
     fill = triton_on_cpu.fill
+    _g._triton_self_check(torch.device("cpu"), _g._FP64 if dtype == torch.float64 else _g._FP32)  # (its launch before the counted ones)
     monkeypatch.setattr(triton_on_cpu, "fill", lambda *a, **k: launches.append(len(a[2])) or fill(*a, **k))
     shapes = {"a": (3, 50), "b": (7,), "c": (0, 4), "d": (40, 41)}
     tree = {k: torch.zeros(v, dtype=dtype) for k, v in shapes.items()}
@@ -446,6 +448,33 @@ def test_triton_kernel_draws_every_leaf_in_one_launch_within_the_ulp_bound(trito
     assert _g._triton_ok == {"cpu": False}
     with pytest.raises(RuntimeError, match="triton cannot build"):
         keyed_normal((10,), KEY, dtype=dtype, fused=True)
+
+
+def test_triton_kernel_that_fails_its_known_answers_never_releases(triton_on_cpu, monkeypatch):
+    """Before its first draw on a device the kernel is checked against known answers (its keystream
+    against the torch twin's bits, its normals against the host's transform): a kernel that is off
+    (here by one part in 10**4, or by one keystream bit) is never used. Its noise falls back to the
+    torch twin with a warning naming the difference (fused=None), or the error is raised (fused=True)."""
+    fill = triton_on_cpu.fill
+
+    def skewed(out, *args, **kwargs):
+        fill(out, *args, **kwargs)
+        out.mul_(1 + 1e-4)
+
+    monkeypatch.setattr(triton_on_cpu, "fill", skewed)
+    with pytest.raises(RuntimeError, match=r"normals on cpu differ from the host's Box-Muller"):
+        keyed_normal((10,), KEY, fused=True)
+    assert _g._triton_checked == set()
+    with pytest.warns(RuntimeWarning, match=r"normals on cpu differ .* Falling back to the torch twin"):
+        z = keyed_normal((40, 41), KEY, leaf=3, offset=123)
+    assert _g._triton_ok == {"cpu": False}
+    torch.testing.assert_close(z, keyed_normal((40, 41), KEY, leaf=3, offset=123, backend="openssl"), rtol=0, atol=0)
+    monkeypatch.setattr(triton_on_cpu, "fill", fill)
+    keystream = triton_on_cpu.keystream
+    monkeypatch.setattr(triton_on_cpu, "keystream", lambda *a, **k: keystream(*a, **k) ^ (torch.arange(16) == 5))
+    monkeypatch.setattr(_g, "_triton_ok", {})
+    with pytest.raises(RuntimeError, match=r"keystream on cpu differs from RFC 8439"):
+        keyed_normal((10,), KEY, dtype=torch.float64, fused=True)
 
 
 @pytest.mark.gpu

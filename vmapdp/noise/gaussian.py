@@ -30,6 +30,7 @@ import math
 import secrets
 import struct
 import threading
+import warnings
 from typing import Any
 
 import optree
@@ -195,16 +196,52 @@ def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], in
             out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
     for (device, precision), members in batches.items():
         try:
+            _triton_self_check(torch.device(device), precision)
             _triton_batch(skey, items, members, precision, torch.device(device), out)
-        except Exception:
+        except Exception as e:
             if fused or _triton_ok.get(torch.device(device).type):
                 raise
+            if isinstance(e, _SelfCheckFailed):
+                warnings.warn(f"{e} Falling back to the torch twin of ChaCha20 (compiled by Inductor, or op by op) for {device}.", RuntimeWarning, stacklevel=3)
             _triton_ok[torch.device(device).type] = False  # triton cannot build here: Inductor's kernel (or op by op) from now on
             for i in members:
                 out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
         else:
             _triton_ok[torch.device(device).type] = True
     return out  # type: ignore[return-value]
+
+
+class _SelfCheckFailed(RuntimeError):
+    pass
+
+
+_triton_checked: set[tuple[str, int]] = set()  # (device, precision) whose kernel passed its known answers
+
+
+def _triton_self_check(device: torch.device, precision: int) -> None:
+    """Known answers before the Triton kernel's first draw for ``device`` and ``precision`` (once per
+    process): its block function's words against the torch twin's, bit for bit (the last counters
+    of a stream, a leaf index past 2**32), and a launch of two leaves' normals against the host's
+    op-by-op transform of the same words, within the stated ulp bound. A kernel the local compiler
+    miscompiles then never releases noise of another distribution: :class:`_SelfCheckFailed`."""
+    if (str(device), precision) in _triton_checked:
+        return
+    skey = stream_key(b"vmapdp/triton-self-check")
+    blocks, pairs = _LAYOUT[precision]
+    dtype = torch.float64 if precision == _FP64 else torch.float32
+    leaf, first, n = 2**40 + 3, 2**32 - 2 * _triton.BLOCK - 5, 2 * _triton.BLOCK + 5
+    ours = _triton.keystream(skey, _nonce(leaf, precision), first, n, device=device).cpu()
+    if not torch.equal(ours, chacha.chacha20_blocks(skey, torch.arange(first, first + n), _nonce(leaf, precision))):
+        raise _SelfCheckFailed(f"keyed noise: the Triton kernel's ChaCha20 keystream on {device} differs from RFC 8439's (the torch twin's bits).")
+    segments = [(7, 5, 2 * _triton.BLOCK + 3, 0), (leaf, 0, 17, 2 * _triton.BLOCK + 3)]  # (a partial program; two streams in one launch)
+    buf = torch.empty(sum(g for _, _, g, _ in segments), 2, pairs, dtype=dtype, device=device)
+    _triton.fill(buf, skey, segments, precision=precision)
+    host = torch.cat([_EAGER[precision](chacha.keystream_words(skey, _nonce(lf, precision), g0 * blocks, g * blocks).view(-1, 8 * blocks)) for lf, g0, g, _ in segments])
+    eps = torch.finfo(dtype).eps
+    if not torch.allclose(buf.cpu(), host, rtol=4 * eps, atol=8 * eps):
+        worst = (buf.cpu() - host).abs().max().item()
+        raise _SelfCheckFailed(f"keyed noise: the Triton kernel's {dtype} normals on {device} differ from the host's Box-Muller of the same bits by up to {worst:.3g} (the bound is 4 ulps relative + 8 absolute).")
+    _triton_checked.add((str(device), precision))
 
 
 def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, device: torch.device, out: list) -> None:
