@@ -107,21 +107,25 @@ def keyed_normal(
         device: where the samples are returned.
         backend: ``"openssl"``, ``"torch"`` or ``"auto"`` (see :func:`vmapdp.noise.chacha.keystream`;
             the same bits either way). ``"openssl"``: the keystream and the transform on the host,
-            then copied to ``device``. ``"torch"``: the torch twin of ChaCha20
-            (:func:`vmapdp.noise.chacha.words64`) and the transform run on ``device`` itself: on
-            an accelerator nothing is made on the host or copied over the bus. ``"auto"``:
+            then copied to ``device``. ``"torch"``: the keystream and the transform run on
+            ``device`` itself (the torch twin of ChaCha20, :func:`vmapdp.noise.chacha.words64`, or
+            on CUDA the Triton kernel): on an accelerator nothing is made on the host or copied
+            over the bus. ``"auto"``:
             OpenSSL for the CPU (where it is installed), the torch twin on an accelerator.
-        fused: one compiled kernel (Inductor) or op by op in eager torch. On the CPU the kernel is
-            the transform of each cache-sized piece of keystream; on an accelerator it makes the
-            keystream and the transform together from the block counters (no keystream in
-            memory; ~2,000 ops one by one are launch-bound: on an H200, 1M float32 elements took
-            0.5 ms fused, 21 ms op by op and 4.8 ms from OpenSSL with the copy; 100M: 4.6, 1020
-            and 568 ms; benchmarks/README.md). ``None``: fused where Inductor compiles for that
-            device (once per process, precision and device: ~27 s on the H200, cached on disk),
-            else op by op from then on; ``True``: fused or raise. Fused and op by op agree within
-            a few ulps, not bitwise, and so do the CPU's and an accelerator's math functions: a
-            run is reproducible on one setting and device type (the keystream bits are the same
-            on all).
+        fused: one compiled kernel or op by op in eager torch. On the CPU the kernel is
+            Inductor's transform of each cache-sized piece of OpenSSL's keystream. On a CUDA
+            device it is a Triton kernel (:mod:`vmapdp.noise._triton`) that makes the keystream
+            and the transform together from the block counters, in native 32-bit words, for all
+            of ``add_noise``'s leaves in one launch (no keystream in memory; on an H200, 100M
+            float32 elements took 1.7 ms, against 4.6 ms for Inductor's compile of the int64
+            torch twin, 568 ms from OpenSSL with the copy and ~1 s op by op; benchmarks/README.md);
+            before its first draw on a device it is checked against known answers, and not used
+            (with a warning) if it fails them. On other accelerators, or where triton is missing,
+            Inductor compiles the torch twin for the device. ``None``: fused where it builds
+            (once per process, precision and device; cached on disk), else op by op from then
+            on; ``True``: fused or raise. Fused and op by op agree within a few ulps, not
+            bitwise, and so do the CPU's and an accelerator's math functions: a run is
+            reproducible on one setting and device type (the keystream bits are the same on all).
 
     How the bits become normals (Box-Muller, ``z = sqrt(-2 ln u) * (cos, sin)(theta)``), in the
     working precision (float64 for float64, else float32):
