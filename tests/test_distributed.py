@@ -21,7 +21,7 @@ import vmapdp
 from vmapdp import distributed as vdist
 from vmapdp import clipped
 from vmapdp import optim
-from vmapdp.data import PoissonSampler, gather
+from vmapdp.data import CyclicPoissonSampler, PoissonSampler, gather
 
 WORLD = 2
 N, Q, STEPS = 60, 0.2, 6
@@ -146,6 +146,23 @@ def _worker(rank, world, init_file, out_dir):
         # the ranks would release one update and report different budgets for it
         odd = st._replace(ledger=st.ledger.append(PoissonSampler(N, Q, 1, key=SAMPLER_KEY).event(1.1))) if vdist.rank() == 1 else st
         res["ledger_error"] = _expect_error(lambda: one(odd, rows, torch.ones(4, dtype=torch.bool), buffers))
+        # the same seed, step and ledger, another noise state on rank 1 (correlated noise's buffers,
+        # as from another run's checkpoint): the ranks would add different noise to one sum
+        from vmapdp.mf import BandedToeplitz, correlated_noise
+
+        priv = correlated_noise(BandedToeplitz((1.0, 0.5)), steps=4)
+        csampler = CyclicPoissonSampler(N, Q, cycle=2, steps=4, key=SAMPLER_KEY)
+        corr = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sampler=csampler,
+                                      compile=False, distributed=True, method="ghost", privatizer=priv)
+        cst = vmapdp.init_train_state(params, opt, seed=7, privatizer=priv)
+        batches = iter(vdist.sharded(csampler))
+        indices, mask = next(batches)
+        cst, _ = corr(cst, gather(data, indices), mask, buffers)  # (the same state on both ranks steps)
+        res["corr_step"] = cst.step
+        bufs = cst.noise_state["buffers"]
+        odd = cst._replace(noise_state={**cst.noise_state, "buffers": {k: v + (vdist.rank() == 1) for k, v in bufs.items()}})
+        indices, mask = next(batches)
+        res["noise_state_error"] = _expect_error(lambda: corr(odd, gather(data, indices), mask, buffers))
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -218,7 +235,7 @@ def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
 
 def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
-        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger and clip norm)" in r["seed_error"]
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state)" in r["seed_error"]
         assert "same seed" in r["seed_error"]
 
 
@@ -238,6 +255,15 @@ def test_ranks_with_different_ledgers_fail_together(ranks):
     only; the sharded step's bound the ledger already)."""
     for r in ranks:
         assert r["ledger_error"] is not None and "ledger" in r["ledger_error"] and "disagree" in r["ledger_error"], r["ledger_error"]
+
+
+def test_ranks_with_different_noise_states_fail_together(ranks):
+    """The data-parallel step's same-state check binds the noise state too (correlated noise's step
+    count and buffers; the sharded step bound its replicated part only): ranks restored from
+    different checkpoints would add different noise to one sum and drift apart."""
+    for r in ranks:
+        assert r["corr_step"] == 1
+        assert r["noise_state_error"] is not None and "noise state" in r["noise_state_error"] and "disagree" in r["noise_state_error"], r["noise_state_error"]
 
 
 def test_ranks_with_different_samplers_fail_together(ranks):

@@ -235,16 +235,34 @@ def check_same(
         raise ValueError(f"{call}: the ranks disagree on {what} (this is rank {rank()} of {world_size()}). {fix}")
 
 
+def state_summary(tree: Any) -> list[tuple[str, Any]]:
+    """What the same-state check binds of a replicated pytree of tensors (a data-parallel step's
+    noise state): small leaves by value, larger ones by shape, dtype and float64 sum (a buffer of
+    correlated noise, ``rows x params``, would cost a copy to the host per step whole)."""
+    from vmapdp._tree import path_str
+
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace="torch")
+    out = []
+    for p, x in zip(paths, leaves):
+        if isinstance(x, Tensor) and x.numel() > 16:
+            x = (tuple(x.shape), str(x.dtype), float(x.detach().sum(dtype=torch.float64)))
+        elif isinstance(x, Tensor):
+            x = x.tolist()
+        out.append((path_str(p), x))
+    return out
+
+
 def check_step(call: str, noise_key: Any, *, error: BaseException | None = None) -> None:
     """The train step's check (one tiny collective, before any other of the step) that every rank
     steps the same state, identified by ``noise_key = (noise_seed, step, ...)`` (the step passes the
-    noise binding, the ledger and the clip norm too): ranks with different seeds would draw
+    noise binding, the ledger, the clip norm and :func:`state_summary` of the noise state too): ranks
+    with different seeds would draw
     different noise and their params would drift apart silently, ranks with different ledgers would
     report different budgets for one release. ``error``: what this rank's own checks of its inputs
     raised (see :func:`check_same`)."""
     check_same(
         call,
-        "the state's noise seed and step (and its run, ledger and clip norm)",
+        "the state's noise seed and step (and its run, ledger, clip norm and noise state)",
         noise_key,
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "

@@ -814,8 +814,8 @@ def make_train_step(
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
             sharding.check_step(scall, same, error=failed)
-        elif distributed:
-            _dist.check_step(scall, same, error=failed)
+        elif distributed:  # and the noise state (correlated noise: its step count and buffers), which every rank holds whole
+            _dist.check_step(scall, same and same + (_dist.state_summary(state.noise_state),), error=failed)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
