@@ -505,3 +505,40 @@ def test_keyed_normals_on_cuda_match_the_cpu(monkeypatch, dtype):
     for first in (5, 2**32 - 300):
         ours = _g._triton.keystream(skey, nonce, first, 300, device="cuda").cpu().reshape(-1)
         assert torch.equal(ours, _g.chacha.keystream(skey, nonce, first, 300).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+
+
+def test_triton_kernel_is_not_switched_off_by_a_callers_error(triton_on_cpu):
+    """A range past the counter (the caller's error) on the process's first keyed draw is raised and
+    leaves the kernel in use: the noise path of the run does not depend on an earlier error."""
+    with pytest.raises(ValueError, match=r"outside the 32-bit counter"):
+        vmapdp.add_noise({"a": torch.zeros(8)}, 1.0, key=KEY, offsets={"a": 2**37})
+    assert _g._triton_ok == {}
+    keyed_normal((10,), KEY)
+    assert _g._triton_ok == {"cpu": True}
+
+
+def test_add_noise_never_holds_the_whole_trees_noise(monkeypatch):
+    """Each leaf's sum is made as soon as its noise is drawn (peak: one leaf's noise, not the tree's)."""
+    import weakref
+
+    live = {"now": 0, "peak": 0}
+    one = _g._keyed_one
+
+    def tracked(*a, **k):
+        z = one(*a, **k)
+        n = z.untyped_storage().nbytes()
+        live["now"] += n
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(z.untyped_storage(), lambda: live.__setitem__("now", live["now"] - n))
+        return z
+
+    monkeypatch.setattr(_g, "_keyed_one", tracked)
+    vmapdp.add_noise({f"p{i}": torch.zeros(10_000) for i in range(10)}, 1.0, key=KEY)
+    assert live["peak"] <= 2 * 10_000 * 4 + 1024
+
+
+def test_keyed_noise_under_grad():
+    """add_noise under torch.func.grad: the noise is a constant of the function (plain tensors drawn outside the transform)."""
+    f = lambda x: vmapdp.add_noise({"a": x}, 1.0, key=KEY)["a"]  # noqa: E731
+    g, val = torch.func.grad(lambda x: (f(x).sum(), f(x)), has_aux=True)(torch.zeros(10))
+    assert torch.equal(g, torch.ones(10)) and torch.equal(val, f(torch.zeros(10)))

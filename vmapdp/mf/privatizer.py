@@ -162,15 +162,18 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
                     f"{call}: the buffer of {name!r} is {buf.dtype} {tuple(buf.shape)}, expected {acc_dtype(leaf.dtype)} {(rows, *leaf.shape)}; make the state from the same params "
                     "(init_train_state(params, ..., privatizer=, sharding=) for a sharded step)."
                 )
+        buffers = {}
+
+        def release(i: int, z: torch.Tensor) -> torch.Tensor:  # a leaf's release as soon as its draw is made (the tree's noise is never alive at once)
+            name, leaf = names[i], leaves[i]
+            y, buffers[name] = next_noise(strategy, z, state["buffers"][name].to(leaf.device))
+            return leaf.to(acc_dtype(leaf.dtype)) + y * std
+
         if secure:
-            fresh = [secure_normal(leaf.shape, dtype=acc_dtype(leaf.dtype), device=leaf.device) for leaf in leaves]
-        else:  # every leaf's draw at once (on a GPU: one launch of the noise kernel for the lot)
-            fresh = _keyed_normals(key, [(tuple(leaf.shape), i, 0 if offsets is None else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))])
-        out, buffers = [], {}
-        for name, leaf, z in zip(names, leaves, fresh):
-            dt, buf = acc_dtype(leaf.dtype), state["buffers"][name]
-            y, buffers[name] = next_noise(strategy, z, buf.to(leaf.device))
-            out.append(leaf.to(dt) + y * std)
+            out = [release(i, secure_normal(leaf.shape, dtype=acc_dtype(leaf.dtype), device=leaf.device)) for i, leaf in enumerate(leaves)]
+        else:  # every leaf's draw in as few launches as their sizes allow (on a GPU: one launch of the noise kernel)
+            out = _keyed_normals(key, [(tuple(leaf.shape), i, 0 if offsets is None else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))], then=release)
+        buffers = {name: buffers[name] for name in names}
         return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
 
     return privatize

@@ -91,6 +91,8 @@ def fill(out: Tensor, key: bytes, segments: Sequence[tuple[int, int, int, int]],
     kernel = _kernels().normals32 if precision == 32 else _kernels().normals64
     with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():  # (CPU tensors: the interpreter)
         kernel[(table.shape[0],)](out, table, *_key_args(key), B=BLOCK)
+        if out.device.type == "cuda":  # a cached table read on another stream than it was made on: not reused before this launch ran
+            table.record_stream(torch.cuda.current_stream(out.device))
 
 
 def keystream(key: bytes, nonce: bytes, first_block: int, nblocks: int, *, device: torch.device | str) -> Tensor:

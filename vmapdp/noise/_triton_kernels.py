@@ -126,7 +126,7 @@ def normals64(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7
     _pair(_radius(_word64(w4, w5), tl.float64, TOP), _word64(w12, w13).to(tl.float64) * s, ptr, 2, 4, mask)
     _pair(_radius(_word64(w6, w7), tl.float64, TOP), _word64(w14, w15).to(tl.float64) * s, ptr, 3, 4, mask)
 
-@triton.jit(do_not_specialize=["key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7"])
+@triton.jit(do_not_specialize=["first", "nblocks", "n0", "n1", "n2", "key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7"])
 def words(out_ptr, first, nblocks, n0, n1, n2, key0, key1, key2, key3, key4, key5, key6, key7, B: tl.constexpr):
     """The raw keystream: 16 words (as int64 in [0, 2**32)) per block, for the tests."""
     k0, k1, k2, k3, k4, k5, k6, k7 = _key(key0, key1, key2, key3, key4, key5, key6, key7)

@@ -184,35 +184,63 @@ _TRITON_BATCH_GROUPS = 1 << 21
 _triton_ok: dict[str, bool] = {}  # device type -> whether the Triton kernel ran there (absent: not tried yet)
 
 
-def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], int, int, torch.dtype, torch.device]], *, backend: str = "auto", fused: bool | None = None) -> list[Tensor]:
+def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], int, int, torch.dtype, torch.device]], *, backend: str = "auto", fused: bool | None = None, then: Any = None) -> list[Any]:
     """:func:`keyed_normal` of each ``(shape, leaf, offset, dtype, device)`` (checked by the caller):
     the leaves on a CUDA device in as few launches of the Triton kernel as their sizes allow
-    (:mod:`vmapdp.noise._triton`), the others one by one (:func:`_keyed_one`)."""
+    (:mod:`vmapdp.noise._triton`), the others one by one (:func:`_keyed_one`). With ``then``, each
+    leaf's noise is passed to ``then(i, z)`` as soon as it is drawn and its result is kept instead (so
+    at most one batch of noise is alive at a time, not the whole tree's)."""
     skey = stream_key(key)
-    out: list[Tensor | None] = [None] * len(items)
+    done = then if then is not None else (lambda i, z: z)
+    out: list[Any] = [None] * len(items)
     batches: dict[tuple[str, int], list[int]] = {}
+    for shape, _, offset, dtype, _ in items:  # (every range checked before anything is drawn)
+        chacha.check_blocks(*_block_range(shape, offset, dtype))
     for i, (shape, _, _, dtype, device) in enumerate(items):
         if math.prod(shape) == 0:
-            out[i] = torch.zeros(shape, dtype=dtype, device=device)
+            out[i] = done(i, torch.zeros(shape, dtype=dtype, device=device))
         elif backend != "openssl" and fused is not False and _triton.available(device) and (fused or _triton_ok.get(device.type) is not False):
             batches.setdefault((str(device), _FP64 if dtype == torch.float64 else _FP32), []).append(i)
         else:
-            out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+            with torch._C._DisableFuncTorch():
+                z = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+            out[i] = done(i, z)
     for (device, precision), members in batches.items():
         try:
-            _triton_self_check(torch.device(device), precision)
-            _triton_batch(skey, items, members, precision, torch.device(device), out)
+            with torch._C._DisableFuncTorch():  # pure in its own inputs: plain tensors under vmap/grad
+                _triton_self_check(torch.device(device), precision)
+            _triton_batch(skey, items, members, precision, torch.device(device), out, done)
         except Exception as e:
-            if fused or _triton_ok.get(torch.device(device).type):
+            # an error of the call (out of memory, or raised by `then`) is not the kernel's: raised, nothing switched
+            if isinstance(e, _ThenFailed):
+                raise e.__cause__ from None
+            if fused or _triton_ok.get(torch.device(device).type) or isinstance(e, torch.OutOfMemoryError):
                 raise
             if isinstance(e, _SelfCheckFailed):
                 warnings.warn(f"{e} Falling back to the torch twin of ChaCha20 (compiled by Inductor, or op by op) for {device}.", RuntimeWarning, stacklevel=3)
             _triton_ok[torch.device(device).type] = False  # triton cannot build here: Inductor's kernel (or op by op) from now on
             for i in members:
-                out[i] = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+                if out[i] is None:
+                    with torch._C._DisableFuncTorch():
+                        z = _keyed_one(skey, *items[i], backend=backend, fused=fused)
+                    out[i] = done(i, z)
         else:
             _triton_ok[torch.device(device).type] = True
-    return out  # type: ignore[return-value]
+    return out
+
+
+class _ThenFailed(RuntimeError):
+    pass
+
+
+def _block_range(shape: tuple[int, ...], offset: int, dtype: torch.dtype) -> tuple[int, int]:
+    """The (first block, blocks) of elements ``[offset, offset + prod(shape))`` of a stream."""
+    blocks, pairs = _LAYOUT[_FP64 if dtype == torch.float64 else _FP32]
+    n = math.prod(shape)
+    if n == 0:
+        return 0, 0
+    g0, g1 = offset // (2 * pairs), -(-(offset + n) // (2 * pairs))
+    return g0 * blocks, (g1 - g0) * blocks
 
 
 class _SelfCheckFailed(RuntimeError):
@@ -248,7 +276,7 @@ def _triton_self_check(device: torch.device, precision: int) -> None:
     _triton_checked.add((str(device), precision))
 
 
-def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, device: torch.device, out: list) -> None:
+def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, device: torch.device, out: list, done: Any) -> None:
     """The Triton kernel's draws for ``items[members]`` (one device and precision), a launch per
     batch of at most :data:`_TRITON_BATCH_GROUPS` groups (or one larger leaf)."""
     blocks, pairs = _LAYOUT[precision]
@@ -265,18 +293,26 @@ def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, 
         batch.append(span)
         total += span[3] - span[2]
         if k + 1 == len(spans) or total + spans[k + 1][3] - spans[k + 1][2] > _TRITON_BATCH_GROUPS:
-            buf = torch.empty(total, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=device)
             segments, at = [], 0
             for _, leaf, g0, g1 in batch:
                 segments.append((leaf, g0, g1 - g0, at))
                 at += g1 - g0
-            with torch._C._DisableFuncTorch():  # pure in its own inputs, as in _normals_into
+            with torch._C._DisableFuncTorch():  # pure in its own inputs, as in _normals_into (the buffer too: a plain tensor under grad)
+                buf = torch.empty(total, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=device)
                 _triton.fill(buf, skey, segments, precision=precision)
-            flat = buf.reshape(-1)
-            for (i, _, g0, _), (_, _, _, first) in zip(batch, segments):
-                shape, _, offset, dtype, _ = items[i]
-                start = first * per_group + offset - g0 * per_group
-                out[i] = flat[start : start + math.prod(shape)].reshape(shape).to(dtype)
+                flat = buf.reshape(-1)
+                zs = []
+                for (i, _, g0, _), (_, _, _, first) in zip(batch, segments):
+                    shape, _, offset, dtype, _ = items[i]
+                    start = first * per_group + offset - g0 * per_group
+                    zs.append((i, flat[start : start + math.prod(shape)].reshape(shape).to(dtype)))
+            del buf, flat
+            for i, z in zs:
+                try:
+                    out[i] = done(i, z)
+                except Exception as e:
+                    raise _ThenFailed() from e
+            del zs  # (the batch's buffer goes once its leaves are done)
             batch, total = [], 0
 
 
@@ -568,8 +604,9 @@ def add_noise(
         )
     if generator is None:
         base = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
-        noise = _keyed_normals(base, [(tuple(leaf.shape), i, starts[i], _dt(leaf), leaf.device) for i, leaf in enumerate(leaves)])
-        return optree.tree_unflatten(spec, [leaf.to(_dt(leaf)) + z * std for leaf, z in zip(leaves, noise)])
+        # each leaf's sum as soon as its noise is drawn: the tree's noise is never alive all at once
+        noisy = _keyed_normals(base, [(tuple(leaf.shape), i, starts[i], _dt(leaf), leaf.device) for i, leaf in enumerate(leaves)], then=lambda i, z: leaves[i].to(_dt(leaves[i])) + z * std)
+        return optree.tree_unflatten(spec, noisy)
     out = []
     for leaf in leaves:
         if generator.device.type != leaf.device.type:
