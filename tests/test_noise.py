@@ -453,7 +453,7 @@ def test_triton_kernel_draws_every_leaf_in_one_launch_within_the_ulp_bound(trito
 def test_triton_kernel_that_fails_its_known_answers_never_releases(triton_on_cpu, monkeypatch):
     """Before its first draw on a device the kernel is checked against known answers (its keystream
     against the torch twin's bits, its normals against the host's transform): a kernel that is off
-    (here by one part in 10**4, or by one keystream bit) is never used. Its noise falls back to the
+    (here by one part in 10**4, by one keystream bit, or by a radius blind to its word's low bits) is never used. Its noise falls back to the
     torch twin with a warning naming the difference (fused=None), or the error is raised (fused=True)."""
     fill = triton_on_cpu.fill
 
@@ -475,6 +475,14 @@ def test_triton_kernel_that_fails_its_known_answers_never_releases(triton_on_cpu
     monkeypatch.setattr(_g, "_triton_ok", {})
     with pytest.raises(RuntimeError, match=r"keystream on cpu differs from RFC 8439"):
         keyed_normal((10,), KEY, dtype=torch.float64, fused=True)
+    monkeypatch.setattr(triton_on_cpu, "keystream", keystream)
+    radii = triton_on_cpu.radii  # a radius that ignores the words' low 32 bits (random words seldom show it)
+    monkeypatch.setattr(triton_on_cpu, "radii", lambda words, **k: radii(words & ~0xFFFFFFFF, **k))
+    with pytest.raises(RuntimeError, match=r"Box-Muller radius on cpu of the word"):
+        keyed_normal((10,), KEY, fused=True)
+    monkeypatch.setattr(triton_on_cpu, "radii", radii)
+    keyed_normal((10,), KEY, fused=True)
+    assert _g._triton_checked == {("cpu", 32)}
 
 
 @pytest.mark.gpu

@@ -23,6 +23,7 @@ tests use it where triton is installed).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import math
 import threading
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["available", "fill", "keystream"]
+__all__ = ["available", "fill", "keystream", "radii"]
 
 BLOCK = 128  # groups (lanes) per program
 _LOCK = threading.Lock()
@@ -41,7 +42,12 @@ _MAX_TABLES = 64
 
 def available(device: torch.device) -> bool:
     """Whether the Triton kernels serve ``device`` (a CUDA device, triton importable)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and _have_triton()
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _kernels() -> Any:
@@ -102,4 +108,15 @@ def keystream(key: bytes, nonce: bytes, first_block: int, nblocks: int, *, devic
     out = torch.empty(nblocks, 16, dtype=torch.int64, device=device)
     if nblocks:
         _kernels().words[(math.ceil(nblocks / BLOCK),)](out, first_block, nblocks, *n, *_key_args(key), B=BLOCK)
+    return out
+
+
+def radii(words: Tensor, *, precision: int) -> Tensor:
+    """The kernels' Box-Muller radius of each int64 word of ``words`` (1-D, on the kernel's device),
+    float32 for ``precision`` 32, float64 for 64 (the self-check compares it with the host's)."""
+    pairs = torch.stack([words & 0xFFFFFFFF, (words >> 32) & 0xFFFFFFFF], dim=1).contiguous()
+    out = torch.empty(words.numel(), dtype=torch.float32 if precision == 32 else torch.float64, device=words.device)
+    if words.numel():
+        with torch.cuda.device(words.device) if words.device.type == "cuda" else contextlib.nullcontext():
+            _kernels().radii[(math.ceil(words.numel() / BLOCK),)](pairs, out, words.numel(), PRECISION=precision, B=BLOCK)
     return out

@@ -5,6 +5,9 @@ its module's globals)."""
 import triton
 import triton.language as tl
 
+TOP32 = tl.constexpr(9223371487098961920.0)  # the largest float32 below 2**63 (gaussian._radius's clamp)
+TOP64 = tl.constexpr(9223372036854774784.0)  # the largest float64 below 2**63
+
 @triton.jit
 def _rotl(x, n: tl.constexpr):
     return (x << n) | (x >> (32 - n))
@@ -93,7 +96,7 @@ def normals32(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7
     s = tl.full((B,), 3.1415926535897931 / 2147483648.0, tl.float32)  # pi / 2**31, rounded to float32 as torch rounds the scalar
     a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, (ctr + 2).to(tl.uint32), n0, n1, n2)
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr.to(tl.uint32), n0, n1, n2)
-    TOP: tl.constexpr = 9223371487098961920.0  # the largest float32 below 2**63
+    TOP: tl.constexpr = TOP32
     _pair(_radius(_word64(w0, w1), tl.float32, TOP), a0.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 0, 16, mask)
     _pair(_radius(_word64(w2, w3), tl.float32, TOP), a1.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 1, 16, mask)
     _pair(_radius(_word64(w4, w5), tl.float32, TOP), a2.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 2, 16, mask)
@@ -120,7 +123,7 @@ def normals64(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7
     ptr = out_ptr + group * 8
     s = tl.full((B,), 3.1415926535897931 / 9223372036854775808.0, tl.float64)  # pi / 2**63
     w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr.to(tl.uint32), n0, n1, n2)
-    TOP: tl.constexpr = 9223372036854774784.0  # the largest float64 below 2**63
+    TOP: tl.constexpr = TOP64
     _pair(_radius(_word64(w0, w1), tl.float64, TOP), _word64(w8, w9).to(tl.float64) * s, ptr, 0, 4, mask)
     _pair(_radius(_word64(w2, w3), tl.float64, TOP), _word64(w10, w11).to(tl.float64) * s, ptr, 1, 4, mask)
     _pair(_radius(_word64(w4, w5), tl.float64, TOP), _word64(w12, w13).to(tl.float64) * s, ptr, 2, 4, mask)
@@ -136,3 +139,17 @@ def words(out_ptr, first, nblocks, n0, n1, n2, key0, key1, key2, key3, key4, key
     w = _block(k0, k1, k2, k3, k4, k5, k6, k7, (first + i).to(tl.uint32), u + n0.to(tl.uint32, bitcast=True), u + n1.to(tl.uint32, bitcast=True), u + n2.to(tl.uint32, bitcast=True))
     for j in tl.static_range(16):
         tl.store(out_ptr + 16 * i + j, w[j].to(tl.int64), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n"])
+def radii(words_ptr, out_ptr, n, PRECISION: tl.constexpr, B: tl.constexpr):
+    """The kernels' radius (``_radius`` of ``_word64``) of given words (``[n, 2]`` int64: the low and
+    high 32 bits of each): the self-check's probe of the clamp and of every bit of a radius word."""
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mask = i < n
+    lo = tl.load(words_ptr + 2 * i, mask=mask, other=0).to(tl.uint32)
+    hi = tl.load(words_ptr + 2 * i + 1, mask=mask, other=0).to(tl.uint32)
+    if PRECISION == 32:
+        tl.store(out_ptr + i, _radius(_word64(lo, hi), tl.float32, TOP32), mask=mask)
+    else:
+        tl.store(out_ptr + i, _radius(_word64(lo, hi), tl.float64, TOP64), mask=mask)

@@ -247,6 +247,20 @@ class _SelfCheckFailed(RuntimeError):
     pass
 
 
+def _radius_probe_words() -> Tensor:
+    """int64 words whose radii a kernel must get right and random keystream seldom shows: the
+    clamp's ends (0, +-1, the int64 extremes, around float32's and float64's largest value below
+    2**63), words whose bits are all in the low half (the low 32 bits decide the radius), each bit
+    alone, and both halves' edges."""
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    words = {0, 1, -1, 2, lo, lo + 1, hi, hi - 1, (1 << 32) - 1, 1 << 32, (1 << 31) - 1, 1 << 31, -(1 << 32), -((1 << 32) - 1)}
+    for top in ((1 << 63) - (1 << 39), (1 << 63) - (1 << 10)):  # float32's and float64's TOP as int64 words, and around them
+        words |= {top + d for d in (-(1 << 40), -(1 << 38), -1, 0, 1) if lo <= top + d <= hi}
+    words |= {1 << k for k in range(63)} | {-(1 << k) for k in range(63)}
+    words |= {(1 << k) - 1 for k in range(1, 64)} | {(0x9E3779B97F4A7C15 * k) % (1 << 64) - (1 << 63) for k in range(1, 65)}
+    return torch.tensor(sorted(words), dtype=torch.int64)
+
+
 _triton_checked: set[tuple[str, int]] = set()  # (device, precision) whose kernel passed its known answers
 
 
@@ -270,6 +284,14 @@ def _triton_self_check(device: torch.device, precision: int) -> None:
     _triton.fill(buf, skey, segments, precision=precision)
     host = torch.cat([_EAGER[precision](chacha.keystream_words(skey, _nonce(lf, precision), g0 * blocks, g * blocks).view(-1, 8 * blocks)) for lf, g0, g, _ in segments])
     eps = torch.finfo(dtype).eps
+    probe = _radius_probe_words()
+    radii, host_radii = _triton.radii(probe.to(device), precision=precision).cpu(), _radius(probe, dtype)
+    if not torch.allclose(radii, host_radii, rtol=4 * eps, atol=0):
+        worst = int((radii - host_radii).abs().argmax())
+        raise _SelfCheckFailed(
+            f"keyed noise: the Triton kernel's {dtype} Box-Muller radius on {device} of the word {int(probe[worst])} is "
+            f"{radii[worst].item()!r}, the host's {host_radii[worst].item()!r} (the bound is 4 ulps)."
+        )
     if not torch.allclose(buf.cpu(), host, rtol=4 * eps, atol=8 * eps):
         worst = (buf.cpu() - host).abs().max().item()
         raise _SelfCheckFailed(f"keyed noise: the Triton kernel's {dtype} normals on {device} differ from the host's Box-Muller of the same bits by up to {worst:.3g} (the bound is 4 ulps relative + 8 absolute).")
