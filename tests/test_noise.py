@@ -488,31 +488,46 @@ def test_triton_kernel_that_fails_its_known_answers_never_releases(triton_on_cpu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_keyed_normals_on_cuda_match_the_cpu(monkeypatch, dtype):
+def test_keyed_normals_on_cuda_match_the_cpu(dtype):
     """On CUDA the keystream and the transform run on the device: the Triton kernel by default (all
-    of add_noise's leaves in one launch), Inductor's compile of the torch twin where triton is
-    missing, op by op with fused=False. The keystream bits equal the CPU's and the normals agree
-    within the stated ulp bound (CUDA's log/cos/sin are not the CPU's) on all three."""
+    of add_noise's leaves in one launch; it passed its known answers), op by op with fused=False.
+    The keystream bits equal the CPU's (also at a stream's last counters) and the normals agree
+    within the stated ulp bound (CUDA's log/cos/sin are not the CPU's)."""
     ulps = {"rtol": 4 * torch.finfo(dtype).eps, "atol": 8 * torch.finfo(dtype).eps}
     cpu = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype)
     for fused in (None, False):
         cuda = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda", fused=fused)
         assert cuda.device.type == "cuda"
         torch.testing.assert_close(cuda.cpu(), cpu, **ulps)
-    assert _g._triton_ok.get("cuda") is True
+    assert _g._triton_ok.get("cuda") is True and ("cuda", 64 if dtype == torch.float64 else 32) in _g._triton_checked
     tree = {"a": torch.zeros(5000, dtype=dtype, device="cuda"), "b": torch.zeros(3, 7, dtype=dtype, device="cuda")}
     noisy = vmapdp.add_noise(tree, 1.0, key=KEY, offsets={"a": 33, "b": 2})
     torch.testing.assert_close(noisy["a"].cpu(), keyed_normal((5000,), KEY, leaf=0, offset=33, dtype=dtype), **ulps)
     torch.testing.assert_close(noisy["b"].cpu(), keyed_normal((3, 7), KEY, leaf=1, offset=2, dtype=dtype), **ulps)
+    big = keyed_normal((3_000_000,), KEY, leaf=9, dtype=dtype, device="cuda")
+    torch.testing.assert_close(big.cpu(), keyed_normal((3_000_000,), KEY, leaf=9, dtype=dtype), **ulps)
+    skey = _g.stream_key(KEY)
+    for leaf in (1, 2, 2**32 + 1):  # (a nonce word equal to 1 once made Triton specialise the raw-words kernel)
+        nonce = _g._nonce(leaf, 32)
+        for first in (5, 2**32 - 300):
+            ours = _g._triton.keystream(skey, nonce, first, 300, device="cuda").cpu().reshape(-1)
+            assert torch.equal(ours, _g.chacha.keystream(skey, nonce, first, 300).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_keyed_normals_on_cuda_without_triton_match_the_cpu(monkeypatch, dtype):
+    """Where triton is missing: Inductor's compile of the int64 torch twin (~30 s to compile per
+    precision on a cold machine), within the same ulp bound; the twin's words equal the CPU's."""
+    ulps = {"rtol": 4 * torch.finfo(dtype).eps, "atol": 8 * torch.finfo(dtype).eps}
     monkeypatch.setattr(_g._triton, "available", lambda device: False)
+    cpu = keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype)
     torch.testing.assert_close(keyed_normal((5000,), KEY, leaf=2, offset=33, dtype=dtype, device="cuda").cpu(), cpu, **ulps)
     assert _g._device_ok.get("cuda") is True
     skey, nonce = _g.stream_key(KEY), _g._nonce(2, 32)
     words = _g.chacha.keystream_words(skey, nonce, 5, 40, device="cuda")
     assert torch.equal(words.cpu(), _g.chacha.keystream_words(skey, nonce, 5, 40))
-    for first in (5, 2**32 - 300):
-        ours = _g._triton.keystream(skey, nonce, first, 300, device="cuda").cpu().reshape(-1)
-        assert torch.equal(ours, _g.chacha.keystream(skey, nonce, first, 300).view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
 
 
 def test_triton_kernel_is_not_switched_off_by_a_callers_error(triton_on_cpu):
