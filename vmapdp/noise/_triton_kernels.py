@@ -94,26 +94,13 @@ def normals32(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7
     group, mask, ctr, n0, n1, n2 = _setup(table_ptr, 32, 3, B)
     ptr = out_ptr + group * 32
     s = tl.full((B,), 3.1415926535897931 / 2147483648.0, tl.float32)  # pi / 2**31, rounded to float32 as torch rounds the scalar
-    a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, (ctr + 2).to(tl.uint32), n0, n1, n2)
-    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr.to(tl.uint32), n0, n1, n2)
-    TOP: tl.constexpr = TOP32
-    _pair(_radius(_word64(w0, w1), tl.float32, TOP), a0.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 0, 16, mask)
-    _pair(_radius(_word64(w2, w3), tl.float32, TOP), a1.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 1, 16, mask)
-    _pair(_radius(_word64(w4, w5), tl.float32, TOP), a2.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 2, 16, mask)
-    _pair(_radius(_word64(w6, w7), tl.float32, TOP), a3.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 3, 16, mask)
-    _pair(_radius(_word64(w8, w9), tl.float32, TOP), a4.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 4, 16, mask)
-    _pair(_radius(_word64(w10, w11), tl.float32, TOP), a5.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 5, 16, mask)
-    _pair(_radius(_word64(w12, w13), tl.float32, TOP), a6.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 6, 16, mask)
-    _pair(_radius(_word64(w14, w15), tl.float32, TOP), a7.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 7, 16, mask)
-    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, (ctr + 1).to(tl.uint32), n0, n1, n2)
-    _pair(_radius(_word64(w0, w1), tl.float32, TOP), a8.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 8, 16, mask)
-    _pair(_radius(_word64(w2, w3), tl.float32, TOP), a9.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 9, 16, mask)
-    _pair(_radius(_word64(w4, w5), tl.float32, TOP), a10.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 10, 16, mask)
-    _pair(_radius(_word64(w6, w7), tl.float32, TOP), a11.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 11, 16, mask)
-    _pair(_radius(_word64(w8, w9), tl.float32, TOP), a12.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 12, 16, mask)
-    _pair(_radius(_word64(w10, w11), tl.float32, TOP), a13.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 13, 16, mask)
-    _pair(_radius(_word64(w12, w13), tl.float32, TOP), a14.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 14, 16, mask)
-    _pair(_radius(_word64(w14, w15), tl.float32, TOP), a15.to(tl.int32, bitcast=True).to(tl.float32) * s, ptr, 15, 16, mask)
+    key = (k0, k1, k2, k3, k4, k5, k6, k7)
+    a = _block(*key, (ctr + 2).to(tl.uint32), n0, n1, n2)  # the group's third block: 16 angle words
+    for half in tl.static_range(2):  # its first and second blocks: 8 radius words (int64) each
+        w = _block(*key, (ctr + half).to(tl.uint32), n0, n1, n2)
+        for k in tl.static_range(8):
+            theta = a[8 * half + k].to(tl.int32, bitcast=True).to(tl.float32) * s
+            _pair(_radius(_word64(w[2 * k], w[2 * k + 1]), tl.float32, TOP32), theta, ptr, 8 * half + k, 16, mask)
 
 @triton.jit(do_not_specialize=["key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7"])
 def normals64(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7, B: tl.constexpr):
@@ -122,12 +109,9 @@ def normals64(out_ptr, table_ptr, key0, key1, key2, key3, key4, key5, key6, key7
     group, mask, ctr, n0, n1, n2 = _setup(table_ptr, 64, 1, B)
     ptr = out_ptr + group * 8
     s = tl.full((B,), 3.1415926535897931 / 9223372036854775808.0, tl.float64)  # pi / 2**63
-    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr.to(tl.uint32), n0, n1, n2)
-    TOP: tl.constexpr = TOP64
-    _pair(_radius(_word64(w0, w1), tl.float64, TOP), _word64(w8, w9).to(tl.float64) * s, ptr, 0, 4, mask)
-    _pair(_radius(_word64(w2, w3), tl.float64, TOP), _word64(w10, w11).to(tl.float64) * s, ptr, 1, 4, mask)
-    _pair(_radius(_word64(w4, w5), tl.float64, TOP), _word64(w12, w13).to(tl.float64) * s, ptr, 2, 4, mask)
-    _pair(_radius(_word64(w6, w7), tl.float64, TOP), _word64(w14, w15).to(tl.float64) * s, ptr, 3, 4, mask)
+    w = _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr.to(tl.uint32), n0, n1, n2)
+    for k in tl.static_range(4):  # radius from words 2k, 2k + 1; angle from words 8 + 2k, 9 + 2k
+        _pair(_radius(_word64(w[2 * k], w[2 * k + 1]), tl.float64, TOP64), _word64(w[8 + 2 * k], w[9 + 2 * k]).to(tl.float64) * s, ptr, k, 4, mask)
 
 @triton.jit(do_not_specialize=["first", "nblocks", "n0", "n1", "n2", "key0", "key1", "key2", "key3", "key4", "key5", "key6", "key7"])
 def words(out_ptr, first, nblocks, n0, n1, n2, key0, key1, key2, key3, key4, key5, key6, key7, B: tl.constexpr):
