@@ -242,14 +242,12 @@ def state_summary(tree: Any) -> list[tuple[str, Any]]:
     from vmapdp._tree import path_str
 
     paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace="torch")
-    out = []
-    for p, x in zip(paths, leaves):
-        if isinstance(x, Tensor) and x.numel() > 16:
-            x = (tuple(x.shape), str(x.dtype), float(x.detach().sum(dtype=torch.float64)))
-        elif isinstance(x, Tensor):
-            x = x.tolist()
-        out.append((path_str(p), x))
-    return out
+    big = [i for i, x in enumerate(leaves) if isinstance(x, Tensor) and x.numel() > 16]
+    sums = dict(zip(big, torch.stack([leaves[i].detach().sum(dtype=torch.float64).cpu() for i in big]).tolist() if big else []))
+    return [
+        (path_str(p), (tuple(x.shape), str(x.dtype), sums[i]) if i in sums else x.tolist() if isinstance(x, Tensor) else x)
+        for i, (p, x) in enumerate(zip(paths, leaves))
+    ]
 
 
 def check_step(call: str, noise_key: Any, *, error: BaseException | None = None) -> None:
