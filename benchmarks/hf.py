@@ -252,6 +252,8 @@ def bench(name: str, variant: str, batch_size: int, args: argparse.Namespace, de
         first[m] = time.perf_counter() - t0
         fns[m] = fn
     timings = psg_bench._measure_interleaved(fns, device, repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds) if fns else {}
+    if args.profile is not None:
+        train_step.profile_steps(fns, device, args.profile or None, f"{name}_{variant}_{batch_size}")
     row: dict[str, Any] = {
         "model": name,
         "variant": variant,
@@ -306,6 +308,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--smoke", action="store_true", help="the suite's run: a tiny config, batch 4, 2 repeats, nothing compiled")
     p.add_argument("--vmapdp-method", default="auto", choices=["auto", "ghost", "vmap", "two_pass"], help="make_train_step(method=) of the vmapdp rows")
     p.add_argument("--out", default=None, help="write the rows (and the set-up) to this JSON file")
+    p.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR", help="after timing, profile one step of each method (tables into DIR, or printed)")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     global VMAPDP_METHOD

@@ -210,6 +210,8 @@ def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.de
         first[m] = time.perf_counter() - t0
         fns[m] = fn
     timings = psg_bench._measure_interleaved(fns, device, repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds)
+    if args.profile is not None:
+        profile_steps(fns, device, args.profile or None, f"{name}_{batch_size}")
     row: dict[str, Any] = {"model": spec.title, "params": spec.expected_params, "batch": batch_size, "ms": {}, "first_call_s": first, "peak_mib": {}}
     row["auto_chose"] = {m: sorted(set(fn.chosen_methods.values())) for m, fn in fns.items() if "auto" in m}
     for m, t in timings.items():
@@ -219,6 +221,33 @@ def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.de
             if not m.endswith("_compiled"):
                 row["peak_mib"][m] = _peak_memory_mib(m, name, batch_size, args.seq_len, device)
     return row
+
+
+def profile_steps(fns: dict[str, Callable[[], Any]], device: torch.device, out_dir: str | None, label: str, *, rows: int = 25) -> None:
+    """One more step of each method under ``torch.profiler`` (host and, on CUDA, device activity),
+    its ops ranked by their own time on the device (on the host without a GPU), written as
+    ``<out_dir>/<label>_<method>.txt`` (and printed without ``out_dir``): where a step's time goes,
+    side by side with the non-private step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for m, fn in fns.items():
+        fn()  # (the step warm: nothing compiled or raced inside the profile)
+        if cuda:
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize(device)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows, max_name_column_width=70)
+        events = [e for e in prof.events() if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+        text = f"# {label} {m}: {len(events)} top-level aten ops\n{table}"
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / f"{label}_{m}.txt").write_text(text)
+        else:
+            print(text)
 
 
 def markdown(rows: list[dict[str, Any]], memory: bool) -> str:
@@ -255,6 +284,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--compile-lstm", action="store_true")
     p.add_argument("--quick", action="store_true", help="smoke run: MNIST, batch 8, 2 repeats, no compile")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR", help="after timing, profile one step of each method (tables into DIR, or printed)")
     args = p.parse_args(argv)
     args.methods = args.methods.split(",")
     warnings.simplefilter("ignore", UserWarning)  # Opacus's backward hooks warn on every step
