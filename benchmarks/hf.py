@@ -8,6 +8,10 @@ attention). Sizes (``--size``):
 * ``cpu`` (default): hidden 128, 2 layers, 4 heads, vocabulary 512, sequences of 64, batch 16;
 * ``gpt2-small``: GPT-2 small's shape (hidden 768, 12 layers, 12 heads, vocabulary 50257,
   position table 1024), sequences of 128, batch 32: the issue's target point, for a GPU;
+* ``llama-1b``: a 1B-class Llama (hidden 2048, 16 layers, 32 heads and 16 key-value heads,
+  MLP 8192, Llama 3's vocabulary of 128256, untied head: 1.5B weights), sequences of 128, batch
+  8: for a GPU with ~80 GB (``--models llama --vmapdp-method ghost``: per-sample gradients of
+  1.5B weights do not fit);
 * ``--smoke``: hidden 16, 1 layer, 2 heads, vocabulary 50, sequences of 8, batch 4 (the suite).
 
 Two set-ups of the same weights: ``full`` (every weight trainable) and ``lora``
@@ -76,6 +80,7 @@ VMAPDP_METHOD = "auto"  # make_train_step(method=) of the vmapdp rows (--vmapdp-
 SIZES = {
     "cpu": {"hidden": 128, "layers": 2, "heads": 4, "vocab": 512, "positions": 64, "seq": 64, "batch": 16, "rank": 8},
     "gpt2-small": {"hidden": 768, "layers": 12, "heads": 12, "vocab": 50257, "positions": 1024, "seq": 128, "batch": 32, "rank": 8},
+    "llama-1b": {"hidden": 2048, "layers": 16, "heads": 32, "vocab": 128256, "positions": 2048, "seq": 128, "batch": 8, "rank": 8},
     "smoke": {"hidden": 16, "layers": 1, "heads": 2, "vocab": 50, "positions": 8, "seq": 8, "batch": 4, "rank": 4},
 }
 
