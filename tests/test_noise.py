@@ -483,6 +483,15 @@ def test_triton_kernel_that_fails_its_known_answers_never_releases(triton_on_cpu
     monkeypatch.setattr(triton_on_cpu, "radii", radii)
     keyed_normal((10,), KEY, fused=True)
     assert _g._triton_checked == {("cpu", 32)}
+    # a kernel that passed for float32 and then fails float64's known answers: still never used for float64
+    monkeypatch.setattr(_g, "_triton_ok", {})
+    keyed_normal((10,), KEY)
+    assert _g._triton_ok == {"cpu": True}
+    monkeypatch.setattr(triton_on_cpu, "fill", lambda out, *a, **k: (fill(out, *a, **k), out.mul_(1 + 1e-4))[0] if out.dtype == torch.float64 else fill(out, *a, **k))
+    with pytest.warns(RuntimeWarning, match=r"float64 normals on cpu differ .* Falling back"):
+        z = keyed_normal((50,), KEY, dtype=torch.float64)
+    assert _g._triton_ok == {"cpu": False}
+    torch.testing.assert_close(z, keyed_normal((50,), KEY, dtype=torch.float64, backend="openssl"), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

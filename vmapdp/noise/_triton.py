@@ -1,5 +1,5 @@
 """Keyed normals on a CUDA device in one Triton kernel: ChaCha20's block function in native 32-bit
-words and the Box-Muller transform, for every leaf of a step in one launch.
+words and the Box-Muller transform, for every leaf of a step in one launch (or a few, for large models).
 
 The torch twin of ChaCha20 (:func:`vmapdp.noise.chacha.words64`) emulates 32-bit words in int64
 (a mask after every add, three ops for a rotation) and, compiled by Inductor, still needs one

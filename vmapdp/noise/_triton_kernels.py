@@ -36,7 +36,7 @@ def _block(k0, k1, k2, k3, k4, k5, k6, k7, ctr, n0, n1, n2):
     x4, x5, x6, x7, x8, x9, x10, x11 = k0 + z, k1 + z, k2 + z, k3 + z, k4 + z, k5 + z, k6 + z, k7 + z
     x12, x13, x14, x15 = ctr, n0 + z, n1 + z, n2 + z
     for _ in range(10):  # 20 rounds: column, then diagonal quarter rounds (a loop, not unrolled: the float32 kernel's
-        # three blocks unrolled took 34 s to compile on an H200, and ran no faster)
+        # three blocks unrolled took 34 s to compile on an H200, at about the same speed)
         x0, x4, x8, x12 = _quarter(x0, x4, x8, x12)
         x1, x5, x9, x13 = _quarter(x1, x5, x9, x13)
         x2, x6, x10, x14 = _quarter(x2, x6, x10, x14)

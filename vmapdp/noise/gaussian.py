@@ -110,20 +110,20 @@ def keyed_normal(
             then copied to ``device``. ``"torch"``: the keystream and the transform run on
             ``device`` itself (the torch twin of ChaCha20, :func:`vmapdp.noise.chacha.words64`, or
             on CUDA the Triton kernel): on an accelerator nothing is made on the host or copied
-            over the bus. ``"auto"``:
-            OpenSSL for the CPU (where it is installed), the torch twin on an accelerator.
+            over the bus. ``"auto"``: OpenSSL for the CPU (where it is installed), the Triton
+            kernel on CUDA, the torch twin on other accelerators or where triton is missing.
         fused: one compiled kernel or op by op in eager torch. On the CPU the kernel is
             Inductor's transform of each cache-sized piece of OpenSSL's keystream. On a CUDA
             device it is a Triton kernel (:mod:`vmapdp.noise._triton`) that makes the keystream
             and the transform together from the block counters, in native 32-bit words, for all
-            of ``add_noise``'s leaves in one launch (no keystream in memory; on an H200, 100M
+            of ``add_noise``'s leaves in one launch per 2**21 groups (no keystream in memory; on an H200, 100M
             float32 elements took 1.7 ms, against 4.6 ms for Inductor's compile of the int64
             torch twin, 568 ms from OpenSSL with the copy and ~1 s op by op; benchmarks/README.md);
-            before its first draw on a device it is checked against known answers, and not used
-            (with a warning) if it fails them. On other accelerators, or where triton is missing,
-            Inductor compiles the torch twin for the device. ``None``: fused where it builds
-            (once per process, precision and device; cached on disk), else op by op from then
-            on; ``True``: fused or raise. Fused and op by op agree within a few ulps, not
+            before its first draw on a device and precision it is checked against known answers,
+            and never used if it fails them (a warning, and the next path from then on). On other
+            accelerators, or where triton is missing or fails, Inductor compiles the torch twin
+            for the device. ``None``: the first of these that builds (once per process and device
+            type; cached on disk), else op by op from then on; ``True``: the first or raise. Fused and op by op agree within a few ulps, not
             bitwise, and so do the CPU's and an accelerator's math functions: a run is
             reproducible on one setting and device type (the keystream bits are the same on all).
 
@@ -214,7 +214,9 @@ def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], in
             # an error of the call (out of memory, or raised by `then`) is not the kernel's: raised, nothing switched
             if isinstance(e, _ThenFailed):
                 raise e.__cause__ from None
-            if fused or _triton_ok.get(torch.device(device).type) or isinstance(e, torch.OutOfMemoryError):
+            # a kernel that ran before fails now: raised, unless it is a failed self-check (another
+            # precision or device): that one is never used, whatever ran before
+            if fused or isinstance(e, torch.OutOfMemoryError) or (_triton_ok.get(torch.device(device).type) and not isinstance(e, _SelfCheckFailed)):
                 raise
             if isinstance(e, _SelfCheckFailed):
                 warnings.warn(f"{e} Falling back to the torch twin of ChaCha20 (compiled by Inductor, or op by op) for {device}.", RuntimeWarning, stacklevel=3)
@@ -267,8 +269,10 @@ _triton_checked: set[tuple[str, int]] = set()  # (device, precision) whose kerne
 def _triton_self_check(device: torch.device, precision: int) -> None:
     """Known answers before the Triton kernel's first draw for ``device`` and ``precision`` (once per
     process): its block function's words against the torch twin's, bit for bit (the last counters
-    of a stream, a leaf index past 2**32), and a launch of two leaves' normals against the host's
-    op-by-op transform of the same words, within the stated ulp bound. A kernel the local compiler
+    of a stream, a leaf index past 2**32; the ``words`` kernel), its radius of hand-picked words
+    against the host's (:func:`_radius_probe_words`; the ``radii`` kernel), and a launch of the
+    normals kernel for two leaves against the host's op-by-op transform of the same words, within
+    the stated ulp bound (4 ulps relative plus 8 absolute). A kernel the local compiler
     miscompiles then never releases noise of another distribution: :class:`_SelfCheckFailed`."""
     if (str(device), precision) in _triton_checked:
         return
