@@ -340,6 +340,7 @@ def _peer_gone_worker(rank, world, init_file, out_dir):
     """Rank 1 leaves the group at once; rank 0 then steps with a mask of the wrong length. Rank 0's error."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
+        dist.barrier()  # both ranks connected (rank 1 leaving during rank 0's connect made rank 0's init fail: a flaky CI run)
         if rank == 1:
             return
         params, buffers, data, loss_fn = problem()
