@@ -574,3 +574,20 @@ def test_keyed_noise_under_grad():
     f = lambda x: vmapdp.add_noise({"a": x}, 1.0, key=KEY)["a"]  # noqa: E731
     g, val = torch.func.grad(lambda x: (f(x).sum(), f(x)), has_aux=True)(torch.zeros(10))
     assert torch.equal(g, torch.ones(10)) and torch.equal(val, f(torch.zeros(10)))
+
+
+def test_secure_noise_is_a_stream_under_a_fresh_os_key(monkeypatch):
+    """add_noise(secure=True) (and the secure privatizers) draw a fresh 256-bit key from the OS
+    CSPRNG per call and expand it by the keyed stream: with the OS's bytes fixed, the noise is the
+    keyed draw under them; the OS is asked once per call, and two calls differ."""
+    tree = {"a": torch.zeros(3, 50), "b": torch.zeros(7, dtype=torch.float64)}
+    asked = []
+    real = _g.secrets.token_bytes
+    monkeypatch.setattr(_g.secrets, "token_bytes", lambda n: asked.append(n) or b"\x07" * n)
+    noisy = vmapdp.add_noise(tree, 2.0, secure=True)
+    assert asked == [32]
+    assert torch.equal(noisy["a"], keyed_normal((3, 50), b"\x07" * 32, leaf=0) * 2.0)
+    assert torch.equal(noisy["b"], keyed_normal((7,), b"\x07" * 32, leaf=1, dtype=torch.float64) * 2.0)
+    monkeypatch.setattr(_g.secrets, "token_bytes", real)
+    first, second = vmapdp.add_noise(tree, 1.0, secure=True), vmapdp.add_noise(tree, 1.0, secure=True)
+    assert not torch.equal(first["a"], second["a"])

@@ -29,6 +29,7 @@ CSPRNG (independent, as the elements of one draw are).
 from __future__ import annotations
 
 import hashlib
+import secrets
 from typing import Any, Callable
 
 import optree
@@ -39,7 +40,7 @@ from vmapdp._tree import acc_dtype
 from vmapdp.mf.accounting import mf_event, noise_sensitivity
 from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
 from vmapdp.mf.streaming import next_noise, state_rows
-from vmapdp.noise.gaussian import _keyed_normals, secure_normal
+from vmapdp.noise.gaussian import _keyed_normals
 from vmapdp.noise.privatizers import Privatizer
 
 __all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
@@ -169,10 +170,9 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
             y, buffers[name] = next_noise(strategy, z, state["buffers"][name].to(leaf.device))
             return leaf.to(acc_dtype(leaf.dtype)) + y * std
 
-        if secure:
-            out = [release(i, secure_normal(leaf.shape, dtype=acc_dtype(leaf.dtype), device=leaf.device)) for i, leaf in enumerate(leaves)]
-        else:  # every leaf's draw in as few launches as their sizes allow (on a GPU: one launch of the noise kernel)
-            out = _keyed_normals(key, [(tuple(leaf.shape), i, 0 if offsets is None else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))], then=release)
+        # every leaf's draw in as few launches as their sizes allow (on a GPU: one launch of the noise
+        # kernel); secure: under a fresh key from the OS CSPRNG, as add_noise(secure=True)
+        out = _keyed_normals(secrets.token_bytes(32) if secure else key, [(tuple(leaf.shape), i, 0 if offsets is None or secure else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))], then=release)
         buffers = {name: buffers[name] for name in names}
         return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
 

@@ -61,7 +61,8 @@ def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None
 
     Args:
         std: the noise standard deviation, ``>= 0`` (DP-SGD: ``noise_multiplier * l2_sensitivity``).
-        secure: draw from the OS CSPRNG (:func:`vmapdp.noise.secure_normal`); the step's key is
+        secure: draw from the OS CSPRNG (``add_noise(secure=True)``: a fresh key from it per step,
+            expanded by ChaCha20); the step's key is
             then ``None``. Otherwise the noise is drawn from the step's key
             (``add_noise(summed, std, key=key)``: the same key, the same bits).
         offsets: for sums of parameter shards (:mod:`vmapdp.sharding`): each leaf's first element
