@@ -392,6 +392,26 @@ def test_secure_noise_carries_the_same_recursion():
     assert int(state.noise_state["t"]) == 3 and state.ledger.events[0].count == 3
 
 
+def test_secure_draws_are_a_stream_under_one_fresh_os_key_per_step(monkeypatch):
+    """secure=True: each step asks the OS CSPRNG for one 256-bit key and draws every leaf's z_t from
+    the keyed stream under it (as add_noise(secure=True)): with the OS's bytes fixed, the release of a
+    zero sum is std * z_t of that keyed draw, float32 and float64 leaves alike."""
+    import secrets
+
+    from vmapdp.noise import keyed_normal
+
+    priv = correlated_noise(IDENTITY, steps=STEPS)
+    bound, _, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(), secure=True)
+    params = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float64)}
+    asked = []
+    monkeypatch.setattr(secrets, "token_bytes", lambda n: asked.append(n) or b"\x07" * n)
+    noisy, _ = bound.privatize(params, priv.init(params), None)
+    assert asked == [32]
+    std = NM * CLIP * sens_oracle(IDENTITY)
+    torch.testing.assert_close(noisy["a"], keyed_normal((3, 4), b"\x07" * 32, leaf=0) * std, rtol=1e-6, atol=0)
+    torch.testing.assert_close(noisy["b"], keyed_normal((5,), b"\x07" * 32, leaf=1, dtype=torch.float64) * std, rtol=1e-12, atol=0)
+
+
 def test_float64_leaves_get_float64_noise_and_buffers():
     """A float64 sum is noised with float64 draws (keyed_normal's float64 stream) and float64 buffers."""
     priv = correlated_noise(BLT, steps=STEPS)

@@ -49,6 +49,12 @@ def test_secure_noise_is_gaussian_and_rejects_generators():
     assert not (z == again).all()
     with pytest.raises(ValueError, match=r"secure=True .* takes no generator"):
         add_noise(tree, 1.0, make_generator(0), secure=True)
+    # secure_normal: the OS's bytes themselves through the same Box-Muller (same alpha, same control)
+    raw = vmapdp.noise.secure_normal((20_000,)).double().numpy()
+    assert stats.kstest(raw, "norm").pvalue > alpha
+    assert stats.kstest(raw, "norm", args=(0.0, 1.1)).pvalue < alpha
+    assert vmapdp.noise.secure_normal((3, 2), dtype=torch.float64).dtype == torch.float64
+    assert vmapdp.noise.secure_normal((0, 4)).shape == (0, 4)
 
 
 @pytest.mark.parametrize("wrong", [0.9, 1.1, 1 / math.sqrt(2)])

@@ -198,7 +198,8 @@ def init_train_state(
             rule, method, precision, the optimizer's hyperparameters), so such runs get
             independent noise; what cannot be bound is the data and ``loss_fn``. With
             ``seed=None`` every run has its own random seed and nothing is shared.
-        secure: draw the noise from the OS CSPRNG at every step instead of a seeded generator;
+        secure: draw the noise from the OS CSPRNG at every step (a fresh key from it per step,
+            expanded by ChaCha20) instead of from the state's secret seed;
             such a state holds no seed (``seed`` must be None) and is not reproducible.
         budget: ``(epsilon, delta)`` recorded in the state from the start: every step on it (or
             on its descendants and checkpoints) raises :class:`PrivacyBudgetExceeded` rather than

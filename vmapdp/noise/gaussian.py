@@ -15,9 +15,11 @@ Sources, exactly one per call:
   search, and streams of different steps collide by the birthday bound within ~10**5 steps), and
   Mersenne Twister's output is linear in its state, which can be solved for from outputs.
 * ``secure=True``: the operating system's CSPRNG (not reproducible): a fresh 256-bit key from it
-  (``secrets.token_bytes``) per call, expanded by the keyed stream above, as the OS's own
-  ``getrandom`` expands its entropy with ChaCha20; so as fast as ``key=``, and made on the device
-  on CUDA. :func:`secure_normal` transforms the OS's bytes themselves (5-7x slower on the CPU).
+  (``secrets.token_bytes``) per call, expanded by the keyed stream above, as an OS CSPRNG (e.g.
+  Linux's ``getrandom``) expands its own entropy with ChaCha20; so as fast as ``key=``, and made on
+  the device on CUDA. The same as giving no source (below); the flag says so explicitly, and
+  refuses a generator or key beside it. :func:`secure_normal` transforms the OS's bytes
+  themselves (5-7x slower on the CPU).
 * ``generator=``: a ``torch.Generator`` you manage: predictable (see above), fine for tests, not
   for releasing models.
 * none of them: a fresh random key from OS entropy (unpredictable, not reproducible).
