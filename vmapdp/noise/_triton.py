@@ -32,6 +32,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from vmapdp.noise import chacha
+
 __all__ = ["available", "fill", "keystream", "radii"]
 
 BLOCK = 128  # groups (lanes) per program
@@ -57,12 +59,15 @@ def _kernels() -> Any:
     return _triton_kernels
 
 
-def _signed32(words: Sequence[int]) -> list[int]:
-    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+def _args(b: bytes) -> list[int]:
+    """``b``'s little-endian 32-bit words as int32 bit patterns (the kernels' scalar arguments: one
+    specialisation for every key and nonce)."""
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in chacha._words(b)]
 
 
-def _key_args(key: bytes) -> list[int]:
-    return _signed32([int.from_bytes(key[i : i + 4], "little") for i in range(0, 32, 4)])
+def _on(device: torch.device) -> Any:
+    """Launch on ``device`` (a CUDA one need not be current); CPU tensors: the interpreter."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _table(device: torch.device, blocks: int, segments: tuple[tuple[int, int, int, int], ...]) -> Tensor:
@@ -95,8 +100,8 @@ def fill(out: Tensor, key: bytes, segments: Sequence[tuple[int, int, int, int]],
         return
     table = _table(out.device, blocks, segments)
     kernel = _kernels().normals32 if precision == 32 else _kernels().normals64
-    with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():  # (CPU tensors: the interpreter)
-        kernel[(table.shape[0],)](out, table, *_key_args(key), B=BLOCK)
+    with _on(out.device):
+        kernel[(table.shape[0],)](out, table, *_args(key), B=BLOCK)
         if out.device.type == "cuda":  # a cached table read on another stream than it was made on: not reused before this launch ran
             table.record_stream(torch.cuda.current_stream(out.device))
 
@@ -104,10 +109,10 @@ def fill(out: Tensor, key: bytes, segments: Sequence[tuple[int, int, int, int]],
 def keystream(key: bytes, nonce: bytes, first_block: int, nblocks: int, *, device: torch.device | str) -> Tensor:
     """Blocks ``[first_block, first_block + nblocks)`` of ``(key, nonce)`` as ``[nblocks, 16]`` int64
     words, from this module's block function (the tests' check of its bits against OpenSSL's)."""
-    n = _signed32([int.from_bytes(nonce[i : i + 4], "little") for i in range(0, 12, 4)])
     out = torch.empty(nblocks, 16, dtype=torch.int64, device=device)
     if nblocks:
-        _kernels().words[(math.ceil(nblocks / BLOCK),)](out, first_block, nblocks, *n, *_key_args(key), B=BLOCK)
+        with _on(out.device):
+            _kernels().words[(math.ceil(nblocks / BLOCK),)](out, first_block, nblocks, *_args(nonce), *_args(key), B=BLOCK)
     return out
 
 
@@ -117,6 +122,6 @@ def radii(words: Tensor, *, precision: int) -> Tensor:
     pairs = torch.stack([words & 0xFFFFFFFF, (words >> 32) & 0xFFFFFFFF], dim=1).contiguous()
     out = torch.empty(words.numel(), dtype=torch.float32 if precision == 32 else torch.float64, device=words.device)
     if words.numel():
-        with torch.cuda.device(words.device) if words.device.type == "cuda" else contextlib.nullcontext():
+        with _on(words.device):
             _kernels().radii[(math.ceil(words.numel() / BLOCK),)](pairs, out, words.numel(), PRECISION=precision, B=BLOCK)
     return out

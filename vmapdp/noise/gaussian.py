@@ -240,13 +240,20 @@ class _ThenFailed(RuntimeError):
     pass
 
 
+def _groups(n: int, offset: int, precision: int) -> tuple[int, int]:
+    """The groups ``[g0, g1)`` of :data:`_LAYOUT` that hold elements ``[offset, offset + n)`` of a stream."""
+    per_group = 2 * _LAYOUT[precision][1]
+    return offset // per_group, -(-(offset + n) // per_group)
+
+
 def _block_range(shape: tuple[int, ...], offset: int, dtype: torch.dtype) -> tuple[int, int]:
     """The (first block, blocks) of elements ``[offset, offset + prod(shape))`` of a stream."""
-    blocks, pairs = _LAYOUT[_FP64 if dtype == torch.float64 else _FP32]
+    precision = _FP64 if dtype == torch.float64 else _FP32
     n = math.prod(shape)
     if n == 0:
         return 0, 0
-    g0, g1 = offset // (2 * pairs), -(-(offset + n) // (2 * pairs))
+    g0, g1 = _groups(n, offset, precision)
+    blocks = _LAYOUT[precision][0]
     return g0 * blocks, (g1 - g0) * blocks
 
 
@@ -309,15 +316,14 @@ def _triton_self_check(device: torch.device, precision: int) -> None:
 
 def _triton_batch(skey: bytes, items: list, members: list[int], precision: int, device: torch.device, out: list, done: Any) -> None:
     """The Triton kernel's draws for ``items[members]`` (one device and precision), a launch per
-    batch of at most :data:`_TRITON_BATCH_GROUPS` groups (or one larger leaf)."""
-    blocks, pairs = _LAYOUT[precision]
+    batch of at most :data:`_TRITON_BATCH_GROUPS` groups (or one larger leaf). The counter ranges
+    were checked by :func:`_keyed_normals`, before anything was drawn."""
+    _, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
     spans = []
     for i in members:
         shape, leaf, offset = items[i][:3]
-        g0, g1 = offset // per_group, -(-(offset + math.prod(shape)) // per_group)
-        chacha.check_blocks(g0 * blocks, (g1 - g0) * blocks)  # (a range past the counter is refused before anything is drawn)
-        spans.append((i, leaf, g0, g1))
+        spans.append((i, leaf, *_groups(math.prod(shape), offset, precision)))
     batch: list[tuple[int, int, int, int]] = []
     total = 0
     for k, span in enumerate(spans):
@@ -359,7 +365,7 @@ def _keyed_one(skey: bytes, shape: tuple[int, ...], leaf: int, offset: int, dtyp
     precision = _FP64 if dtype == torch.float64 else _FP32
     blocks, pairs = _LAYOUT[precision]
     per_group = 2 * pairs
-    g0, g1 = offset // per_group, -(-(offset + n) // per_group)
+    g0, g1 = _groups(n, offset, precision)
     nonce = _nonce(leaf, precision)
     out = torch.empty(g1 - g0, 2, pairs, dtype=torch.float64 if precision == _FP64 else torch.float32, device=where)
     # on an accelerator, the keystream and the transform in one compiled kernel where it compiles
