@@ -97,8 +97,17 @@ def run(step, params, buffers, batches, state=None):
 def fake_clock(monkeypatch, seconds: dict[str, float]):
     """``clipped._elapsed`` that runs each candidate and says it took ``seconds[name]``. The eager
     race times ``"ghost"`` and ``"vmap"`` (eager runs); then the winner ``w`` compiled (``"w"``)
-    against its eager run (``"w eager"``)."""
+    against its eager run (``"w eager"``). ``seconds["share"]`` (default 0) is what
+    ``kernel_share`` says of the winner's eager run (the step's measure, called by name)."""
     timed = []
+    shares = []
+
+    def share(run_, device):
+        run_()
+        shares.append(torch.compiler.is_compiling())
+        return seconds.get("share", 0.0)
+
+    monkeypatch.setattr(train, "kernel_share", share)
 
     def elapsed(name, run_, device):
         run_()
@@ -112,7 +121,9 @@ def fake_clock(monkeypatch, seconds: dict[str, float]):
 
 def test_compiled_auto_races_eagerly_and_compiles_only_the_winner(monkeypatch, problem):
     params, buffers, loss_fn, capacity, batches = problem
-    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "ghost eager": 3.0})  # ghost wins; compiled beats eager
+    assert limits.LIMITS.compile_kernel_share == 0.65
+    # ghost wins; its eager run is not kernel-bound (share below the limit); compiled beats eager
+    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "ghost eager": 3.0, "share": 0.64})
     before = graphs()
     auto = make(loss_fn, capacity, compile=True)
     states, recompiles = run(auto, params, buffers, batches)
@@ -143,6 +154,49 @@ def test_compiled_auto_runs_eagerly_where_the_compiled_winner_is_slower(monkeypa
     assert timed == [] and graphs() == before
     for k in params:
         assert torch.equal(resumed[-1].params[k], straight[-1].params[k]), k
+
+
+def test_compiled_auto_keeps_a_kernel_bound_chunk_eager_without_compiling_it(monkeypatch, problem):
+    """Where the winner's eager run spends the limit's share of its time or more in kernels
+    Inductor calls as they are, nothing is compiled: no graph, no compiled-against-eager race."""
+    params, buffers, loss_fn, capacity, batches = problem
+    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "share": 0.65})
+    before = graphs()
+    auto = make(loss_fn, capacity, compile=True)
+    states, _ = run(auto, params, buffers, batches[:4])
+    assert graphs() == before  # nothing compiled
+    rounds = limits.LIMITS.auto_rounds
+    assert sorted(n for n, _ in timed) == sorted(["ghost", "vmap"] * rounds) and not any(c for _, c in timed)
+    assert dict(auto.chosen_runs).popitem()[1] == "ghost eager" and [m for _, m in states[-1].methods] == ["ghost eager"]
+    eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches[:4])
+    for k in params:  # bitwise: the eager ghost computation ran
+        assert torch.equal(states[-1].params[k], eager[-1].params[k]), k
+    # a named method is compiled whatever the share (the caller asked for it)
+    before = graphs()
+    run(make(loss_fn, capacity, compile=True, method="ghost"), params, buffers, batches[:1])
+    assert graphs() == before + 1
+
+
+def test_kernel_share_times_only_the_kernels_compile_leaves_as_they_are():
+    """What ``kernel_share`` counts: convolutions (forward, backward), matrix products, sorts;
+    never pointwise ops or reductions (those Inductor fuses). The global RNG is left as it was."""
+    torch.manual_seed(0)
+    conv, lin = nn.Conv2d(2, 3, 3), nn.Linear(12, 4)
+    x = torch.randn(5, 2, 4, 4)
+
+    def work():
+        h = F.dropout(torch.relu(conv(x)), 0.5).flatten(1)
+        loss = lin(h).sort(dim=1).values.square().sum()
+        loss.backward()
+
+    seen: dict[str, float] = {}
+    before = torch.get_rng_state()
+    share = clipped.kernel_share(work, torch.device("cpu"), breakdown=seen)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert 0.0 < share <= 1.0
+    assert set(seen) == {"convolution", "convolution_backward", "addmm", "mm", "sort"} and all(v > 0 for v in seen.values())
+    pointwise = torch.randn(1000)
+    assert clipped.kernel_share(lambda: (pointwise.exp() * 2).sum(), torch.device("cpu")) == 0.0
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])

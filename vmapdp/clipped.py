@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 import optree
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask
@@ -32,7 +33,7 @@ from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
 from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 from vmapdp.precision import full_float32
 
-__all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key"]
+__all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "kernel_share"]
 
 METHODS = ("auto", "vmap", "ghost", "two_pass")
 RACE_MARGIN = 0.1  # race keeps the earliest-listed candidate within this fraction of the fastest
@@ -57,8 +58,13 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _elapsed(name: str, run: Callable[[], Any], device: torch.device) -> float:
+    """Seconds one call of ``run`` takes in a race (tests replace this function and time by name)."""
+    del name
+    return _seconds(run, device)
+
+
+def _seconds(run: Callable[[], Any], device: torch.device) -> float:
     """Seconds one call of ``run`` takes (the device synchronised before and after)."""
-    del name  # (tests replace this function and time by name)
     _synchronize(device)
     start = time.perf_counter()
     run()
@@ -104,6 +110,56 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
             rounds += 1
     floor = min(best.values())
     return next(name for name, t in best.items() if t <= floor * (1 + RACE_MARGIN))
+
+
+# ops Inductor leaves as calls to their ATen kernels (on the CPU: oneDNN, BLAS, ATen's sort): compiling a
+# graph cannot make these faster, only what lies between them
+_KERNEL_OPS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in (
+        "convolution", "convolution_backward", "mm", "bmm", "addmm", "baddbmm", "addbmm", "sort",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+
+
+class _KernelClock(TorchDispatchMode):
+    """Seconds spent in :data:`_KERNEL_OPS` (CPU tensors: the calls are synchronous), per op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket not in _KERNEL_OPS:
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+
+def kernel_share(run: Callable[[], Any], device: torch.device, *, breakdown: dict[str, float] | None = None) -> float:
+    """The share of one eager call of ``run`` (CPU) spent in kernels that ``torch.compile`` calls as
+    they are (convolutions forward and backward, matrix products, sorts), in ``[0, 1]``: what a
+    compiled run could at best take off is the rest. The best of two plain calls is the whole, the
+    best of two calls under a dispatch mode that times those kernels the part (best of each, so
+    that a descheduling on a loaded machine does not inflate either); ``breakdown``, if given,
+    gets that call's seconds per op. The global RNGs are restored, as in :func:`race`; the results
+    are dropped."""
+    with rng_kept(device):
+        whole = min(_seconds(run, device) for _ in range(2))
+        clocks = []
+        for _ in range(2):
+            clocks.append(_KernelClock())
+            with clocks[-1]:
+                run()
+    part, clock = min(((sum(c.seconds.values()), i), c) for i, c in enumerate(clocks))
+    if breakdown is not None:
+        breakdown.update(clock.seconds)
+    return min(1.0, part[0] / whole) if whole > 0 else 0.0
 
 
 def shape_key(args: tuple) -> tuple:

@@ -18,7 +18,8 @@ One logical step, in this fixed order (each line a stage of ``step``)::
 The tensor work of a chunk (norms, clipping, the masked sum) runs under
 ``torch.compile`` with static shapes, so a run of Poisson steps padded to one capacity compiles
 once; ``"auto"`` races the methods eagerly and compiles only the winner (kept eager where its
-compiled run is slower). Noise is drawn outside the compiled graph, after aggregation, from a key derived from
+compiled run is slower, or, on the CPU, where its time is mostly in kernels compiling leaves as
+they are). Noise is drawn outside the compiled graph, after aggregation, from a key derived from
 ``(state.noise_seed, state.step)`` bound to the run (``state.run_id``, a digest of the initial
 params) and to the step's release-defining configuration (clip norm, noise multiplier, expected
 batch size, sample rate, rule, method, ...): see :func:`noise_binding`. The same state and
@@ -48,7 +49,8 @@ from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, tensor_bytes
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, shape_key
+from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
+from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
@@ -539,7 +541,11 @@ def make_train_step(
             chunk of each shape and keeps the faster (``step.chosen_methods``); with ``compile``
             only that winner is compiled, then timed against its own eager run, and the chunk
             runs eagerly where that is faster (``step.chosen_runs``: ``"<method>"`` or
-            ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. What
+            ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. On
+            the CPU, a winner whose eager run spends ``Limits.compile_kernel_share`` (65%) of its
+            time or more in convolutions, matrix products and sorts, which Inductor calls as they
+            are (``vmapdp.clipped.kernel_share``), runs ``"<method> eager"`` without being compiled
+            at all (the CIFAR-10 CNN: a 48 s cold compile that bought nothing). What
             each chunk shape ran (named or chosen) is recorded in the new state
             (``state.methods``): a step on a state that has a choice for the shape replays it
             without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
@@ -552,7 +558,7 @@ def make_train_step(
         compile: run each chunk's tensor work under ``torch.compile(fullgraph=True, dynamic=False)``:
             one graph per chunk shape and method (a run of Poisson steps padded to one capacity
             compiles once, whatever the masks and the adaptive clip norm). A named method is
-            always compiled; ``"auto"`` may keep a chunk eager (see ``method``). Inductor's
+            always compiled; ``"auto"`` may keep a chunk eager, compiled or not (see ``method``). Inductor's
             caches (on disk, in ``TORCHINDUCTOR_CACHE_DIR``) make a second process's compile
             warm; dynamo's tracing is redone in every process. A str names the
             ``torch.compile`` backend (``True`` is ``"inductor"``): ``"aot_eager"`` or ``"eager"``
@@ -737,6 +743,13 @@ def make_train_step(
             chunk_fns[name, compiled] = chunk_fn(sum_fns[name], backend=backend if compiled else None)
         return chunk_fns[name, compiled]
 
+    def _kernel_bound(run: Callable, device: torch.device) -> bool:
+        """A CPU chunk whose eager run spends ``Limits.compile_kernel_share`` of its time or more in
+        kernels Inductor calls as they are (``kernel_share``): compiling it cannot pay, and is not
+        done (rank 0's measure, distributed). Inductor only: another backend (tests) always compiles."""
+        bound = device.type == "cpu" and kernel_share(run, device) >= ghost_limits.LIMITS.compile_kernel_share
+        return bool(_dist.broadcast_int(int(bound))) if distributed else bound
+
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
         """What the chunk runs (``"<method>"`` or, chosen by a compiled "auto", ``"<method> eager"``)
         and its shape digest; its plan made eagerly, once per shape, to keep the compiled graph free
@@ -764,6 +777,8 @@ def make_train_step(
         ran = compiled_or_eager.get(key)
         if ran is None:  # compiled: keep the compiled winner only where it beats the eager one
             names = [name, f"{name} eager"] if compile else [name]
+            if backend == "inductor" and _kernel_bound(functools.partial(runner(f"{name} eager"), params, mask, shared, chunk), mask.device):
+                names = [f"{name} eager"]  # compiling could not pay for itself: not compiled at all
             ran = compiled_or_eager.choose(key, names, {r: functools.partial(runner(r), params, mask, shared, chunk) for r in names}, mask.device)
         return ran, digest
 
