@@ -146,16 +146,24 @@ def kernel_share(run: Callable[[], Any], device: torch.device, *, breakdown: dic
     they are (convolutions forward and backward, matrix products, sorts), in ``[0, 1]``: what a
     compiled run could at best take off is the rest. The best of two plain calls is the whole, the
     best of two calls under a dispatch mode that times those kernels the part (best of each, so
-    that a descheduling on a loaded machine does not inflate either); ``breakdown``, if given,
+    that a descheduling on a loaded machine does not inflate either), all on one thread: on a
+    loaded machine each multi-threaded kernel also waits until all its threads get a core, which
+    took a tiny GPT-2's 0.2 to over 0.65 (one thread: 0.18-0.22 idle; the CIFAR-10 CNN 0.73-0.90,
+    MNIST 0.25-0.54, at batch 16 and 128); ``breakdown``, if given,
     gets that call's seconds per op. The global RNGs are restored, as in :func:`race`; the results
     are dropped."""
-    with rng_kept(device):
-        whole = min(_seconds(run, device) for _ in range(2))
-        clocks = []
-        for _ in range(2):
-            clocks.append(_KernelClock())
-            with clocks[-1]:
-                run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (under load, a parallel kernel waits for each of its threads to get a core: shares near 1)
+    try:
+        with rng_kept(device):
+            whole = min(_seconds(run, device) for _ in range(2))
+            clocks = []
+            for _ in range(2):
+                clocks.append(_KernelClock())
+                with clocks[-1]:
+                    run()
+    finally:
+        torch.set_num_threads(threads)
     part, clock = min(((sum(c.seconds.values()), i), c) for i, c in enumerate(clocks))
     if breakdown is not None:
         breakdown.update(clock.seconds)
