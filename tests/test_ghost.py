@@ -114,12 +114,14 @@ def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c
     out = tuple((s - dl * (k - 1) - 1) // st + 1 for s, k, st, dl in zip(size, kernel, stride, dilation))
     gout = torch.randn((b, n, c_out) + out, generator=g, dtype=torch.float64)
     use = uses.Use(conv.CONV, gout, x, (c_out, c_in) + kernel, (dims, stride, dilation, 1))
-    gu, gv = conv.conv_grams(use)
+    gu, gv, e = conv.conv_grams(use)  # (float64: of the grads and inputs normalised per sample, 2**-e_u and 2**-e_x)
+    eu = uses.pow2_normalized(gout.flatten(1))[1]
+    scale = (2.0 ** (e - eu).double()).view(-1, 1, 1)  # (small exponents here: exact)
     u, v = conv.conv_pair(use, torch.float64)
-    torch.testing.assert_close(gu, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gv, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gu * (2.0 ** eu.double()).view(-1, 1, 1) ** 2, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gv * scale**2, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
     # and the norms they give are the per-sample grads' (the conv backward of each sample alone)
-    sq, _ = uses.from_grams(gu, gv, torch.float64)
+    sq, _ = uses.from_grams(gu, gv, torch.float64, e)
     per = conv.conv_per_sample(use)
     torch.testing.assert_close(sq, per.flatten(1).square().sum(1), rtol=1e-10, atol=0)
 
@@ -548,7 +550,11 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
 
     summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost", rule=rule)(params, (x, y))
     assert torch.isfinite(summed["w"]).all() and float(summed["w"].norm()) <= 3.0
-    # the margin's squares overflow: the sample is dropped, visibly (norm inf), never released unclipped
+    if dtype == torch.float64:  # its factors are normalised per sample before they are squared (uses.pow2_normalized): clipped like vmap's
+        ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, (x, y)), 1.0, rule=rule)
+        _assert_close(summed, norms, *ref, rtol=1e-9)
+        return
+    # float32: the margin's squares overflow: the sample is dropped, visibly (norm inf), never released unclipped
     assert norms[0] == math.inf
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, (x[1:], y[1:])), 1.0, rule=rule)
     _assert_close(summed, norms[1:], *ref, rtol=1e-4)

@@ -37,6 +37,8 @@ this tiny model (up to 1 + 2.2e-3; 1.016 C in the reviewer's larger one).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -433,3 +435,74 @@ def test_a_subnormal_side_of_a_float32_book_keeping_sum_stays_within_its_margin(
     full, _, _ = fn(params, (x, z))
     minus, _, _ = fn(params, (x, z), mask=torch.tensor([True, False]))
     assert float((full["w"].double() - minus["w"].double()).norm()) <= c * (1 + TOL)
+
+
+def _underflowing_pair(t, d, c):
+    """A float64 sample whose output grads have entries near 1e-163 (their squares are 0 in
+    float64) and inputs near 1e154, all positions aligned: its per-sample grad is a normal number,
+    ``t * 1.95e-8``, above ``c``."""
+    x, z = torch.randn(2, t, d, dtype=torch.float64) * 0.01, torch.randn(2, t, d, dtype=torch.float64) * 0.01
+    x[1], z[1] = 1.3e154 / d**0.5, 1.5e-162 / d**0.5
+    return x, z
+
+
+@pytest.mark.parametrize("op", ["linear", "einsum", "conv1d"])
+def test_a_float64_sample_whose_squares_underflow_is_still_clipped(op, monkeypatch):
+    """Found by review (hunt/f64_gram_underflow.py): a float64 model's Gram norms took
+    ``|u_t|^2`` of output grads near 1e-162 as 0 (the masses too), so the norm was 0 and the
+    sample went out unclipped: 1.248 C at C = 1e-6 (T = 64, d = 256), 31 C at C = 1e-8 (T = 16,
+    d = 64) for linear, einsum and the conv Gram path alike. The factors are now normalised per
+    sample by powers of two before they are squared (ghost.uses.pow2_normalized)."""
+    t, d, c = 16, 64, 1e-8
+    x, z = _underflowing_pair(t, d, c)
+    if op == "linear":
+        f, w = (lambda p, x: F.linear(x, p["w"])), torch.zeros(d, d, dtype=torch.float64)
+    elif op == "einsum":
+        f, w = (lambda p, x: torch.einsum("td,dhk->thk", x, p["w"])), torch.zeros(d, 8, 8, dtype=torch.float64)
+        z = z.reshape(2, t, 8, 8)
+    else:  # conv1d 64 -> 64 channels, kernel 1, on the Gram path
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
+        f, w = (lambda p, x: F.conv1d(x, p["w"])), torch.zeros(d, d, 1, dtype=torch.float64)
+        x, z = x.transpose(1, 2).contiguous(), z.transpose(1, 2).contiguous()
+
+    def loss(p, sample):
+        return (f(p, sample[0]) * sample[1]).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
+    params = {"w": w}
+    full, norms, _ = fn(params, (x, z))
+    minus, _, _ = fn(params, (x, z), mask=torch.tensor([True, False]))
+    true = t * 1.3e154 * 1.5e-162
+    assert float(norms[1]) == pytest.approx(true, rel=1e-9)  # was 0
+    assert float((full["w"] - minus["w"]).norm()) <= c * (1 + TOL)
+
+
+def test_pow2_normalisation_is_exact_and_keeps_non_finite_samples_non_finite():
+    from vmapdp.ghost.uses import pow2_normalized, times_pow2
+
+    x = torch.tensor([[1.5e-162, -3e-163], [1e300, 2.0], [0.0, 0.0], [5e-324, 0.0], [math.inf, 1.0], [math.nan, 1.0]], dtype=torch.float64)
+    y, e = pow2_normalized(x)
+    finite = torch.isfinite(x).all(1)
+    amax = y[finite].abs().amax(1)
+    assert ((amax >= 0.5) & (amax < 1)).tolist() == [True, True, False, False]  # zeros stay 0; a subnormal is scaled by 2**1000 (the clamp)
+    assert not torch.isfinite(y[~finite]).all(1).any()
+    assert e.abs().max() <= 1000
+    for row in range(4):  # exact: scaled back, the same bits
+        for col in range(2):
+            back = times_pow2(y[row : row + 1, col].clone(), e[row : row + 1])
+            assert back.item() == x[row, col].item()
+    # the scale-back is exact wherever the result is a normal number, also past one power's range
+    s = torch.tensor([math.ldexp(3, -990), math.ldexp(3, 990)], dtype=torch.float64)
+    assert times_pow2(s, torch.tensor([1900, -1900])).tolist() == [math.ldexp(3, 910), math.ldexp(3, -910)]
+
+
+def test_a_clip_norm_below_two_to_the_minus_40_is_refused():
+    """Found by review (hunt/f32_sqnorms_underflow.py): float32 squares of grad entries near 2.4e-23
+    are 0, so at C = 1e-22 such a sample's norm was 0 and it went out at 15.4 C (vmap, two_pass)."""
+    loss = lambda p, s: (F.linear(s[0], p["w"]) * s[1]).sum()  # noqa: E731
+    for c in (1e-22, 2.0**-41):
+        with pytest.raises(ValueError, match=r"l2_clip_norm=.* is below 2\*\*-40 .*Scale the loss up"):
+            vmapdp.clipped_grad_sum(loss, l2_clip_norm=c)
+        with pytest.raises(ValueError, match=r"is below 2\*\*-40"):
+            vmapdp.clip_and_sum({"w": torch.ones(2, 3)}, torch.tensor(c))
+    vmapdp.clipped_grad_sum(loss, l2_clip_norm=2.0**-40)  # the floor itself is fine

@@ -186,9 +186,26 @@ def accountant(call: str, value: Any, options: Sequence[str] = ACCOUNTANTS, *, w
     return "pld" if value == "prv" else value
 
 
+# the smallest clip norm: per-sample norms are sums of squares, and float32 squares of gradient
+# entries below ~2.6e-23 underflow to 0; at C >= 2**-40 what they drop is below 1e-9 C (for up to
+# 1e12 params), while at C = 1e-22 a sample whose entries were all that small had norm 0 and went
+# out unclipped at 15 C (found by review)
+MIN_CLIP_NORM = 2.0**-40
+
+
+def _not_too_small(call: str, name: str, value: float) -> None:
+    if value < MIN_CLIP_NORM:
+        raise ValueError(
+            f"{call}: {name}={value!r} is below 2**-40 (~9.1e-13), where the squares of float32 gradient entries underflow "
+            f"and a sample's norm could be computed as 0 (releasing it unclipped); {CLIP_MEANING}. Scale the loss up by s and "
+            "clip at s * C instead (the same clipped update, times s)."
+        )
+
+
 def clip_norm(call: str, name: str, value: Any, *, allow_inf: bool = True) -> float | torch.Tensor:
-    """A clipping bound ``C``: a real ``> 0`` (``math.inf`` switches clipping off, for non-private
-    tests, where ``allow_inf``), or a 0-dim floating tensor that is finite and ``> 0``.
+    """A clipping bound ``C``: a real ``>= MIN_CLIP_NORM`` (``math.inf`` switches clipping off, for
+    non-private tests, where ``allow_inf``), or a 0-dim floating tensor that is finite and ``>=
+    MIN_CLIP_NORM`` (2**-40).
 
     A tensor is read on the host when possible (not while ``torch.compile`` traces, not inside a
     functorch transform that batches or tracks it); the clipping code then still guards the
@@ -212,11 +229,14 @@ def clip_norm(call: str, name: str, value: Any, *, allow_inf: bool = True) -> fl
                     "infinite or non-positive bound would switch clipping off or flip gradients. "
                     "Check the code that computes it (adaptive clipping?)."
                 )
+            _not_too_small(call, name, v)
         return value
     if not is_real(value):
         raise _type_error(call, name, value, "a positive float or a 0-dim tensor", f"({CLIP_MEANING}.)")
     fix = "math.inf switches clipping off, for non-private tests only." if allow_inf else ""
-    return positive(call, name, value, allow_inf=allow_inf, meaning=CLIP_MEANING, fix=fix)
+    value = positive(call, name, value, allow_inf=allow_inf, meaning=CLIP_MEANING, fix=fix)
+    _not_too_small(call, name, value)
+    return value
 
 
 def _host_readable(t: torch.Tensor) -> bool:
@@ -229,10 +249,10 @@ def _host_readable(t: torch.Tensor) -> bool:
 
 
 def clip_norm_ok(value: Any) -> Any:
-    """For a tensor bound: a bool tensor, True where it is finite and > 0 (computed on the device,
-    no host read). For a number (checked eagerly): None."""
+    """For a tensor bound: a bool tensor, True where it is finite and ``>= MIN_CLIP_NORM``
+    (computed on the device, no host read). For a number (checked eagerly): None."""
     if isinstance(value, torch.Tensor):
-        return torch.isfinite(value) & (value > 0)
+        return torch.isfinite(value) & (value >= MIN_CLIP_NORM)
     return None
 
 

@@ -32,9 +32,11 @@ from vmapdp.ghost.uses import (
     gram_cheaper,
     gram_margin,
     int_tuple,
+    pow2_normalized,
     rounding_margin,
     rows_per_slice,
     slices,
+    times_pow2,
 )
 
 __all__ = ["CONV", "CONV_RULES", "conv_sq_norms", "conv_per_sample", "conv_grams", "conv_pair"]
@@ -128,20 +130,26 @@ def input_gram_cheaper(positions: int, c_in: int, k: int, t: int) -> bool:
     return positions * positions * c_in + k * t * t < t * t * c_in * k + t * c_in * k
 
 
-def conv_grams(use: Use) -> tuple[Tensor, Tensor]:
+def conv_grams(use: Use) -> tuple[Tensor, Tensor, Tensor | None]:
     """Float64 Grams ``[B, T, T]`` of a groups=1 conv use's output grads and of its patches, the
     latter from the Gram of the padded input's positions: ``<patch_t, patch_s> = sum_k <x[i_tk],
     x[i_sk]>`` over the kernel offsets ``k`` (``i_tk``: the input position output ``t`` reads at
     offset ``k``; for each ``k`` a strided view of the input Gram). Costs ``P^2 C_in + K T^2`` per
-    sample instead of ``T^2 C_in K``, and no patches."""
+    sample instead of ``T^2 C_in K``, and no patches. A float64 model's grads and inputs are
+    normalised per sample first (``pow2_normalized``): the third value is the exponent to scale
+    the results back by (None for a float32 model), as ``from_grams`` takes it."""
     dims, stride, dilation, _ = use.extra
     g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
     b, n, c_out = g.shape[:3]
     c_in, in_shape, out_shape, kernel = x.shape[2], tuple(x.shape[3:]), tuple(g.shape[3:]), tuple(use.shape[2:])
     u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out).double()  # [B, T, C_out]
-    gu = torch.bmm(u, u.transpose(1, 2))
     p = math.prod(in_shape)
     xs = x.flatten(3).transpose(2, 3).reshape(b, n * p, c_in).double()  # [B, n*P, C_in]
+    exponent = None
+    if g.dtype == torch.float64 or x.dtype == torch.float64:
+        (u, eu), (xs, ex) = pow2_normalized(u), pow2_normalized(xs)
+        exponent = eu + ex
+    gu = torch.bmm(u, u.transpose(1, 2))
     gx = torch.bmm(xs, xs.transpose(1, 2)).view((b, n) + in_shape + (n,) + in_shape)
     gv = None
     for offset in itertools.product(*(range(k) for k in kernel)):
@@ -149,7 +157,7 @@ def conv_grams(use: Use) -> tuple[Tensor, Tensor]:
         at = tuple(slice(o * dl, o * dl + (m - 1) * st + 1, st) for o, dl, m, st in zip(offset, dilation, out_shape, stride))
         term = gx[(slice(None), slice(None)) + at + (slice(None),) + at]  # [B, n, *out, n, *out]
         gv = term.clone() if gv is None else gv.add_(term)
-    return gu, gv.reshape(b, u.shape[1], u.shape[1])
+    return gu, gv.reshape(b, u.shape[1], u.shape[1]), exponent
 
 
 def conv_backward(use: Use, grad: Tensor, x: Tensor, groups: int, weight_shape: tuple) -> Tensor:
@@ -184,10 +192,15 @@ def conv_mass(use: Use) -> Tensor:
     g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
     b, n = g.shape[:2]
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
+    exponent = None
+    if g.dtype == torch.float64 or x.dtype == torch.float64:  # (squares of float64 factors: see pow2_normalized)
+        (g, eg), (x, ex) = pow2_normalized(g.double()), pow2_normalized(x.double())
+        exponent = eg + ex
     ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
     patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
     g_norm = torch.linalg.vector_norm(g.flatten(0, 1), dim=1, keepdim=True).square()
-    return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
+    mass = (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
+    return mass if exponent is None else times_pow2(mass, exponent)
 
 
 def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -203,7 +216,7 @@ def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) 
         if gram and input_gram_cheaper(positions, c_in, k, t):
             # the patches' Gram from the input's own (fewer products, no patches in memory)
             per_sample = 2 * positions * positions + positions * c_in + 3 * t * t + t * du
-            parts = [from_grams(*conv_grams(use.rows(s, e)), dtype) for s, e in slices(b, per_sample)]
+            parts = [from_grams(gu, gv, dtype, e) for gu, gv, e in (conv_grams(use.rows(s, e)) for s, e in slices(b, per_sample))]
             sqs, masses = zip(*parts)
             sq, mass = cat_rows(sqs), cat_rows(masses)
             return sq, gram_margin(sq, mass, t, du, dv, dtype), None

@@ -13,7 +13,21 @@ import torch
 from torch import Tensor
 
 from vmapdp._tree import acc_dtype, sq_norms
-from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg, cat_rows, from_grams, gram_cheaper, gram_margin, rounding_margin, slices
+from vmapdp.ghost.uses import (
+    Rule,
+    Site,
+    Use,
+    UseKind,
+    arg,
+    cat_rows,
+    from_grams,
+    gram_cheaper,
+    gram_margin,
+    pow2_normalized,
+    rounding_margin,
+    slices,
+    times_pow2,
+)
 
 __all__ = ["LINEAR", "PAIR", "pair_sq_norms", "pair_mass", "pair_uses"]
 
@@ -61,8 +75,8 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
             # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
             # computed norm far smaller than the true one (a large shared component in x, output
             # grads of alternating sign)
-            u64, v64 = us.double(), vs.double()
-            sq, mass = from_grams(torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2)), dtype)
+            u64, v64, e = _gram_factors(us, vs)
+            sq, mass = from_grams(torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2)), dtype, e)
             sqs.append(sq)
             masses.append(mass)
         else:
@@ -84,10 +98,25 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
     return sq, rounding_margin(t, dtype) * mass, None
 
 
+def _gram_factors(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``u`` and ``v`` in float64 for their Grams, and the exponent to scale the results back by:
+    float64 ones normalised per sample (``pow2_normalized``: their squares must not underflow),
+    float32 ones as they are (None)."""
+    if u.dtype != torch.float64 and v.dtype != torch.float64:
+        return u.double(), v.double(), None
+    (u, eu), (v, ev) = pow2_normalized(u.double()), pow2_normalized(v.double())
+    return u, v, eu + ev
+
+
 def pair_mass(u: Tensor, v: Tensor) -> Tensor:
     """``sum_t |u_t| |v_t|`` per sample. In the tensors' dtype (a float64 copy would cost memory):
     it overflows only for extreme values (|u| ~ 2e19 in float32), and a non-finite margin then
-    drops the sample visibly (see ghost_norms_and_sum), never releases it unclipped."""
+    drops the sample visibly (see ghost_norms_and_sum), never releases it unclipped. Float64
+    factors are normalised per sample first (``pow2_normalized``): ``|u_t|`` of entries near
+    1e-162 is 0 in float64, while ``|u_t| |v_t|`` may be a normal number."""
+    if u.dtype == torch.float64 or v.dtype == torch.float64:
+        (u, eu), (v, ev) = pow2_normalized(u.double()), pow2_normalized(v.double())
+        return times_pow2((torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2)).sum(1), eu + ev)
     return (torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2)).sum(1)
 
 
