@@ -811,3 +811,42 @@ def test_a_param_only_an_uncovered_op_uses_beyond_the_keep_budget(monkeypatch, k
 
     summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, {}, x, mask=MASK)
     _assert_close(summed, norms, *_reference(loss_fn, params, {}, x, MASK), rtol=1e-5)
+
+
+def _ghost_equals_vmap(loss, params, batch, *, keep_elements=None, monkeypatch=None):
+    if keep_elements is not None:
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=keep_elements, keep_ratio=0.0))
+    for c in (1e6, 1.0):  # unclipped, then clipped
+        ref_summed, ref_norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="vmap")(params, batch)
+        summed, norms, _ = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")(params, batch)
+        _assert_close(summed, norms, ref_summed, ref_norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep_elements", [None, 0])
+@pytest.mark.parametrize("form", ["cat([p, x, p])", "cat([x, p, x, p[:, :d]])"])
+def test_a_param_twice_in_one_cat_counts_both_uses(form, keep_elements, monkeypatch):
+    """Found by review (hunt/cat_dup.py): the cat rule took the param's first occurrence and the
+    tracer only checked that no *other* param was among the arguments, so the second occurrence's
+    gradient was dropped from norm and sum alike (norm 2.24 against 13.4): silently wrong
+    training. A weight listed twice (itself, or a view of it) now takes the generic path."""
+    b, t, d = 4, 3, 5
+    torch.manual_seed(0)
+    if form == "cat([p, x, p])":
+        def loss(p, x):
+            return (torch.cat([p["p"], x, p["p"]], 0) * torch.arange(1.0, t + 3).unsqueeze(1)).sum()
+    else:
+        def loss(p, x):
+            return (torch.cat([x, p["p"], x, p["p"][:, :d]], 0).square() * torch.arange(1.0, 2 * t + 3).unsqueeze(1)).sum()
+    _ghost_equals_vmap(loss, {"p": torch.randn(1, d)}, torch.randn(b, t, d), keep_elements=keep_elements, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("keep_elements", [None, 0])
+def test_one_param_used_as_weights_of_two_shapes(keep_elements, monkeypatch):
+    """Found by review (hunt/reshape_two_ways.py): ``w.view(4, 2)`` and ``w.view(2, 4)`` as linear
+    weights are uses of one box with different shapes; joining them along T raised (torch.cat)."""
+    torch.manual_seed(0)
+
+    def loss(p, x):
+        return F.linear(x, p["w"].view(4, 2)).sin().sum() + F.linear(x.repeat(1, 2), p["w"].view(2, 4)).cos().sum()
+
+    _ghost_equals_vmap(loss, {"w": torch.randn(8)}, torch.randn(3, 5, 2), keep_elements=keep_elements, monkeypatch=monkeypatch)

@@ -124,10 +124,10 @@ def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], T
         return joined[key][1]
 
     by_kind: dict[Any, list[Use]] = {}
-    for u in uses:
-        by_kind.setdefault(u.kind, []).append(u)
+    for u in uses:  # (the same kind and shape: one param's box used as a [4, 2] and a [2, 4] weight does not join)
+        by_kind.setdefault((u.kind, u.shape), []).append(u)
     out = []
-    for kind, group in by_kind.items():
+    for (kind, _), group in by_kind.items():
         if len(group) < 2 or not kind.joinable:
             out.extend(group)
             continue

@@ -171,10 +171,15 @@ class Run:
                 return entry
         return None
 
+    def _keys_listed(self, tree: Any) -> list[str]:
+        """The params (by key) among the leaves of a call's arguments, once per leaf that is one of
+        them or a view of one."""
+        keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
+        return [k for k in keys if k is not None]
+
     def _keys_in(self, tree: Any) -> set[str]:
         """The params (by key) among the leaves of a call's arguments."""
-        keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
-        return {k for k in keys if k is not None}
+        return set(self._keys_listed(tree))
 
     def _candidate(self, func, args: tuple, kwargs: dict) -> tuple[Tensor, str, str | None, tuple, tuple] | None:
         """A covered op whose weight is a param (or a view of one, views.py), in the standard form
@@ -196,8 +201,10 @@ class Run:
                 continue
             if bk == wk and views != (None, None):
                 return None  # a weight and a bias from one param: the generic path
-            if self._keys_in((args, kwargs)) - {wk, bk}:
-                continue  # another param among the arguments (two params in one cat): the generic path
+            if sorted(self._keys_listed((args, kwargs))) != sorted(k for k in (wk, bk) if k is not None):
+                # another param among the arguments (two params in one cat), or the weight twice
+                # (``cat([p, x, p])``, a param and a view of it: the rule takes one): the generic path
+                continue
             return x, wk, bk, meta, views
         return None
 
