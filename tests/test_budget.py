@@ -43,3 +43,21 @@ def test_within_budget_checks_its_arguments():
     with pytest.raises(ValueError, match=r"delta"):
         accounting.within_budget(Ledger(), epsilon=1.0, delta=2.0)
     assert accounting.within_budget(Ledger(), epsilon=1.0, delta=1e-5)
+
+
+def test_within_budget_charges_a_balls_in_bins_epoch_opened_under_another_noise():
+    """Found by review (hunt2/f2_bib_budget_ledger.py): half an epoch at noise 2.0, then noise 1.5
+    for the rest of it and 2.3 more epochs: the last event touches 4 epochs (3 opened + the one it
+    continues), but the budget's count search started from ``_with_count(1)``, which clamps the
+    epochs to 1, and charged 3: steps were released at epsilon 2.051 past a budget of 2.0."""
+    from vmapdp.accounting import BallsInBinsGaussianEvent as Event
+
+    spe, ledger = 10, Ledger()
+    for t in range(5):
+        ledger = ledger.append(Event(noise_multiplier=2.0, steps_per_epoch=spe, epochs=int(t == 0), continues=t != 0))
+    for t in range(5, 33):
+        ledger = ledger.append(Event(noise_multiplier=1.5, steps_per_epoch=spe, epochs=int(t % spe == 0), continues=t % spe != 0))
+    assert ledger.events[-1].charged_epochs == 4
+    eps = accounting.epsilon(ledger, delta=1e-5)
+    assert not accounting.within_budget(ledger, epsilon=eps * (1 - 1e-3), delta=1e-5, accountant="pld")  # was True
+    assert accounting.within_budget(ledger, epsilon=eps * (1 + 1e-3), delta=1e-5, accountant="pld")

@@ -731,7 +731,13 @@ def within_budget(ledger: Ledger, /, *, epsilon: float, delta: float, accountant
         if rdp_bounded:  # fixed-size steps after Poisson ones: RDP's bound, over the budget, decides
             return False
         raise ValueError(f"{where}: no accountant bounds this ledger; see epsilon(ledger, delta=...).")
-    return last.count <= _max_count(tuple(prefix), last._with_count(1), last.count, epsilon, delta, accountant)
+    # the count search varies the last event's count; its family must reach the last event itself
+    # (an epoch event whose epochs exceed 1, from a noise change mid-epoch, is not reached from a
+    # count of 1: its epochs were clamped to 1 and the budget went one epoch over, found by review)
+    for base in (last._with_count(1), last._with_count(max(getattr(last, "epochs", 1), 1))):
+        if base._with_count(last.count) == last:
+            return last.count <= _max_count(tuple(prefix), base, last.count, epsilon, delta, accountant)
+    return _ledger_epsilon(ledger.events, delta, accountant) <= epsilon
 
 
 def _ledger_epsilon(events: tuple, delta: float, accountant: str) -> float:
