@@ -185,3 +185,23 @@ def test_a_cyclic_run_divides_by_the_group_expectation_and_costs_ceil_steps_over
     for accountant in ("pld", "rdp"):
         want = accounting.epsilon(noise_multiplier=NOISE, sample_rate=0.25, steps=3, delta=1e-5, accountant=accountant)
         assert accounting.epsilon(state.ledger, delta=1e-5, accountant=accountant) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["shuffle", "balls_in_bins", "cyclic"])
+def test_a_drawn_batch_that_never_became_a_step_stops_the_run(name):
+    """Found by review (hunt2/f3_epoch_skip.py, f5_cyclic_skip.py): a step that raises after its
+    batch was drawn, caught by the loop, left the sampler a position ahead; the ledger, whose
+    events assume consecutive positions, then charged 20 touched shuffled epochs as 11 and a
+    cyclic group that took part in 10 steps as 3. Every later step is refused now, before
+    anything is released, and the ledger holds only the released steps."""
+    params, buffers, data, loss_fn = problem()
+    sampler = samplers()[name]
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, physical_batch_size=sampler.capacity, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    indices, mask = sampler.sample()
+    state, _ = step(state, gather(data, indices), mask, buffers)
+    sampler.sample()  # a batch whose step raised (the loop caught it): nothing released
+    indices, mask = sampler.sample()
+    with pytest.raises(ValueError, match=r"the state is at step 1 but its sampler has drawn 3 batches: 1 drawn batch\(es\) never became a step.*Nothing was released"):
+        step(state, gather(data, indices), mask, buffers)
+    assert state.step == 1 and state.ledger.events[-1].count == 1

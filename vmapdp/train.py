@@ -386,10 +386,15 @@ def _check_rows(n: int, size: int) -> None:
 
 
 def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool) -> None:
-    """Refuse a step whose state is further on than the sampler that drew its batch.
+    """Refuse a step whose state and sampler are not in step.
 
-    A sampler with a position (groups, epochs: ``steps_drawn``) must have drawn at least
-    ``step + 1`` batches for the state's next step. One that has drawn fewer restarted: a fresh
+    A sampler with a position (groups, epochs: ``steps_drawn``) must have drawn exactly
+    ``step + 1`` batches for the state's next step: the ledger records the event of the batch it
+    drew last. One that has drawn more skipped positions (a step that raised after its batch was
+    drawn, caught by the loop, or batches drawn ahead), and the ledger, whose events assume
+    consecutive positions, would charge too little: 20 shuffled epochs touched by 20 released
+    steps were charged as 11, a cyclic Poisson group that took part in all 10 steps as 3 (found
+    by review). One that has drawn fewer restarted: a fresh
     sampler on a resumed run starts again at group 0 (cyclic Poisson) or a new epoch, so an
     example can participate closer together than the ledger's events assume (for banded
     correlated noise, inside one band). Poisson samplers are memoryless and have no position.
@@ -399,6 +404,14 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     drawn = getattr(sampler, "steps_drawn", None)
     if not drawn or (distributed and _dist.rank() != 0):
         return
+    if drawn > step + 1:
+        raise ValueError(
+            f"{call}: the state is at step {step} but its sampler has drawn {drawn} batches: {drawn - step - 1} drawn batch(es) "
+            "never became a step (a step that raised after its batch was drawn, or batches drawn ahead). The ledger records "
+            "the event of the sampler's last batch and assumes consecutive positions, so it would charge too little. Draw exactly "
+            "one batch per step; after a failed step, resume the last checkpoint with its sampler (save_state(..., sampler=) "
+            "and load_state(..., sampler=)). Nothing was released."
+        )
     if drawn < step + 1:
         raise ValueError(
             f"{call}: the state is at step {step} but its sampler has drawn only {drawn} batches, so this batch is not the "
