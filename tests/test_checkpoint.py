@@ -195,9 +195,14 @@ def test_sampler_state_is_restored_or_the_load_refused(saved, tmp_path):
     vmapdp.save_state(bare, state)
     _refused(bare, match=r"a sampler was given but the checkpoint holds no sampler state")
     assert vmapdp.load_state(bare).step == 2
-    secure = tmp_path / "secure.pt"  # a secure sampler has no state to lose: nothing to pass
+    secure = tmp_path / "secure.pt"  # a secure sampler cannot redraw the steps a resume repeats: the caller's word is required
     vmapdp.save_state(secure, state, sampler=PoissonSampler(N, Q, secure=True))
-    assert vmapdp.load_state(secure).step == 2
+    for kw in ({}, {"sampler": PoissonSampler(N, Q, secure=True)}):
+        with pytest.raises(ValueError, match=r"saved with a secure sampler .* pass saved_after_last_step=True.*Nothing was loaded"):
+            vmapdp.load_state(secure, **kw)
+    assert vmapdp.load_state(secure, saved_after_last_step=True).step == 2
+    assert vmapdp.load_state(secure, sampler=PoissonSampler(N, Q, secure=True), saved_after_last_step=True).step == 2
+    assert vmapdp.load_state(secure, ignore_sampler=True).step == 2  # for evaluation
     seeded = PoissonSampler(N, Q, generator=torch.Generator().manual_seed(0))
     before = seeded.state_dict()
     with pytest.raises(ValueError, match=r"comes from a keyed sampler"):
@@ -276,3 +281,19 @@ def test_like_refuses_another_runs_checkpoint_and_rollbacks_once_the_run_has_ste
     tight = ahead._replace(step=2, ledger=state.ledger, budgets=((3.0, 1e-5, "pld"),))
     loaded = vmapdp.load_state(path, sampler=sampler(), like=tight)
     assert loaded.budgets == ((3.0, 1e-5, "pld"),)  # the tighter budget of `like` replaces the file's looser one
+
+
+@pytest.mark.parametrize("make", [lambda: PoissonSampler(N, Q, secure=True), lambda: vmapdp.data.ShuffledSampler(N, 4, epochs=2, secure=True)])
+def test_a_secure_samplers_checkpoint_resumes_only_on_the_callers_word(make, saved, tmp_path):
+    """Found by review (hunt2/f6_secure_sampler_resume.py): a checkpoint saved with a secure
+    sampler loaded with or without one; the resumed run repeated the lost step with a NEW batch
+    under the SAME keyed noise (release 1 - release 2 = clipped sum 1 - clipped sum 2, exactly).
+    Epoch samplers keep their assignment in the checkpoint, but a new epoch is drawn fresh."""
+    _, state, _, _, _ = saved
+    s = make()
+    s.sample()
+    path = tmp_path / "secure.pt"
+    vmapdp.save_state(path, state, sampler=s)
+    with pytest.raises(ValueError, match=r"saved with a secure sampler"):
+        vmapdp.load_state(path, sampler=make())
+    assert vmapdp.load_state(path, sampler=make(), saved_after_last_step=True).step == state.step

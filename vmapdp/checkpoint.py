@@ -246,6 +246,7 @@ def load_state(
     key: bytes | str | None = None,
     like: TrainState | None = None,
     ignore_sampler: bool = False,
+    saved_after_last_step: bool = False,
 ) -> TrainState:
     """Read a checkpoint written by :func:`save_state`, verifying its digest first.
 
@@ -262,6 +263,11 @@ def load_state(
             that would repeat releases its ledger no longer counts); ``like``'s budgets are kept.
         ignore_sampler: read a checkpoint that holds sampler state without a sampler, for
             evaluation or inspection only; do not resume training from the result.
+        saved_after_last_step: the caller's word that nothing was released after this
+            checkpoint was saved (it is saved after every step). Required to resume a checkpoint
+            saved with a secure sampler (``secure=True``): its batches cannot be redrawn, so steps
+            released after the checkpoint and repeated by the resumed run would be releases the
+            ledger does not hold (under keyed noise, new batches with the same noise).
 
     Raises:
         ValueError: the file is truncated, corrupted, edited, not a vmapdp checkpoint, of another
@@ -275,7 +281,7 @@ def load_state(
     payload = read_payload(call, path, checked_key(call, key), map_location)
     if payload.get("sharded") is not None:
         raise ValueError(f"{call}: this is the metadata of a sharded checkpoint (its tensors are in the directory beside it); load the directory with vmapdp.sharded_checkpoint.load_sharded. Nothing was loaded.")
-    return state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler)
+    return state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler, saved_after_last_step=saved_after_last_step)
 
 
 def read_payload(call: str, path: str, secret: bytes | None, map_location: Any = None) -> dict[str, Any]:
@@ -299,7 +305,9 @@ def read_payload(call: str, path: str, secret: bytes | None, map_location: Any =
     return payload
 
 
-def state_from_payload(call: str, payload: dict[str, Any], *, sampler: Any = None, like: TrainState | None = None, ignore_sampler: bool = False) -> TrainState:
+def state_from_payload(
+    call: str, payload: dict[str, Any], *, sampler: Any = None, like: TrainState | None = None, ignore_sampler: bool = False, saved_after_last_step: bool = False
+) -> TrainState:
     """The :class:`TrainState` of a verified payload, checked against ``like``; the sampler restored
     last, all or nothing (see :func:`load_state`)."""
     params = payload["params"]
@@ -326,6 +334,20 @@ def state_from_payload(call: str, payload: dict[str, Any], *, sampler: Any = Non
     saved = payload["sampler"]
     # a sampler with a position (keyed samplers record "step": a secure cyclic one its groups too) or RNG state
     holds_sampler = saved is not None and (saved.get("generator") is not None or saved.get("key") is not None or "step" in saved)
+    # a secure sampler (OS CSPRNG: no generator, no key) cannot redraw the batches of the steps a
+    # resumed run repeats: they would be new releases the ledger does not hold, and under keyed
+    # noise new batches with the very noise of the lost releases (their difference is the
+    # difference of the clipped sums, exactly; found by review)
+    secure_saved = saved is not None and saved.get("generator") is None and saved.get("key") is None
+    if secure_saved and not ignore_sampler and not saved_after_last_step:
+        raise ValueError(
+            f"{call}: the checkpoint was saved with a secure sampler (the OS CSPRNG), which cannot redraw the batches of steps "
+            "released after it was saved: a resumed run would repeat those steps with new batches, releases the ledger does not "
+            "hold, and with keyed noise under the same noise keys (their difference would be that of the clipped sums, exactly). "
+            "If the checkpoint was saved after the run's last released step (save after every step), pass "
+            "saved_after_last_step=True; ignore_sampler=True reads it for evaluation only; or train with a keyed sampler "
+            "(key=), whose resumed run repeats its steps bit for bit. Nothing was loaded."
+        )
     if sampler is not None:
         if saved is None:
             raise ValueError(f"{call}: a sampler was given but the checkpoint holds no sampler state (save with sampler=...); nothing was loaded.")

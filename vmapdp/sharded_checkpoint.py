@@ -195,6 +195,7 @@ def load_sharded(
     sampler: Any = None,
     key: bytes | str | None = None,
     ignore_sampler: bool = False,
+    saved_after_last_step: bool = False,
 ) -> TrainState:
     """Read a checkpoint written by :func:`save_sharded` into this world's layout, collectively.
 
@@ -206,7 +207,7 @@ def load_sharded(
             current state (then the checkpoint must be of the same run and not behind it, as with
             ``load_state(like=)``).
         sharding: this world's :class:`vmapdp.sharding.Sharding` (the one ``like`` was made with).
-        sampler, key, ignore_sampler: as for :func:`vmapdp.load_state`.
+        sampler, key, ignore_sampler, saved_after_last_step: as for :func:`vmapdp.load_state`.
 
     Raises:
         ValueError: (on every rank; nothing restored) the metadata or a tensor file is corrupted
@@ -267,7 +268,7 @@ def load_sharded(
     payload["params"] = params
     state = None
     try:
-        state = _ckpt.state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler)
+        state = _ckpt.state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler, saved_after_last_step=saved_after_last_step)
     except (ValueError, TypeError) as err:
         error = err
     _fail_together(call, error, "restoring the state")
