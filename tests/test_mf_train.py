@@ -459,5 +459,7 @@ def test_a_fresh_sampler_on_a_resumed_run_is_refused(tmp_path):
     state = vmapdp.init_train_state(PARAMS, opt, seed=SEED)
     path = tmp_path / "secure.pt"
     vmapdp.save_state(path, state, sampler=secure)
-    with pytest.raises(ValueError, match="holds the sampler's state"):
+    with pytest.raises(ValueError, match="saved with a secure sampler"):  # (its lost steps cannot be redrawn)
         vmapdp.load_state(path)
+    with pytest.raises(ValueError, match="holds the sampler's state"):
+        vmapdp.load_state(path, saved_after_last_step=True)

@@ -121,11 +121,13 @@ def test_secure_trainer_saves_and_resumes(tmp_path):
     trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, secure=True, compile=False)
     trainer.fit(epochs=1)
     trainer.save(str(tmp_path / "s.pt"))
-    trainer.load(str(tmp_path / "s.pt"))
+    with pytest.raises(ValueError, match=r"saved with a secure sampler .*saved_after_last_step=True"):  # its lost steps cannot be redrawn
+        trainer.load(str(tmp_path / "s.pt"))
+    trainer.load(str(tmp_path / "s.pt"), saved_after_last_step=True)
     assert trainer.state.step == 10 and trainer.state.noise_seed is None
     seeded = vmapdp.data.PoissonSampler(120, 0.1, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"comes from a secure sampler"):
-        vmapdp.load_state(tmp_path / "s.pt", sampler=seeded)
+        vmapdp.load_state(tmp_path / "s.pt", sampler=seeded, saved_after_last_step=True)
 
 
 def _mp(data_, **kw):

@@ -522,7 +522,9 @@ def test_a_custom_privatizer_is_called_once_per_step_after_aggregation_with_the_
     for k in params:  # the sum over both chunks, then the privatizer; then / ebs and sgd
         torch.testing.assert_close(summed[k], whole[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(new.params[k], params[k] - (summed[k] + 0.25) / 4.0)
-    config = step_config(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.2, method="vmap", optimizer=optim.sgd(1.0).config)
+    config = step_config(
+        l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.2, method="vmap", optimizer=optim.sgd(1.0).config, noise="privatizer="
+    )  # (a caller's privatizer joins the key by its config: "" here)
     assert given_state == state.noise_state and key == _step_key(11, 0, noise_binding(state.run_id, config))
     assert int(new.noise_state[0]) == 1
 
@@ -597,3 +599,23 @@ def test_the_run_id_needs_no_numpy(monkeypatch):
     h.update(repr(("w", "torch.float32", (2, 3))).encode())
     h.update(struct.pack("<6f", *range(6)))
     assert expected == h.hexdigest()
+
+
+def test_two_callers_privatizers_never_draw_the_same_noise_from_one_state():
+    """Found by review (hunt2/f8_privatizer_unbound.py): privatizers without ``bind`` were left out
+    of the noise key, so gaussian_privatizer(2.0) and (3.0) stepped from one state drew the same
+    normals (noise in the ratio 1.5 exactly). Their configs now join the key."""
+    from vmapdp.noise import gaussian_privatizer
+
+    _, params, buffers, data, loss_fn = problem(n=12)
+    mask = torch.ones(12, dtype=torch.bool)
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=3)
+    noises = []
+    for std in (2.0, 3.0):
+        step = make(loss_fn, lr=1.0, ebs=1.0, privatizer=gaussian_privatizer(std), physical_batch_size=12)
+        zero = make(loss_fn, lr=1.0, ebs=1.0, privatizer=gaussian_privatizer(0.0), physical_batch_size=12)
+        noisy, _ = step(state, data, mask, buffers)
+        clean, _ = zero(state, data, mask, buffers)
+        noises.append(torch.cat([(clean.params[k] - noisy.params[k]).flatten() / std for k in params]))
+    assert not torch.allclose(noises[0], noises[1], rtol=1e-3, atol=1e-4)  # (the same draws before)
+    assert gaussian_privatizer(2.0).config != gaussian_privatizer(3.0).config

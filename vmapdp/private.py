@@ -127,13 +127,14 @@ class PrivateTrainer:
         """Save the state and the sampler's state (see :func:`vmapdp.save_state`; ``key=`` for an HMAC)."""
         save_state(path, self.state, sampler=self.sampler, key=key)
 
-    def load(self, path: str, *, key: bytes | str | None = None) -> None:
+    def load(self, path: str, *, key: bytes | str | None = None, saved_after_last_step: bool = False) -> None:
         """Load a checkpoint of this run, all or nothing: the file's digest, its fit to this model
         and optimizer (every param's key, shape and dtype, the optimizer state) and the sampler's
         state are all checked before the state, the sampler or the module is written. The budgets
-        recorded in the checkpoint stay enforced on top of this trainer's own."""
+        recorded in the checkpoint stay enforced on top of this trainer's own. A ``secure``
+        trainer's checkpoint needs ``saved_after_last_step=True`` (see :func:`vmapdp.load_state`)."""
         device = next(iter(self.state.params.values())).device
-        state = load_state(path, sampler=self.sampler, like=self.state, key=key, map_location=device)
+        state = load_state(path, sampler=self.sampler, like=self.state, key=key, map_location=device, saved_after_last_step=saved_after_last_step)
         self.state = state
         self._write_back()
 

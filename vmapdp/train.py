@@ -705,6 +705,10 @@ def make_train_step(
         )
     else:
         event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
+        if privatizer is not None:  # one of the caller's: what it releases joins the key (Privatizer.config), unless it is the default's
+            default_std = grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0
+            if getattr(privatizer, "config", "") != gaussian_privatizer(default_std, secure=secure).config:
+                noise_config = f"privatizer={getattr(privatizer, 'config', '')}"
     config = step_config(
         l2_clip_norm=l2_clip_norm,
         noise_multiplier=noise_multiplier,
