@@ -114,14 +114,12 @@ def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c
     out = tuple((s - dl * (k - 1) - 1) // st + 1 for s, k, st, dl in zip(size, kernel, stride, dilation))
     gout = torch.randn((b, n, c_out) + out, generator=g, dtype=torch.float64)
     use = uses.Use(conv.CONV, gout, x, (c_out, c_in) + kernel, (dims, stride, dilation, 1))
-    gu, gv, e = conv.conv_grams(use)  # (float64: of the grads and inputs normalised per sample, 2**-e_u and 2**-e_x)
-    eu = uses.pow2_normalized(gout.flatten(1))[1]
-    scale = (2.0 ** (e - eu).double()).view(-1, 1, 1)  # (small exponents here: exact)
+    gu, gv = conv.conv_grams(use)
     u, v = conv.conv_pair(use, torch.float64)
-    torch.testing.assert_close(gu * (2.0 ** eu.double()).view(-1, 1, 1) ** 2, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(gv * scale**2, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gu, u @ u.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gv, v @ v.transpose(1, 2), rtol=1e-12, atol=1e-12)
     # and the norms they give are the per-sample grads' (the conv backward of each sample alone)
-    sq, _ = uses.from_grams(gu, gv, torch.float64, e)
+    sq, _ = uses.from_grams(gu, gv, torch.float64)
     per = conv.conv_per_sample(use)
     torch.testing.assert_close(sq, per.flatten(1).square().sum(1), rtol=1e-10, atol=0)
 
@@ -131,7 +129,8 @@ def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c
 def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype, rtol, monkeypatch):
     """Wide channels on small feature maps: ghost norms from float64 Grams, the patches' Gram
     either from the input's Gram or from unfolded patches (both forced), and a conv backward for
-    the clipped sum; equal to the per-sample-gradient engine."""
+    the clipped sum; equal to the per-sample-gradient engine. A float64 model's convs take the
+    direct path instead (their squares can underflow: ``uses.float64_factors``): patches, no Grams."""
     monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
     calls = []
     spied = "conv_grams" if input_gram else "conv_pair"
@@ -154,7 +153,10 @@ def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype
     ref = _reference(loss_fn, params, buffers, batch, MASK)
     summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
     _assert_close(summed, norms, *ref, rtol=rtol)
-    assert len(calls) == 2  # the two wide convs went through the Grams
+    if dtype == torch.float32:
+        assert len(calls) == 2  # the two wide convs went through the Grams
+    else:
+        assert len(calls) == (0 if input_gram else 2)  # float64: no input Grams; the patches, for the direct outer products
 
 
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])

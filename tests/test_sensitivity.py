@@ -451,8 +451,8 @@ def test_a_float64_sample_whose_squares_underflow_is_still_clipped(op, monkeypat
     """Found by review (hunt/f64_gram_underflow.py): a float64 model's Gram norms took
     ``|u_t|^2`` of output grads near 1e-162 as 0 (the masses too), so the norm was 0 and the
     sample went out unclipped: 1.248 C at C = 1e-6 (T = 64, d = 256), 31 C at C = 1e-8 (T = 16,
-    d = 64) for linear, einsum and the conv Gram path alike. The factors are now normalised per
-    sample by powers of two before they are squared (ghost.uses.pow2_normalized)."""
+    d = 64) for linear, einsum and the conv Gram path alike. Float64 factors now take the direct
+    path (ghost.uses.float64_factors)."""
     t, d, c = 16, 64, 1e-8
     x, z = _underflowing_pair(t, d, c)
     if op == "linear":
@@ -477,7 +477,7 @@ def test_a_float64_sample_whose_squares_underflow_is_still_clipped(op, monkeypat
     assert float((full["w"] - minus["w"]).norm()) <= c * (1 + TOL)
 
 
-def test_pow2_normalisation_is_exact_and_keeps_non_finite_samples_non_finite():
+def test_pow2_normalisation_is_exact_and_keeps_non_finite_rows_non_finite():
     from vmapdp.ghost.uses import pow2_normalized, times_pow2
 
     x = torch.tensor([[1.5e-162, -3e-163], [1e300, 2.0], [0.0, 0.0], [5e-324, 0.0], [math.inf, 1.0], [math.nan, 1.0]], dtype=torch.float64)
@@ -487,10 +487,8 @@ def test_pow2_normalisation_is_exact_and_keeps_non_finite_samples_non_finite():
     assert ((amax >= 0.5) & (amax < 1)).tolist() == [True, True, False, False]  # zeros stay 0; a subnormal is scaled by 2**1000 (the clamp)
     assert not torch.isfinite(y[~finite]).all(1).any()
     assert e.abs().max() <= 1000
-    for row in range(4):  # exact: scaled back, the same bits
-        for col in range(2):
-            back = times_pow2(y[row : row + 1, col].clone(), e[row : row + 1])
-            assert back.item() == x[row, col].item()
+    back = times_pow2(y[:4], e[:4].unsqueeze(1).expand(4, 2))  # exact: scaled back, the same bits
+    assert torch.equal(back, x[:4])
     # the scale-back is exact wherever the result is a normal number, also past one power's range
     s = torch.tensor([math.ldexp(3, -990), math.ldexp(3, 990)], dtype=torch.float64)
     assert times_pow2(s, torch.tensor([1900, -1900])).tolist() == [math.ldexp(3, 910), math.ldexp(3, -910)]
@@ -506,3 +504,30 @@ def test_a_clip_norm_below_two_to_the_minus_40_is_refused():
         with pytest.raises(ValueError, match=r"is below 2\*\*-40"):
             vmapdp.clip_and_sum({"w": torch.ones(2, 3)}, torch.tensor(c))
     vmapdp.clipped_grad_sum(loss, l2_clip_norm=2.0**-40)  # the floor itself is fine
+
+
+@pytest.mark.parametrize("op", ["linear", "conv1d"])
+def test_a_float64_sample_whose_positions_differ_in_scale_is_still_clipped(op, monkeypatch):
+    """Found by review (review3/f64_positions.py): with one power of two per sample, a sample whose
+    positions differ in scale (output grads ~1 with inputs ~1e-9 at half of them, ~1e-170 with
+    ~1e160 at the other half) still had every Gram term underflow: norm 0, released at 88 C.
+    Float64 factors now take the direct path, and their masses are scaled position by position."""
+    t, d, c = 16, 64, 1e-10
+    x, z = torch.randn(2, t, d, dtype=torch.float64) * 0.01, torch.randn(2, t, d, dtype=torch.float64) * 0.01
+    x[1, : t // 2], z[1, : t // 2] = 1e-9 / d**0.5, 1.0 / d**0.5
+    x[1, t // 2 :], z[1, t // 2 :] = 1e160 / d**0.5, 1e-170 / d**0.5
+    if op == "linear":
+        f, w = (lambda p, x: F.linear(x, p["w"])), torch.zeros(d, d, dtype=torch.float64)
+    else:
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
+        f, w = (lambda p, x: F.conv1d(x, p["w"])), torch.zeros(d, d, 1, dtype=torch.float64)
+        x, z = x.transpose(1, 2).contiguous(), z.transpose(1, 2).contiguous()
+
+    def loss(p, sample):
+        return (f(p, sample[0]) * sample[1]).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
+    full, norms, _ = fn({"w": w}, (x, z))
+    minus, _, _ = fn({"w": w}, (x, z), mask=torch.tensor([True, False]))
+    assert float(norms[1]) == pytest.approx(8.8e-9, rel=1e-9)
+    assert float((full["w"] - minus["w"]).norm()) <= c * (1 + TOL)

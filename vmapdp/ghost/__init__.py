@@ -44,9 +44,9 @@ equal the per-sample-gradient engine's up to float rounding, for any model.
 Floating point: a sample's norm and its share of the clipped sum come from two different
 computations, so their rounding differs; an adversarial sample can make the terms of a ghost
 Gram sum cancel (a large component shared by all positions, output grads of alternating sign).
-Gram sums are therefore taken in float64 (a float64 model's factors first scaled per sample by
-exact powers of two, ``uses.pow2_normalized``: output grads near 1e-162 square to 0 while their
-products with inputs near 1e154 do not), and the clip factor uses the norm plus a margin that
+Gram sums are therefore taken in float64 (of float32 factors only: a float64 model's factors
+take the direct outer product, ``uses.float64_factors``, since output grads near 1e-162 square to
+0 while their products with inputs near 1e154 do not), and the clip factor uses the norm plus a margin that
 bounds the rounding of both computations (``~ T eps sum_t |u_t||v_t|``, ``eps`` that of the
 dtype the clipped sum is accumulated in; see ``uses.rounding_margin``): the released contribution
 stays within ``C``. The returned ``norms`` are the computed norms, without the margin.

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from vmapdp._tree import acc_dtype, sq_norms
 from vmapdp.ghost import limits
-from vmapdp.ghost.linear import PAIR, pair_sq_norms
+from vmapdp.ghost.linear import PAIR, pair_mass, pair_sq_norms
 from vmapdp.ghost.uses import (
     Rule,
     Site,
@@ -28,15 +28,14 @@ from vmapdp.ghost.uses import (
     UseKind,
     arg,
     cat_rows,
+    float64_factors,
     from_grams,
     gram_cheaper,
     gram_margin,
     int_tuple,
-    pow2_normalized,
     rounding_margin,
     rows_per_slice,
     slices,
-    times_pow2,
 )
 
 __all__ = ["CONV", "CONV_RULES", "conv_sq_norms", "conv_per_sample", "conv_grams", "conv_pair"]
@@ -130,14 +129,13 @@ def input_gram_cheaper(positions: int, c_in: int, k: int, t: int) -> bool:
     return positions * positions * c_in + k * t * t < t * t * c_in * k + t * c_in * k
 
 
-def conv_grams(use: Use) -> tuple[Tensor, Tensor, Tensor | None]:
+def conv_grams(use: Use) -> tuple[Tensor, Tensor]:
     """Float64 Grams ``[B, T, T]`` of a groups=1 conv use's output grads and of its patches, the
     latter from the Gram of the padded input's positions: ``<patch_t, patch_s> = sum_k <x[i_tk],
     x[i_sk]>`` over the kernel offsets ``k`` (``i_tk``: the input position output ``t`` reads at
     offset ``k``; for each ``k`` a strided view of the input Gram). Costs ``P^2 C_in + K T^2`` per
-    sample instead of ``T^2 C_in K``, and no patches. A float64 model's grads and inputs are
-    normalised per sample first (``pow2_normalized``): the third value is the exponent to scale
-    the results back by (None for a float32 model), as ``from_grams`` takes it."""
+    sample instead of ``T^2 C_in K``, and no patches. For float32 data only (a float64 model's
+    convs take the direct path: ``uses.float64_factors``)."""
     dims, stride, dilation, _ = use.extra
     g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
     b, n, c_out = g.shape[:3]
@@ -145,10 +143,6 @@ def conv_grams(use: Use) -> tuple[Tensor, Tensor, Tensor | None]:
     u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out).double()  # [B, T, C_out]
     p = math.prod(in_shape)
     xs = x.flatten(3).transpose(2, 3).reshape(b, n * p, c_in).double()  # [B, n*P, C_in]
-    exponent = None
-    if g.dtype == torch.float64 or x.dtype == torch.float64:
-        (u, eu), (xs, ex) = pow2_normalized(u), pow2_normalized(xs)
-        exponent = eu + ex
     gu = torch.bmm(u, u.transpose(1, 2))
     gx = torch.bmm(xs, xs.transpose(1, 2)).view((b, n) + in_shape + (n,) + in_shape)
     gv = None
@@ -157,7 +151,7 @@ def conv_grams(use: Use) -> tuple[Tensor, Tensor, Tensor | None]:
         at = tuple(slice(o * dl, o * dl + (m - 1) * st + 1, st) for o, dl, m, st in zip(offset, dilation, out_shape, stride))
         term = gx[(slice(None), slice(None)) + at + (slice(None),) + at]  # [B, n, *out, n, *out]
         gv = term.clone() if gv is None else gv.add_(term)
-    return gu, gv.reshape(b, u.shape[1], u.shape[1]), exponent
+    return gu, gv.reshape(b, u.shape[1], u.shape[1])
 
 
 def conv_backward(use: Use, grad: Tensor, x: Tensor, groups: int, weight_shape: tuple) -> Tensor:
@@ -187,20 +181,20 @@ def _grouped_path(use: Use) -> bool:
 
 
 def conv_mass(use: Use) -> Tensor:
-    """``sum_t |g_t| |patch_t|`` per sample, without forming the patches (a conv of ``x^2`` with ones)."""
+    """``sum_t |g_t| |patch_t|`` per sample, without forming the patches (a conv of ``x^2`` with
+    ones); for float64 data from the patches, a slice of the batch at a time, position by position
+    (``linear.pair_mass``: the squares of float64 factors can underflow, ``uses.float64_factors``)."""
     dims, stride, dilation, _ = use.extra
     g, x = use.u, use.v  # [B, n, C_out, *out], [B, n, C_in, *in] (padded)
     b, n = g.shape[:2]
+    if float64_factors(g, x):
+        t, dv = use.t, math.prod(use.shape[1:])
+        return cat_rows([pair_mass(*conv_pair(use.rows(s, e), torch.float64)) for s, e in slices(b, t * (dv + use.shape[0]))])
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-    exponent = None
-    if g.dtype == torch.float64 or x.dtype == torch.float64:  # (squares of float64 factors: see pow2_normalized)
-        (g, eg), (x, ex) = pow2_normalized(g.double()), pow2_normalized(x.double())
-        exponent = eg + ex
     ones = x.new_ones((1, x.shape[2]) + tuple(use.shape[2:]))
     patch_sq = conv(x.flatten(0, 1).square(), ones, stride=stride, dilation=dilation)  # [B*n, 1, *out]
     g_norm = torch.linalg.vector_norm(g.flatten(0, 1), dim=1, keepdim=True).square()
-    mass = (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
-    return mass if exponent is None else times_pow2(mass, exponent)
+    return (g_norm * patch_sq).sqrt().reshape(b, -1).sum(1)
 
 
 def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -210,19 +204,19 @@ def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) 
     b = use.u.shape[0]
     if not _grouped_path(use):
         t, du, dv = use.t, use.shape[0], math.prod(use.shape[1:])
-        gram = gram_cheaper(t, du, dv)
+        gram = gram_cheaper(t, du, dv) and not float64_factors(use.u, use.v)  # (float64 data: the direct path)
         positions = use.v.shape[1] * math.prod(use.v.shape[3:])  # n * padded input positions
         c_in, k = use.v.shape[2], math.prod(use.shape[2:])
         if gram and input_gram_cheaper(positions, c_in, k, t):
             # the patches' Gram from the input's own (fewer products, no patches in memory)
             per_sample = 2 * positions * positions + positions * c_in + 3 * t * t + t * du
-            parts = [from_grams(gu, gv, dtype, e) for gu, gv, e in (conv_grams(use.rows(s, e)) for s, e in slices(b, per_sample))]
+            parts = [from_grams(*conv_grams(use.rows(s, e)), dtype) for s, e in slices(b, per_sample)]
             sqs, masses = zip(*parts)
             sq, mass = cat_rows(sqs), cat_rows(masses)
             return sq, gram_margin(sq, mass, t, du, dv, dtype), None
         # patches are unfolded a slice of the batch at a time (float64 ones for Grams)
         parts = [
-            pair_sq_norms(*conv_pair(use.rows(s, e), torch.float64 if gram else use.u.dtype), keep_grads, dtype)
+            pair_sq_norms(*conv_pair(use.rows(s, e), torch.float64 if gram else use.u.dtype), keep_grads, dtype, gram=gram)
             for s, e in slices(b, 2 * t * (t + du + dv) + t * dv if gram else du * dv + t * dv)
         ]
         sqs, margins, pers = zip(*parts)

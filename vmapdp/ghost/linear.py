@@ -20,6 +20,7 @@ from vmapdp.ghost.uses import (
     UseKind,
     arg,
     cat_rows,
+    float64_factors,
     from_grams,
     gram_cheaper,
     gram_margin,
@@ -57,16 +58,19 @@ def linear_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> 
     return pair_uses(site.weight, site.bias, g.reshape(b, -1, g.shape[-1]).to(dt), x.reshape(b, -1, x.shape[-1]).to(dt), params)
 
 
-def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+def pair_sq_norms(
+    u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.dtype | None = None, gram: bool | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``||sum_t u_t v_t^T||^2`` per sample, ghost (Gram matrices) or direct, whichever is cheaper,
     the floating-point margin of the norm (see :func:`~vmapdp.ghost.uses.rounding_margin`), and, when the direct way formed
     them and ``keep_grads``, the per-sample grads ``[B, du, dv]`` (then the margin is 0: the sum
     will use these very numbers). ``dtype``: the dtype the clipped sum is computed in (default
-    ``u``'s; conv patches for Grams arrive in float64 already), which the margin is for."""
+    ``u``'s), which the margin is for. ``gram``: None chooses by cost, direct for float64 factors
+    (``uses.float64_factors``); True for the float64 patches of a float32 conv's Gram path."""
     dtype = u.dtype if dtype is None else dtype
     b, t, du = u.shape
     dv = v.shape[2]
-    ghost = gram_cheaper(t, du, dv)
+    ghost = (gram_cheaper(t, du, dv) and not float64_factors(u, v)) if gram is None else gram
     sqs, masses = [], []
     per = u.new_empty(b, du, dv) if keep_grads and not ghost else None
     for s, e in slices(b, 2 * t * (t + du + dv) if ghost else du * dv):  # (float64 copies in the Gram case)
@@ -75,8 +79,8 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
             # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
             # computed norm far smaller than the true one (a large shared component in x, output
             # grads of alternating sign)
-            u64, v64, e = _gram_factors(us, vs)
-            sq, mass = from_grams(torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2)), dtype, e)
+            u64, v64 = us.double(), vs.double()
+            sq, mass = from_grams(torch.bmm(u64, u64.transpose(1, 2)), torch.bmm(v64, v64.transpose(1, 2)), dtype)
             sqs.append(sq)
             masses.append(mass)
         else:
@@ -98,25 +102,15 @@ def pair_sq_norms(u: Tensor, v: Tensor, keep_grads: bool = False, dtype: torch.d
     return sq, rounding_margin(t, dtype) * mass, None
 
 
-def _gram_factors(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``u`` and ``v`` in float64 for their Grams, and the exponent to scale the results back by:
-    float64 ones normalised per sample (``pow2_normalized``: their squares must not underflow),
-    float32 ones as they are (None)."""
-    if u.dtype != torch.float64 and v.dtype != torch.float64:
-        return u.double(), v.double(), None
-    (u, eu), (v, ev) = pow2_normalized(u.double()), pow2_normalized(v.double())
-    return u, v, eu + ev
-
-
 def pair_mass(u: Tensor, v: Tensor) -> Tensor:
     """``sum_t |u_t| |v_t|`` per sample. In the tensors' dtype (a float64 copy would cost memory):
     it overflows only for extreme values (|u| ~ 2e19 in float32), and a non-finite margin then
     drops the sample visibly (see ghost_norms_and_sum), never releases it unclipped. Float64
-    factors are normalised per sample first (``pow2_normalized``): ``|u_t|`` of entries near
-    1e-162 is 0 in float64, while ``|u_t| |v_t|`` may be a normal number."""
-    if u.dtype == torch.float64 or v.dtype == torch.float64:
+    factors are scaled position by position first (``pow2_normalized``): ``|u_t|`` of entries
+    near 1e-162 is 0 in float64, while ``|u_t| |v_t|`` may be a normal number."""
+    if float64_factors(u, v):  # position by position, each factor scaled by a power of two (exact)
         (u, eu), (v, ev) = pow2_normalized(u.double()), pow2_normalized(v.double())
-        return times_pow2((torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2)).sum(1), eu + ev)
+        return times_pow2(torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2), eu + ev).sum(1)
     return (torch.linalg.vector_norm(u, dim=2) * torch.linalg.vector_norm(v, dim=2)).sum(1)
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from vmapdp.ghost import limits
 
-__all__ = ["Use", "UseKind", "Site", "Rule", "rounding_margin", "from_grams", "gram_margin", "gram_cheaper", "slices", "rows_per_slice", "pow2_normalized", "times_pow2"]
+__all__ = ["Use", "UseKind", "Site", "Rule", "rounding_margin", "from_grams", "gram_margin", "gram_cheaper", "slices", "rows_per_slice", "pow2_normalized", "times_pow2", "float64_factors"]
 
 
 @dataclass
@@ -142,17 +142,27 @@ def rounding_margin(t: int, dtype: torch.dtype) -> float:
     return 2.0 * (t + 2) * eps_of(dtype)
 
 
-def from_grams(gu: Tensor, gv: Tensor, dtype: torch.dtype, exponent: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def from_grams(gu: Tensor, gv: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Squared norms ``sum_{t,s} gu_ts gv_ts`` and masses ``sum_t |u_t||v_t|`` (in ``dtype``) of a
-    pair from its float64 Gram matrices ``[B, T, T]``: ``|u_t|^2 |v_t|^2`` are their diagonals.
-    ``exponent`` (int64 ``[B]``): the Grams are of ``u 2**-e_u`` and ``v 2**-e_v`` (see
-    :func:`pow2_normalized`), ``exponent = e_u + e_v``; the results are scaled back exactly."""
+    pair from its float64 Grams ``[B, T, T]`` of float32 factors (``|u_t|^2 |v_t|^2`` are their
+    diagonals). A float64 model's factors never take this path (see :func:`exact_pair_path`)."""
     t = gu.shape[1]
     diagonals = gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]  # (a strided slice: inductor lowers it)
-    sq, mass = (gu * gv).sum((1, 2)), diagonals.sqrt().sum(1)
-    if exponent is not None:
-        sq, mass = times_pow2(sq, 2 * exponent), times_pow2(mass, exponent)
-    return sq, mass.to(dtype)
+    return (gu * gv).sum((1, 2)), diagonals.sqrt().sum(1).to(dtype)
+
+
+def float64_factors(*xs: Tensor) -> bool:
+    """Whether a use's factors are float64 data (a float64 model), whose squares can underflow.
+
+    A Gram norm squares each factor: output grads near 1e-162 square to 0 in float64 while their
+    products with inputs near 1e154 are normal numbers, so the Gram norm (and mass) came out 0
+    and the sample went out unclipped (1.25 C at C = 1e-6, 31 C at C = 1e-8; with positions of
+    different scales 88 C even after scaling each sample by a power of two; found by review).
+    Float64 factors therefore take the direct path (per-sample grads: sums of products, whose
+    squares underflow only for grads far below any clip norm, ``MIN_CLIP_NORM``), and their
+    masses are taken position by position, each factor scaled by a power of two
+    (:func:`pow2_normalized`). Float32 factors squared in float64 cannot underflow."""
+    return any(x.dtype == torch.float64 for x in xs)
 
 
 _EXPONENT_LIMIT = 1000  # |e| of the powers of two below: 2**e is a normal float64
@@ -164,21 +174,17 @@ def _pow2(e: Tensor) -> Tensor:
 
 
 def pow2_normalized(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x`` (float64, ``[B, ...]``) times ``2**-e`` per sample, with ``e`` (int64 ``[B]``) the
-    exponent that brings the sample's largest ``|entry|`` into ``[0.5, 1)`` (clamped to +-1000: a
-    sample of zeros or subnormals is scaled up by ``2**1000``, one with inf or NaN stays
-    non-finite), and ``e``. Exact (powers of two), and what makes the squares of a float64
-    model's factors safe: without it ``|u_t|^2`` of output grads near ``1e-162`` is 0 while
-    ``|u_t| |x_t|`` is a normal number for inputs near ``1e154``, so a Gram norm was 0 and the
-    sample went out unclipped (1.25 C at C = 1e-6; found by review). A float32 model's factors,
-    squared in float64, cannot underflow."""
-    amax = x.detach().abs().flatten(1).amax(1) if x.shape[1:].numel() else x.new_zeros(x.shape[0])
+    """``x`` (float64) times ``2**-e`` per row (its last dim), with ``e`` (int64, ``x.shape[:-1]``)
+    the exponent that brings the row's largest ``|entry|`` into ``[0.5, 1)`` (clamped to +-1000: a
+    row of zeros or subnormals is scaled up by ``2**1000``, one with inf or NaN stays
+    non-finite), and ``e``. Exact: a power of two."""
+    amax = x.detach().abs().amax(-1) if x.shape[-1] else x.new_zeros(x.shape[:-1])
     e = (((amax.view(torch.int64) >> 52) & 0x7FF) - 1022).clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT)
-    return x * _pow2(-e).view((-1,) + (1,) * (x.dim() - 1)), e
+    return x * _pow2(-e).unsqueeze(-1), e
 
 
 def times_pow2(x: Tensor, e: Tensor) -> Tensor:
-    """``x * 2**e`` per sample (``x`` float64 ``[B]``, ``e`` int64 ``[B]``, ``|e| <= 4000``), exact
+    """``x * 2**e`` elementwise (``x`` float64, ``e`` int64 of its shape, ``|e| <= 4000``), exact
     wherever the result is a normal number: applied in four steps of one sign, each a normal
     power of two, so no partial product overflows or underflows before the result would."""
     quarter = torch.div(e, 4, rounding_mode="trunc")
