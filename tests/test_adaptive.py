@@ -156,6 +156,8 @@ def test_the_threshold_stays_within_its_public_range():
     assert c.item() == pytest.approx(10.0) and math.isfinite(c.item())
     with pytest.raises(ValueError, match=r"clip_norm_range=\(2.0, 1.0\) must have lo < hi"):
         vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, clip_norm_range=(2.0, 1.0))
+    with pytest.raises(ValueError, match=r"clip_norm_range=\(1e-20, 1.0\) lets the threshold fall below 2\*\*-40"):  # (a reviewer: the run stopped there)
+        vmapdp.AdaptiveClipping(count_noise_multiplier=2.0, clip_norm_range=(1e-20, 1.0))
 
 
 def test_adaptive_clipping_releases_through_any_privatizer():

@@ -297,3 +297,40 @@ def test_a_secure_samplers_checkpoint_resumes_only_on_the_callers_word(make, sav
     with pytest.raises(ValueError, match=r"saved with a secure sampler"):
         vmapdp.load_state(path, sampler=make())
     assert vmapdp.load_state(path, sampler=make(), saved_after_last_step=True).step == state.step
+
+
+def test_a_secure_noise_runs_checkpoint_resumes_only_on_the_callers_word(saved, tmp_path):
+    """Found by a reviewer (review3/secure_noise_resume.py): secure noise (no seed) with a keyed
+    sampler resumed freely; the repeated steps redraw the same batches under FRESH noise, a second
+    release of the same sums (their average halves the noise variance) that the ledger lacks."""
+    path, state, _, _, _ = saved
+    secure_state = state._replace(noise_seed=None)
+    s = sampler(key=b"k" * 16)
+    out = tmp_path / "secure_noise.pt"
+    vmapdp.save_state(out, secure_state, sampler=s)
+    with pytest.raises(ValueError, match=r"saved with secure noise .*saved_after_last_step=True"):
+        vmapdp.load_state(out, sampler=sampler(key=b"k" * 16))
+    assert vmapdp.load_state(out, sampler=sampler(key=b"k" * 16), saved_after_last_step=True).noise_seed is None
+
+
+def test_a_callers_own_sampler_state_is_not_taken_for_a_secure_one(saved, tmp_path):
+    """A reviewer's regression check (review3/custom_sampler_ckpt.py): a sampler whose state_dict
+    has neither "generator" nor "key" is not vmapdp's secure sampler."""
+    _, state, _, _, _ = saved
+
+    class Mine:
+        def __init__(self):
+            self.position = 0
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, d):
+            self.position = d["position"]
+
+    mine = Mine()
+    mine.position = 5
+    out = tmp_path / "mine.pt"
+    vmapdp.save_state(out, state, sampler=mine)
+    back = Mine()
+    assert vmapdp.load_state(out, sampler=back).step == state.step and back.position == 5

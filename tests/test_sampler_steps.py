@@ -205,3 +205,15 @@ def test_a_drawn_batch_that_never_became_a_step_stops_the_run(name):
     with pytest.raises(ValueError, match=r"the state is at step 1 but its sampler has drawn 3 batches: 1 drawn batch\(es\) never became a step.*Nothing was released"):
         step(state, gather(data, indices), mask, buffers)
     assert state.step == 1 and state.ledger.events[-1].count == 1
+
+
+def test_a_fixed_size_sampler_has_no_position_and_may_draw_a_spare_batch():
+    """Its event does not depend on the steps before (a reviewer: the exact-position rule refused it)."""
+    params, buffers, data, loss_fn = problem()
+    sampler = samplers()["fixed"]
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, physical_batch_size=sampler.capacity, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    sampler.sample()  # a spare batch
+    indices, mask = sampler.sample()
+    state, _ = step(state, gather(data, indices), mask, buffers)
+    assert state.ledger.events[-1] == FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=1)

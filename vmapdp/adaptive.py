@@ -93,6 +93,11 @@ class AdaptiveClipping:
         hi = _checks.positive(call, "clip_norm_range[1]", bounds[1], meaning="it is the largest threshold the update may reach")
         if not lo < hi:
             raise ValueError(f"{call}: clip_norm_range={bounds!r} must have lo < hi.")
+        if lo < _checks.MIN_CLIP_NORM:
+            raise ValueError(
+                f"{call}: clip_norm_range={bounds!r} lets the threshold fall below 2**-40 (~9.1e-13), the smallest clip norm "
+                "vmapdp takes (float32 squares of gradient entries that small underflow); the run would stop there. Use lo >= 1e-12."
+            )
         object.__setattr__(self, "clip_norm_range", (lo, hi))
 
     def gradient_noise_multiplier(self, noise_multiplier: float) -> float:

@@ -267,7 +267,8 @@ def load_state(
             checkpoint was saved (it is saved after every step). Required to resume a checkpoint
             saved with a secure sampler (``secure=True``): its batches cannot be redrawn, so steps
             released after the checkpoint and repeated by the resumed run would be releases the
-            ledger does not hold (under keyed noise, new batches with the same noise).
+            ledger does not hold (under keyed noise, new batches with the same noise); and one
+            saved by a run with secure noise (``secure=True``, no noise seed), for the same reason.
 
     Raises:
         ValueError: the file is truncated, corrupted, edited, not a vmapdp checkpoint, of another
@@ -338,15 +339,18 @@ def state_from_payload(
     # resumed run repeats: they would be new releases the ledger does not hold, and under keyed
     # noise new batches with the very noise of the lost releases (their difference is the
     # difference of the clipped sums, exactly; found by review)
-    secure_saved = saved is not None and saved.get("generator") is None and saved.get("key") is None
-    if secure_saved and not ignore_sampler and not saved_after_last_step:
+    # (vmapdp's samplers say so; an older checkpoint's has both sources saved as None)
+    secure_saved = isinstance(saved, dict) and saved.get("secure", "generator" in saved and "key" in saved and saved["generator"] is None and saved["key"] is None) is True
+    # ... and secure noise (no seed) gives the repeated steps fresh noise: a second release of the same sums
+    if (secure_saved or payload["noise_seed"] is None) and not ignore_sampler and not saved_after_last_step:
+        what = "a secure sampler (the OS CSPRNG), which cannot redraw the batches" if secure_saved else "secure noise (the OS CSPRNG), which cannot redraw the noise"
         raise ValueError(
-            f"{call}: the checkpoint was saved with a secure sampler (the OS CSPRNG), which cannot redraw the batches of steps "
-            "released after it was saved: a resumed run would repeat those steps with new batches, releases the ledger does not "
-            "hold, and with keyed noise under the same noise keys (their difference would be that of the clipped sums, exactly). "
-            "If the checkpoint was saved after the run's last released step (save after every step), pass "
-            "saved_after_last_step=True; ignore_sampler=True reads it for evaluation only; or train with a keyed sampler "
-            "(key=), whose resumed run repeats its steps bit for bit. Nothing was loaded."
+            f"{call}: the checkpoint was saved with {what} of steps released after it was saved: a resumed run would "
+            "repeat those steps as new releases the ledger does not hold (new batches under keyed noise: their difference is that "
+            "of the clipped sums, exactly; the same batches under fresh noise: their average halves the noise variance). If the "
+            "checkpoint was saved after the run's last released step (save after every step), pass saved_after_last_step=True; "
+            "ignore_sampler=True reads it for evaluation only; or train with a keyed sampler and keyed noise, whose resumed run "
+            "repeats its steps bit for bit. Nothing was loaded."
         )
     if sampler is not None:
         if saved is None:

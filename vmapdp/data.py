@@ -190,6 +190,7 @@ class PoissonSampler:
         return {
             "generator": None if self.generator is None else self.generator.get_state(),
             "key": self.key,
+            "secure": self.secure,
             "draws": self._draws,
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
@@ -302,11 +303,14 @@ class _KeyedSampler:
     def _load_extra(self, state: dict[str, Any]) -> None:
         pass
 
+    positional = True  # a step's event depends on its position (an epoch's first step, a group)
+
     @property
     def steps_drawn(self) -> int:
         """The batches drawn so far (restored by :meth:`load_state_dict`): ``make_train_step``
-        refuses a step whose state is further on than this sampler (a fresh sampler on a resumed
-        run would repeat the groups or epoch positions that the ledger has already charged)."""
+        wants this sampler exactly one batch past the state (a fresh sampler on a resumed run
+        would repeat the groups or epoch positions that the ledger has already charged; one that
+        drew a batch whose step never ran would have the ledger charge too little)."""
         return self._step
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,6 +321,7 @@ class _KeyedSampler:
             **self._params(),
             "generator": None if self.generator is None else self.generator.get_state(),
             "key": self.key,
+            "secure": self.secure,
             "draws": self._draws,
             "step": self._step,
             **self._extra_state(),
@@ -363,6 +368,8 @@ class FixedSizeSampler(_KeyedSampler):
       num_samples: dataset size n. batch_size: b in [1, n]. steps: steps to yield (default one
         epoch's worth, ``round(n / b)``). generator / key / secure: as in :class:`PoissonSampler`.
     """
+
+    positional = False  # every step samples afresh: its event does not depend on the steps before
 
     _LABEL = b"vmapdp-fixed-size:"
 

@@ -30,7 +30,7 @@ Checkpoints: every rank holds the same state, so rank 0 alone saves it and every
     if vmapdp.distributed.rank() == 0:
         vmapdp.save_state(path, state, sampler=sampler)
     torch.distributed.barrier()          # the file is complete before anyone reads it
-    state = vmapdp.load_state(path, sampler=sampler, map_location=device)
+    state = vmapdp.load_state(path, sampler=sampler, map_location=device)   # (secure sampler or noise: saved_after_last_step=True, see load_state)
 
 ``rank()`` and ``world_size()`` are 0 and 1 when no process group is initialized, so the same
 script runs in one process too. End every rank's run with :func:`shutdown`.

@@ -404,7 +404,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     drawn = getattr(sampler, "steps_drawn", None)
     if not drawn or (distributed and _dist.rank() != 0):
         return
-    if drawn > step + 1:
+    if drawn > step + 1 and getattr(sampler, "positional", True):  # (a fixed-size sampler has no position: a spare batch is harmless)
         raise ValueError(
             f"{call}: the state is at step {step} but its sampler has drawn {drawn} batches: {drawn - step - 1} drawn batch(es) "
             "never became a step (a step that raised after its batch was drawn, or batches drawn ahead). The ledger records "
