@@ -437,13 +437,28 @@ def test_a_subnormal_side_of_a_float32_book_keeping_sum_stays_within_its_margin(
     assert float((full["w"].double() - minus["w"].double()).norm()) <= c * (1 + TOL)
 
 
-def _underflowing_pair(t, d, c):
-    """A float64 sample whose output grads have entries near 1e-163 (their squares are 0 in
-    float64) and inputs near 1e154, all positions aligned: its per-sample grad is a normal number,
-    ``t * 1.95e-8``, above ``c``."""
-    x, z = torch.randn(2, t, d, dtype=torch.float64) * 0.01, torch.randn(2, t, d, dtype=torch.float64) * 0.01
-    x[1], z[1] = 1.3e154 / d**0.5, 1.5e-162 / d**0.5
-    return x, z
+def _float64_release(op, x, z, c, monkeypatch):
+    """Sample 1's ghost norm and ``||sum(D) - sum(D - {1})||`` for a float64 ``op`` (linear,
+    einsum, conv1d on the Gram path of a float32 model: ``grouped_conv_max=0``) whose output grads
+    are ``z`` and inputs ``x`` (``[2, T, d]``, ``d = 64``)."""
+    t, d = x.shape[1:]
+    if op == "linear":
+        f, w = (lambda p, x: F.linear(x, p["w"])), torch.zeros(d, d, dtype=torch.float64)
+    elif op == "einsum":
+        f, w = (lambda p, x: torch.einsum("td,dhk->thk", x, p["w"])), torch.zeros(d, 8, 8, dtype=torch.float64)
+        z = z.reshape(2, t, 8, 8)
+    else:  # conv1d 64 -> 64 channels, kernel 1
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
+        f, w = (lambda p, x: F.conv1d(x, p["w"])), torch.zeros(d, d, 1, dtype=torch.float64)
+        x, z = x.transpose(1, 2).contiguous(), z.transpose(1, 2).contiguous()
+
+    def loss(p, sample):
+        return (f(p, sample[0]) * sample[1]).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
+    full, norms, _ = fn({"w": w}, (x, z))
+    minus, _, _ = fn({"w": w}, (x, z), mask=torch.tensor([True, False]))
+    return float(norms[1]), float((full["w"] - minus["w"]).norm())
 
 
 @pytest.mark.parametrize("op", ["linear", "einsum", "conv1d"])
@@ -454,27 +469,11 @@ def test_a_float64_sample_whose_squares_underflow_is_still_clipped(op, monkeypat
     d = 64) for linear, einsum and the conv Gram path alike. Float64 factors now take the direct
     path (ghost.uses.float64_factors)."""
     t, d, c = 16, 64, 1e-8
-    x, z = _underflowing_pair(t, d, c)
-    if op == "linear":
-        f, w = (lambda p, x: F.linear(x, p["w"])), torch.zeros(d, d, dtype=torch.float64)
-    elif op == "einsum":
-        f, w = (lambda p, x: torch.einsum("td,dhk->thk", x, p["w"])), torch.zeros(d, 8, 8, dtype=torch.float64)
-        z = z.reshape(2, t, 8, 8)
-    else:  # conv1d 64 -> 64 channels, kernel 1, on the Gram path
-        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
-        f, w = (lambda p, x: F.conv1d(x, p["w"])), torch.zeros(d, d, 1, dtype=torch.float64)
-        x, z = x.transpose(1, 2).contiguous(), z.transpose(1, 2).contiguous()
-
-    def loss(p, sample):
-        return (f(p, sample[0]) * sample[1]).sum()
-
-    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
-    params = {"w": w}
-    full, norms, _ = fn(params, (x, z))
-    minus, _, _ = fn(params, (x, z), mask=torch.tensor([True, False]))
-    true = t * 1.3e154 * 1.5e-162
-    assert float(norms[1]) == pytest.approx(true, rel=1e-9)  # was 0
-    assert float((full["w"] - minus["w"]).norm()) <= c * (1 + TOL)
+    x, z = torch.randn(2, t, d, dtype=torch.float64) * 0.01, torch.randn(2, t, d, dtype=torch.float64) * 0.01
+    x[1], z[1] = 1.3e154 / d**0.5, 1.5e-162 / d**0.5  # every position aligned: the grad's norm is t * 1.95e-8
+    norm, released = _float64_release(op, x, z, c, monkeypatch)
+    assert norm == pytest.approx(t * 1.3e154 * 1.5e-162, rel=1e-9)  # was 0
+    assert released <= c * (1 + TOL)
 
 
 def test_pow2_normalisation_is_exact_and_keeps_non_finite_rows_non_finite():
@@ -516,18 +515,6 @@ def test_a_float64_sample_whose_positions_differ_in_scale_is_still_clipped(op, m
     x, z = torch.randn(2, t, d, dtype=torch.float64) * 0.01, torch.randn(2, t, d, dtype=torch.float64) * 0.01
     x[1, : t // 2], z[1, : t // 2] = 1e-9 / d**0.5, 1.0 / d**0.5
     x[1, t // 2 :], z[1, t // 2 :] = 1e160 / d**0.5, 1e-170 / d**0.5
-    if op == "linear":
-        f, w = (lambda p, x: F.linear(x, p["w"])), torch.zeros(d, d, dtype=torch.float64)
-    else:
-        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
-        f, w = (lambda p, x: F.conv1d(x, p["w"])), torch.zeros(d, d, 1, dtype=torch.float64)
-        x, z = x.transpose(1, 2).contiguous(), z.transpose(1, 2).contiguous()
-
-    def loss(p, sample):
-        return (f(p, sample[0]) * sample[1]).sum()
-
-    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method="ghost")
-    full, norms, _ = fn({"w": w}, (x, z))
-    minus, _, _ = fn({"w": w}, (x, z), mask=torch.tensor([True, False]))
-    assert float(norms[1]) == pytest.approx(8.8e-9, rel=1e-9)
-    assert float((full["w"] - minus["w"]).norm()) <= c * (1 + TOL)
+    norm, released = _float64_release(op, x, z, c, monkeypatch)
+    assert norm == pytest.approx(8.8e-9, rel=1e-9)
+    assert released <= c * (1 + TOL)
