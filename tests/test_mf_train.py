@@ -463,3 +463,17 @@ def test_a_fresh_sampler_on_a_resumed_run_is_refused(tmp_path):
         vmapdp.load_state(path)
     with pytest.raises(ValueError, match="holds the sampler's state"):
         vmapdp.load_state(path, saved_after_last_step=True)
+
+
+def test_a_correlated_noise_state_is_refused_by_a_step_without_its_privatizer():
+    """Found by review (hunt4/gauss_on_mf_state.py): the default Gaussian step accepted a banded
+    state and passed its buffers through with their step count unchanged; later correlated steps
+    then lagged the sampler's groups, putting an example's participations 3 rows apart under a
+    band of 4 (sensitivity 1.54 column norms where the ledger charged 1.41)."""
+    s = sampler()
+    priv, _ = make(BANDED, s, optim.sgd(0.5))
+    state = vmapdp.init_train_state(PARAMS, optim.sgd(0.5), seed=SEED, privatizer=priv)
+    plain = vmapdp.make_train_step(zero_loss, optim.sgd(0.5), l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, physical_batch_size=s.capacity, compile=False)
+    idx, mask = s.sample()
+    with pytest.raises(ValueError, match=r"carries a privatizer's noise state .* pass the privatizer the state was made with.*Nothing was released"):
+        plain(state, gather((X, Y), idx), mask)

@@ -724,6 +724,7 @@ def make_train_step(
         adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
         noise=noise_config,
     )
+    stateless = privatizer is None  # the default Gaussian: no noise state (a state that has one belongs to another privatizer)
     if privatizer is None:
         offsets = None if sharding is None or secure else sharding.offsets  # a shard's noise: its slice of the leaf's stream
         privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure, offsets=offsets)
@@ -827,6 +828,16 @@ def make_train_step(
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
             _check_sampler_position(scall, sampler, state.step, distributed)
+            if stateless and optree.tree_leaves(state.noise_state, namespace="torch"):
+                # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
+                # lag the sampler's groups, and later correlated steps would put an example's
+                # participations closer than the band (sensitivity 1.54 where the ledger charged 1.41;
+                # found by review)
+                raise ValueError(
+                    f"{scall}: the state carries a privatizer's noise state (correlated noise: {type(state.noise_state).__name__}) "
+                    "but this step has none (the default Gaussian noise): pass the privatizer the state was made with "
+                    "(make_train_step(..., privatizer=...)). Nothing was released."
+                )
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
