@@ -306,6 +306,17 @@ def read_payload(call: str, path: str, secret: bytes | None, map_location: Any =
     return payload
 
 
+def _secure_sampler_state(saved: Any) -> bool:
+    """Whether a checkpoint's sampler state is a secure (OS CSPRNG) sampler's: vmapdp's samplers
+    say so (``"secure"``); an older checkpoint's has both sources saved as None. A caller's own
+    sampler state, with neither entry, is not taken for one."""
+    if not isinstance(saved, dict):
+        return False
+    if "secure" in saved:
+        return saved["secure"] is True
+    return "generator" in saved and "key" in saved and saved["generator"] is None and saved["key"] is None
+
+
 def state_from_payload(
     call: str, payload: dict[str, Any], *, sampler: Any = None, like: TrainState | None = None, ignore_sampler: bool = False, saved_after_last_step: bool = False
 ) -> TrainState:
@@ -339,8 +350,7 @@ def state_from_payload(
     # resumed run repeats: they would be new releases the ledger does not hold, and under keyed
     # noise new batches with the very noise of the lost releases (their difference is the
     # difference of the clipped sums, exactly; found by review)
-    # (vmapdp's samplers say so; an older checkpoint's has both sources saved as None)
-    secure_saved = isinstance(saved, dict) and saved.get("secure", "generator" in saved and "key" in saved and saved["generator"] is None and saved["key"] is None) is True
+    secure_saved = _secure_sampler_state(saved)
     # ... and secure noise (no seed) gives the repeated steps fresh noise: a second release of the same sums
     if (secure_saved or payload["noise_seed"] is None) and not ignore_sampler and not saved_after_last_step:
         what = "a secure sampler (the OS CSPRNG), which cannot redraw the batches" if secure_saved else "secure noise (the OS CSPRNG), which cannot redraw the noise"

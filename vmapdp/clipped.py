@@ -164,10 +164,10 @@ def kernel_share(run: Callable[[], Any], device: torch.device, *, breakdown: dic
                     run()
     finally:
         torch.set_num_threads(threads)
-    part, clock = min(((sum(c.seconds.values()), i), c) for i, c in enumerate(clocks))
+    clock = min(clocks, key=lambda c: sum(c.seconds.values()))
     if breakdown is not None:
         breakdown.update(clock.seconds)
-    return min(1.0, part[0] / whole) if whole > 0 else 0.0
+    return min(1.0, sum(clock.seconds.values()) / whole) if whole > 0 else 0.0
 
 
 def shape_key(args: tuple) -> tuple:

@@ -692,6 +692,7 @@ def make_train_step(
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
     # with adaptive clipping the privatizer sees the sum in units of the threshold, and the gradient's share of the noise
     grad_noise = noise_multiplier if adaptive_clipping is None else adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
+    default_std = grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0  # the default Gaussian privatizer's
     noise_config = ""
     if privatizer is not None and getattr(privatizer, "bind", None) is not None:  # it decides its noise and the ledger's event
         if adaptive_clipping is not None:
@@ -706,7 +707,6 @@ def make_train_step(
     else:
         event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
         if privatizer is not None:  # one of the caller's: what it releases joins the key (Privatizer.config), unless it is the default's
-            default_std = grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0
             if getattr(privatizer, "config", "") != gaussian_privatizer(default_std, secure=secure).config:
                 noise_config = f"privatizer={getattr(privatizer, 'config', '')}"
     config = step_config(
@@ -727,7 +727,7 @@ def make_train_step(
     stateless = privatizer is None  # the default Gaussian: no noise state (a state that has one belongs to another privatizer)
     if privatizer is None:
         offsets = None if sharding is None or secure else sharding.offsets  # a shard's noise: its slice of the leaf's stream
-        privatizer = gaussian_privatizer(grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0, secure=secure, offsets=offsets)
+        privatizer = gaussian_privatizer(default_std, secure=secure, offsets=offsets)
     count_privatizer = None if adaptive_clipping is None else adaptive_clipping.count_privatizer(secure=secure)
     if secure and distributed:  # the OS CSPRNG differs per rank: rank 0 privatizes, every rank gets its release
         if sharding is None:  # (sharded, each owner draws its own shards' noise)

@@ -141,9 +141,9 @@ def conv_grams(use: Use) -> tuple[Tensor, Tensor]:
     b, n, c_out = g.shape[:3]
     c_in, in_shape, out_shape, kernel = x.shape[2], tuple(x.shape[3:]), tuple(g.shape[3:]), tuple(use.shape[2:])
     u = g.flatten(3).transpose(2, 3).reshape(b, -1, c_out).double()  # [B, T, C_out]
+    gu = torch.bmm(u, u.transpose(1, 2))
     p = math.prod(in_shape)
     xs = x.flatten(3).transpose(2, 3).reshape(b, n * p, c_in).double()  # [B, n*P, C_in]
-    gu = torch.bmm(u, u.transpose(1, 2))
     gx = torch.bmm(xs, xs.transpose(1, 2)).view((b, n) + in_shape + (n,) + in_shape)
     gv = None
     for offset in itertools.product(*(range(k) for k in kernel)):

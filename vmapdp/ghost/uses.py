@@ -145,7 +145,7 @@ def rounding_margin(t: int, dtype: torch.dtype) -> float:
 def from_grams(gu: Tensor, gv: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Squared norms ``sum_{t,s} gu_ts gv_ts`` and masses ``sum_t |u_t||v_t|`` (in ``dtype``) of a
     pair from its float64 Grams ``[B, T, T]`` of float32 factors (``|u_t|^2 |v_t|^2`` are their
-    diagonals). A float64 model's factors never take this path (see :func:`exact_pair_path`)."""
+    diagonals). A float64 model's factors never take this path (see :func:`float64_factors`)."""
     t = gu.shape[1]
     diagonals = gu.flatten(1)[:, :: t + 1] * gv.flatten(1)[:, :: t + 1]  # (a strided slice: inductor lowers it)
     return (gu * gv).sum((1, 2)), diagonals.sqrt().sum(1).to(dtype)
@@ -184,13 +184,12 @@ def pow2_normalized(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def times_pow2(x: Tensor, e: Tensor) -> Tensor:
-    """``x * 2**e`` elementwise (``x`` float64, ``e`` int64 of its shape, ``|e| <= 4000``), exact
-    wherever the result is a normal number: applied in four steps of one sign, each a normal
-    power of two, so no partial product overflows or underflows before the result would."""
-    quarter = torch.div(e, 4, rounding_mode="trunc")
-    for part in (quarter, quarter, quarter, e - 3 * quarter):
-        x = x * _pow2(part)
-    return x
+    """``x * 2**e`` elementwise (``x`` float64, ``e`` int64 of its shape, ``|e| <= 2000``: a sum of
+    two exponents of :func:`pow2_normalized`), exact wherever the result is a normal number:
+    applied in two halves of one sign, each a normal power of two, so the partial product does
+    not overflow or underflow before the result would."""
+    half = torch.div(e, 2, rounding_mode="trunc")
+    return x * _pow2(half) * _pow2(e - half)
 
 
 def gram_margin(sq: Tensor, mass: Tensor, t: int, du: int, dv: int, dtype: torch.dtype) -> Tensor:
