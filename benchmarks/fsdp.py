@@ -219,7 +219,9 @@ def _run_mode(rank: int, world: int, mode: str, cfg: dict) -> dict:
             physical_batch_size=vdist.local_capacity(sampler.capacity), method="ghost", compile=False,
             distributed=True, sharding=sharding,
         )
-        state = vmapdp.init_train_state(params, opt, seed=1, sharding=sharding)
+        # a seed per mode, the same on every rank: the modes run one after another in one process, and
+        # one seed for all would release their different sums under one noise key (vmapdp.noise.spent)
+        state = vmapdp.init_train_state(params, opt, seed=1 + MODES.index(mode), sharding=sharding)
         del params
         if sharding is not None:  # the probe's phases (instance attributes: the step looks them up on each call)
             sharding.step_params = probe.tagging("gather", sharding.step_params, "clip")

@@ -19,6 +19,7 @@ from vmapdp import optim
 from vmapdp.accounting import Ledger, PoissonGaussianEvent
 from vmapdp.data import PoissonSampler, gather
 from vmapdp.noise import Privatizer, gaussian_privatizer
+from vmapdp.noise.spent import unreleased
 
 ALPHA = 1e-3  # false-alarm rate of the statistical test (fixed seeds: deterministic)
 N, D = 200, 6
@@ -111,11 +112,13 @@ def test_the_threshold_is_traced_in_the_compiled_step_and_checked_like_any_clip_
     eager, compiled = make(loss_fn, adaptive, lr=0.1), make(loss_fn, adaptive, lr=0.1, compile=True)
     mask = torch.ones(N, dtype=torch.bool)
     a = b = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
-    a, _ = eager(a, x, mask)
+    with unreleased():  # the eager twin: the same noise, compared (vmapdp.noise.spent)
+        a, _ = eager(a, x, mask)
     b, _ = compiled(b, x, mask)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for _ in range(3):
-        a, _ = eager(a, x, mask)
+        with unreleased():
+            a, _ = eager(a, x, mask)
         b, _ = compiled(b, x, mask)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert float(b.clip_norm) != 1.0

@@ -51,6 +51,7 @@ from torch import nn  # noqa: E402
 from vmapdp import clipped, optim, train  # noqa: E402
 from vmapdp.data import PoissonSampler, gather  # noqa: E402
 from vmapdp.ghost import limits  # noqa: E402
+from vmapdp.noise.spent import unreleased  # noqa: E402
 
 EPOCH = 20  # Poisson steps
 
@@ -132,7 +133,8 @@ def test_compiled_auto_races_eagerly_and_compiles_only_the_winner(monkeypatch, p
     assert sorted(n for n, _ in timed) == sorted(["ghost", "vmap"] * rounds + ["ghost", "ghost eager"] * rounds)
     assert dict(auto.chosen_methods).popitem()[1] == "ghost" and dict(auto.chosen_runs).popitem()[1] == "ghost"
     assert [m for _, m in states[-1].methods] == ["ghost"]
-    eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches)
+    with unreleased():  # the same noise, compared (vmapdp.noise.spent)
+        eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches)
     for k in params:  # the compiled ghost graph ran: equal to eager ghost within float32 rounding
         torch.testing.assert_close(states[-1].params[k], eager[-1].params[k], rtol=1e-5, atol=1e-6)
 
@@ -168,12 +170,14 @@ def test_compiled_auto_keeps_a_kernel_bound_chunk_eager_without_compiling_it(mon
     rounds = limits.LIMITS.auto_rounds
     assert sorted(n for n, _ in timed) == sorted(["ghost", "vmap"] * rounds) and not any(c for _, c in timed)
     assert dict(auto.chosen_runs).popitem()[1] == "ghost eager" and [m for _, m in states[-1].methods] == ["ghost eager"]
-    eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches[:4])
+    with unreleased():  # the same noise, compared (vmapdp.noise.spent)
+        eager, _ = run(make(loss_fn, capacity, compile=False, method="ghost"), params, buffers, batches[:4])
     for k in params:  # bitwise: the eager ghost computation ran
         assert torch.equal(states[-1].params[k], eager[-1].params[k]), k
     # a named method is compiled whatever the share (the caller asked for it)
     before = graphs()
-    run(make(loss_fn, capacity, compile=True, method="ghost"), params, buffers, batches[:1])
+    with unreleased():
+        run(make(loss_fn, capacity, compile=True, method="ghost"), params, buffers, batches[:1])
     assert graphs() == before + 1
 
 

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from vmapdp import clipped, ghost, precision
 from vmapdp.ghost import conv, limits, linear, uses
+from vmapdp.noise.spent import unreleased
 from optree import tree_leaves as _leaves
 from zoo import CASES, setup
 
@@ -526,7 +527,8 @@ def test_chunked_step_equals_the_unchunked_one(method):
     for chunk in (None, 2, 4):
         step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=6.0, sample_rate=0.1,
                                       method=method, physical_batch_size=chunk, norm_chunk_size=3 if method == "two_pass" else None, compile=False)
-        state, _ = step(vmapdp.init_train_state(params, opt, seed=5), batch, mask, buffers)
+        with unreleased():  # one state, three chunkings: the same noise, compared (vmapdp.noise.spent)
+            state, _ = step(vmapdp.init_train_state(params, opt, seed=5), batch, mask, buffers)
         out.append(state.params)
     for other in out[1:]:
         for k in params:

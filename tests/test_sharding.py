@@ -36,6 +36,7 @@ from vmapdp.data import CyclicPoissonSampler, PoissonSampler, gather
 from vmapdp.mf import BandedToeplitz, BufferedToeplitz, correlated_noise
 from vmapdp.noise import add_noise
 from vmapdp.sharding import Sharding, local_bytes
+from vmapdp.noise.spent import forget_spent_keys
 
 N, Q, STEPS, CAPACITY, SEED = 48, 0.25, 4, 16, 1234
 SAMPLER_KEY = b"sharding-test-sampler"
@@ -85,6 +86,7 @@ def train(kind, *, sharded, steps=STEPS, seed=SEED, state=None, sampler=None, un
     (correlated noise over a run of ``STEPS``); ``adaptive``: adaptive clipping; ``batches``: global
     ``(indices, mask)`` batches instead of the sampler's (each rank takes its ``vdist.shard``). Returns
     (state, sharding, sampler)."""
+    forget_spent_keys()  # each call is its own run, compared with others of the same seed noise for noise (vmapdp.noise.spent)
     params, buffers, data, loss_fn, opt = problem(kind, wrap)
     sharding = Sharding(params, unshard=unshard) if sharded else None
     priv = None if noise is None else correlated_noise(MF[noise], steps=STEPS)
@@ -380,6 +382,61 @@ def _init(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
 
+def review_loads(rank, out, like, sharding):
+    """Loads refused on every rank (2 ranks; found by review): a sampler refused on one rank only
+    (the other's sampler stays as it was), ranks given different checkpoints, and node-local copies
+    one of which is corrupted in a file the other rank would have checked."""
+    import shutil
+
+    res = {}
+    sampler = PoissonSampler(N + rank, Q, STEPS - 2, key=b"overwritten-by-the-load", capacity=CAPACITY)  # rank 1's: another size
+    before = sampler.state_dict()
+    res["sampler_refused_error"] = _error(lambda: sc.load_sharded(os.path.join(out, "ckpt4"), like=like, sharding=sharding, sampler=sampler))
+    res["sampler_refused_untouched"] = sampler.state_dict() == before
+    state, _, smp = train("mlp", sharded=True, steps=1)
+    sc.save_sharded(os.path.join(out, "ckpt1"), state, sharding, sampler=smp)
+    sampler = PoissonSampler(N, Q, STEPS - 2, key=b"overwritten-by-the-load", capacity=CAPACITY)
+    mine = os.path.join(out, "ckpt4" if rank == 0 else "ckpt1")
+    res["different_error"] = _error(lambda: sc.load_sharded(mine, like=like, sharding=sharding, sampler=sampler))
+    if rank == 0:
+        for node in (0, 1):
+            shutil.copytree(os.path.join(out, "ckpt4"), os.path.join(out, f"node{node}", "ckpt4"))
+        name = sorted(n for n in os.listdir(os.path.join(out, "ckpt4")) if n != "vmapdp-meta")[1]  # (the old split: rank 1 checked it)
+        with open(os.path.join(out, "node0", "ckpt4", name), "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 1]))
+    dist.barrier()
+    res["node_error"] = _error(lambda: sc.load_sharded(os.path.join(out, f"node{rank}", "ckpt4"), like=like, sharding=sharding, sampler=sampler))
+    return res
+
+
+def forked_sharded_step(rank):
+    """One state stepped twice, with batches whose sums agree on rank 0's shard and differ on rank
+    1's: every rank raises (the verdict is collective; found by review: rank 0 returned, rank 1
+    raised, and rank 0 then waited in its next collective)."""
+    forget_spent_keys()
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return (x * self.w).sum(-1)
+
+    apply, params, buffers = vmapdp.functionalize(Two())
+    sharding = Sharding(params)
+    x = torch.tensor([[0.1, 0.1], [0.1, 0.2], [0.1, 0.3], [0.1, 0.4]])
+    step = vmapdp.make_train_step(lambda p, b, s: apply(p, b, s[None]).sum(), optim.sgd(1.0), l2_clip_norm=10.0, noise_multiplier=1.0,
+                                  sample_rate=0.5, expected_batch_size=1.0, physical_batch_size=1, compile=False, method="vmap", sharding=sharding)
+    state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=SEED, sharding=sharding)
+    idx, mask = vdist.shard(torch.tensor([0, 1]), torch.ones(2, dtype=torch.bool), 2)
+    step(state, x[idx], mask, buffers)
+    idx, mask = vdist.shard(torch.tensor([2, 3]), torch.ones(2, dtype=torch.bool), 2)
+    step(state, x[idx], mask, buffers)
+
+
 def _worker4(rank, world, init_file, out):
     _init(rank, world, init_file)
     try:
@@ -452,6 +509,8 @@ def _worker2(rank, world, init_file, out):
         res["ledger_error"] = _error(lambda: train("mlp", sharded=True, steps=1, state=forged))
         # an existing checkpoint is never overwritten
         res["exists_error"] = _error(lambda: sc.save_sharded(os.path.join(out, "ckpt4"), loaded, sharding, sampler=sampler))
+        res.update(review_loads(rank, out, like, sharding))
+        res["fork_error"] = _error(lambda: forked_sharded_step(rank))
         res["fsdp"] = fsdp_run()
         res["secure"] = secure_run()
         res.update(mf_adaptive_runs(out, world))
@@ -620,6 +679,22 @@ def test_corrupted_checkpoint_is_refused_on_every_rank(runs):
     assert any("integrity check failed" in e and ".distcp" in e for e in errors)
     assert all("integrity check failed" in e or "failed on another rank" in e for e in errors)
     assert all(r["sampler_untouched"] for r in runs["w2"])
+    # ... and a corrupted node-local copy, whichever rank's share the file was (every rank checks every file)
+    errors = [r["node_error"] for r in runs["w2"]]
+    assert "integrity check failed" in errors[0] and "failed on another rank" in errors[1]
+
+
+def test_a_load_refused_on_one_rank_leaves_every_sampler_and_ranks_read_one_checkpoint(runs):
+    first, second = runs["w2"]
+    assert "num_samples" in second["sampler_refused_error"] and "failed on another rank" in first["sampler_refused_error"]
+    assert first["sampler_refused_untouched"] and second["sampler_refused_untouched"]
+    for r in runs["w2"]:
+        assert "the ranks disagree on the checkpoint" in r["different_error"]
+
+
+def test_a_forked_sharded_state_is_refused_on_every_rank(runs):
+    for r in runs["w2"]:
+        assert r["fork_error"] is not None and "already released step 0 of this run" in r["fork_error"], r["fork_error"]
 
 
 def test_ranks_that_disagree_fail_together_and_checkpoints_are_not_overwritten(runs):
@@ -911,6 +986,14 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         assert all(torch.equal(p, params[k] + 1) for k, p in plain.named_parameters())
         with pytest.raises(ValueError, match="no vmapdp-meta"):
             sc.load_sharded(tmp_path, like=vmapdp.init_train_state(params, opt, seed=1, sharding=sharding), sharding=sharding)
+        # saved_after_last_step=True beside a save of a later step (an interrupted one: latest_checkpoint skips it) is refused
+        fresh = vmapdp.init_train_state(params, opt, seed=1, sharding=sharding)
+        sc.save_sharded(sc.checkpoint_path(tmp_path / "run", 0), fresh, sharding)
+        os.makedirs(sc.checkpoint_path(tmp_path / "run", 1) + ".tmp-ab")
+        assert sc.latest_checkpoint(tmp_path / "run") == sc.checkpoint_path(tmp_path / "run", 0)
+        with pytest.raises(ValueError, match=r"step-000000001.tmp-ab is a save of step 1, after this checkpoint's step 0 \(interrupted\)"):
+            sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding, saved_after_last_step=True)
+        assert sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding).step == 0
         # a noise state (identity's: buffers of 0 rows) is saved; a run without it (or with another one) cannot load it
         for name, other in (("identity", "banded"), ("banded", None)):
             priv = correlated_noise(MF[name], steps=STEPS)

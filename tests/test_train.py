@@ -19,6 +19,7 @@ import vmapdp
 from vmapdp import accounting, optim
 from vmapdp.data import PoissonSampler, gather
 from vmapdp.train import PrivacyBudgetExceeded
+from vmapdp.noise.spent import unreleased
 
 ALPHA = 1e-3  # false-alarm rate of the statistical tests (fixed seeds: the suite is deterministic)
 
@@ -179,7 +180,8 @@ def test_compiled_equals_eager_and_compiles_once_over_poisson_steps():
     compiled = make(loss_fn, noise=0.7, ebs=6.0, q=0.1, physical_batch_size=sampler.capacity, compile=True)
     s_e = s_c = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
     for batch, mask in batches:
-        s_e, m_e = eager(s_e, batch, mask, buffers)
+        with unreleased():  # the eager twin: the same noise, compared (vmapdp.noise.spent)
+            s_e, m_e = eager(s_e, batch, mask, buffers)
         s_c, m_c = compiled(s_c, batch, mask, buffers)
     for k in params:
         torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)

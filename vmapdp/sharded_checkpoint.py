@@ -20,7 +20,8 @@ directories); an existing ``path`` is never overwritten (save each checkpoint un
 ``checkpoint_path(root, step)``).
 
 ``load_sharded(path, like=, sharding=, sampler=)`` verifies the metadata's digest and every
-file's SHA-256 (each rank some of the files), checks the layout and that the saved tensors are
+file's SHA-256 (every rank every file: the bytes it reads), that every rank reads the same
+checkpoint, checks the layout and that the saved tensors are
 ``like``'s (names, global shapes, dtypes), reads them into the shards of ``like`` (a fresh
 ``init_train_state(..., privatizer=, sharding=)`` of this world: any world size), checks the
 result against ``like`` as ``load_state(like=)`` does (another run's checkpoint, a rollback) and
@@ -65,6 +66,23 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
         return None
     done = [d for d in os.listdir(root) if d.startswith("step-") and _TMP not in d and os.path.isfile(os.path.join(root, d, _META))]
     return os.path.join(root, max(done)) if done else None
+
+
+def _check_nothing_later(call: str, path: str, step: int) -> None:
+    """``saved_after_last_step=True`` cannot hold where the checkpoint's directory holds a save of a
+    later step, complete or interrupted (``.tmp-``): that step was computed after this checkpoint
+    (found by review: after an interrupted save, ``latest_checkpoint`` returned the one before it,
+    and the resumed run released the lost step again)."""
+    root = os.path.dirname(path)
+    for name in sorted(os.listdir(root)):
+        head = name.split(_TMP)[0]
+        if head.startswith("step-") and head[5:].isdigit() and int(head[5:]) > step and os.path.join(root, name) != path:
+            raise ValueError(
+                f"{call}: saved_after_last_step=True, but {os.path.join(root, name)} is a save of step {int(head[5:])}, "
+                f"after this checkpoint's step {step} ({'interrupted' if _TMP in name else 'complete'}): steps after this checkpoint were "
+                "computed, and a resumed run would release them again. Resume from the later save, or, if nothing of those steps was "
+                "released, remove it first. Nothing was loaded."
+            )
 
 
 def _mesh(device_type: str) -> Any:
@@ -214,7 +232,9 @@ def load_sharded(
             or missing, the layout (names, shapes, dtypes) is not ``sharding``'s, the saved tensors
             are not those of ``like``'s optimizer and noise state (checked before reading any:
             another optimizer, a correlated-noise run loaded without its ``privatizer=`` or the
-            reverse), or the state does not fit ``like`` or the sampler.
+            reverse), the state does not fit ``like`` or the sampler, the ranks read different
+            checkpoints, or ``saved_after_last_step=True`` where the checkpoint's directory holds a
+            save (complete or interrupted) of a later step. A sampler is left as it was.
     """
     path = os.path.abspath(os.fspath(path))
     call = f"load_sharded({path!r})"
@@ -224,7 +244,7 @@ def load_sharded(
     if not isinstance(like, TrainState):
         raise TypeError(f"{call}: like must be a vmapdp.TrainState (init_train_state(params, optimizer, sharding=sharding)), got {type(like).__name__}.")
     entries = _entries(call, like, sharding)
-    error, payload = None, None
+    error, payload, digest = None, None, None
     try:
         meta = os.path.join(path, _META)
         if not os.path.isfile(meta):
@@ -248,12 +268,24 @@ def load_sharded(
         present = sorted(n for n in os.listdir(path) if n != _META)
         if present != sorted(files):
             raise ValueError(f"{call}: the directory holds {present}, the manifest lists {sorted(files)}: files are missing or were added; nothing was loaded.")
-        for i, name in enumerate(sorted(files)):  # each rank checks its share of the files
-            if i % _dist.world_size() == _dist.rank() and _sha256(os.path.join(path, name)) != files[name]:
+        # every rank checks every file: the bytes it reads are its own (node-local copies of one
+        # checkpoint: a file corrupted on one node and checked only by a rank of another was read
+        # unchecked, found by review)
+        for name in sorted(files):
+            if _sha256(os.path.join(path, name)) != files[name]:
                 raise ValueError(f"{call}: integrity check failed: {name} does not match the SHA-256 in the metadata (truncated, corrupted or edited); nothing was loaded.")
-    except (ValueError, OSError) as err:
+        if saved_after_last_step:
+            _check_nothing_later(call, path, payload["step"])
+        digest = _sha256(meta)
+    except (ValueError, OSError, KeyError) as err:
         error = err
     _fail_together(call, error, "verifying the checkpoint")
+    # every rank reads the same checkpoint (ranks given different paths, or copies of different
+    # saves, would each load their own: found by review)
+    _dist.check_same(
+        call, "the checkpoint (the SHA-256 of its metadata)", digest,
+        fix="Load the same checkpoint on every rank (the same path, or identical copies of it). Nothing was loaded.",
+    )
     sd = _state_dict(call, like, sharding, copy=True)  # fresh tensors in this world's layout, filled by DCP
     import torch.distributed.checkpoint as dcp
 
@@ -267,9 +299,15 @@ def load_sharded(
         payload[field] = optree.tree_unflatten(spec, [v for name, v in loaded.items() if name.startswith(prefix + "/")])
     payload["params"] = params
     state = None
+    before = None if sampler is None else sampler.state_dict()
     try:
         state = _ckpt.state_from_payload(call, payload, sampler=sampler, like=like, ignore_sampler=ignore_sampler, saved_after_last_step=saved_after_last_step)
     except (ValueError, TypeError) as err:
         error = err
-    _fail_together(call, error, "restoring the state")
+    try:
+        _fail_together(call, error, "restoring the state")
+    except BaseException:
+        if sampler is not None and error is None:  # restored here, refused on another rank: put back (found by review)
+            sampler.load_state_dict(before)
+        raise
     return state

@@ -28,6 +28,10 @@ bit as if it had not stopped: the method ``"auto"`` chose for each chunk shape i
 state (``state.methods``) and replayed, and the privatizer's state (``state.noise_state``)
 is carried like the optimizer's. A budget given to a step is recorded in the state
 (``state.budgets``) and enforced by every later step on it, whatever that step was given.
+Because the same state always gives the same noise, a process never releases one keyed step
+twice with different values (a state stepped again on another batch: :mod:`vmapdp.noise.spent`
+raises ``NoiseKeyReused`` before anything is returned; a recomputation, whose release has the
+first one's leaf norms bit for bit, passes).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
+from vmapdp.noise import spent as _spent
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
 
@@ -849,12 +854,15 @@ def make_train_step(
                 clip = _adaptive.check_clip_norm(scall, clip)
                 shared = (clip, *shared)
             binding = noise_binding(state.run_id, config)
+            # (no noise, nothing to cancel: such a step is charged as non-private; secure: a fresh key per step)
+            run = None if secure or noise_multiplier == 0 or not _spent.recording() else _spent.SPENT.run_digest(state.noise_seed, binding)
+            repeat = run is not None and _spent.SPENT.check(scall, run, state.step)  # an old key: raised here, before anything is computed
         except Exception as err:
             if not distributed:
                 raise
             failed = err  # (the other ranks would wait in the step's first collective until the group's timeout)
         # the same-state check, before the step's first collective (ranks that disagree would gather or choose differently)
-        same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip))
+        same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip), repeat)
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
             sharding.check_step(scall, same, error=failed)
@@ -875,6 +883,14 @@ def make_train_step(
             noisy, count, noise_state = adaptive_clipping.release(summed, stats, clip, key, state.noise_state, privatizer=privatizer, count_privatizer=count_privatizer)
             new_clip, estimate = adaptive_clipping.next_clip_norm(clip, count, expected_batch_size)
             extra = {"clip_norm": clip, "unclipped_estimate": estimate}
+        if run is not None:  # a key spent before: released again only as a recomputation (vmapdp.noise.spent)
+            fingerprint = _spent.release_fingerprint((noisy, extra))
+            if repeat:  # (every rank agrees on repeat: it is in the same-state check; the verdict is collective)
+                differs = _spent.SPENT.differs(run, state.step, fingerprint)
+                if distributed or sharding is not None:
+                    differs = bool(_dist.max_ints([int(differs)])[0])
+                if differs:
+                    raise _spent.refuse(scall, state.step)
         # the sums, the noisy sums and the update are each the params' size: only the update is alive
         # while the optimizer runs (with its copies, it dominates the step's peak on a large model)
         del summed
@@ -882,6 +898,8 @@ def make_train_step(
         del noisy
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
         new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
+        if run is not None:
+            _spent.SPENT.record(run, state.step, fingerprint)
         return new_state, {**stats.metrics(), **extra}
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.audit.report import finish
+from vmapdp.noise.spent import unreleased
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
 
 __all__ = ["SensitivityReport", "check_sensitivity"]
@@ -160,7 +161,9 @@ def check_sensitivity(
     replaced by NaN, and by huge finite values, must be bitwise equal to the original update.
 
     The noise cancels: both runs start from the same seeded state, so they add the same noise (a
-    step with ``noise_multiplier=0`` works too). All runs use torch's global RNG seeded to
+    step with ``noise_multiplier=0`` works too); they run inside
+    :func:`vmapdp.noise.spent.unreleased`, so the step's guard against releasing one noise key
+    twice lets them through, and nothing they compute may be published. All runs use torch's global RNG seeded to
     ``seed`` (dropout sees the same masks).
 
     Args:
@@ -200,7 +203,8 @@ def check_sensitivity(
     devices = rng_devices((state.params, batch))
 
     def params_after(data: Any, m: Tensor) -> dict[str, Tensor]:
-        new, _ = seeded(seed, devices, lambda: step(state, data, m, *shared))
+        with unreleased():  # one state stepped on neighbouring batches: nothing of it is released
+            new, _ = seeded(seed, devices, lambda: step(state, data, m, *shared))
         return params_of(new)
 
     # 1. padded rows are inert, bitwise
