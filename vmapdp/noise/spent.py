@@ -59,6 +59,8 @@ def release_fingerprint(released: Any) -> Tensor:
     if not leaves:
         return torch.zeros(0, dtype=torch.float64)
     norms = torch._foreach_norm(leaves)  # (one fused kernel per device and dtype)
+    if len({(n.dtype, n.device) for n in norms}) == 1:  # the usual case: one stack, one cast (few kernels on a GPU)
+        return torch.stack(norms).to(torch.float64)
     return torch.stack([n.to(device=leaves[0].device, dtype=torch.float64) for n in norms])
 
 
