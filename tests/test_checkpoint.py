@@ -334,3 +334,25 @@ def test_a_callers_own_sampler_state_is_not_taken_for_a_secure_one(saved, tmp_pa
     vmapdp.save_state(out, state, sampler=mine)
     back = Mine()
     assert vmapdp.load_state(out, sampler=back).step == state.step and back.position == 5
+
+
+def test_a_from_torch_optimizers_checkpoint_resumes_into_a_fresh_run(tmp_path):
+    """from_torch's state is made by its first update, so a fresh run's (the `like` of a new process)
+    has nothing to compare: its checkpoint loads into it and the run continues bit for bit (it was
+    refused as another optimizer's). Another model's checkpoint is still refused."""
+    params, buffers, data, loss_fn = problem()
+    opt = optim.from_torch(torch.optim.RMSprop, lr=1e-2)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=N * Q, sample_rate=Q, compile=False, method="vmap")
+    batches = [(gather(data, i), m) for i, m in PoissonSampler(N, Q, 3, key=b"k")]
+    state = vmapdp.init_train_state(params, opt, seed=7)
+    for b, m in batches[:2]:
+        state, _ = step(state, b, m, buffers)
+    vmapdp.save_state(tmp_path / "s.pt", state)
+    ahead, _ = step(state, *batches[2], buffers)
+    vmapdp.noise.spent.forget_spent_keys()  # (a new process)
+    resumed = vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(params, opt, seed=7))
+    resumed, _ = step(resumed, *batches[2], buffers)
+    assert all(torch.equal(resumed.params[k], ahead.params[k]) for k in params)
+    other = {k: torch.zeros(2, 2) for k in ("a", "b")}
+    with pytest.raises(ValueError, match="do not fit this run"):
+        vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(other, opt, seed=7))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import vmapdp
 from vmapdp import hf
@@ -86,17 +87,37 @@ def test_padded_batches_give_oracle_per_sample_grads(name):
     vmapdp.testing.assert_grads_close(grads, ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert-sdpa", "llama-sdpa", "qwen2-sdpa"])
-def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name):
+@pytest.mark.parametrize("name, left", [("gpt2", False), ("bert-sdpa", False), ("llama-sdpa", False), ("qwen2-sdpa", False), ("gpt2", True)])
+def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name, left):
     """Not just self-consistent: each sample's loss equals the model's own loss (its own mask
-    builder, its own loss function) on that sample with its padding cut off."""
-    m, batch = model_batch(name)
+    builder, its own loss function) on that sample with its padding cut off. Left-padded too, for
+    models with learned positions: a sample's positions must not depend on how far the batch is
+    padded (the other samples' lengths)."""
+    m, batch = model_batch(name, left=left)
     apply, params, buffers, loss = hf.loss_fn(m)
     for i in range(3):
         n = int(batch["attention_mask"][i].sum())
         sample = {k: v[i] for k, v in batch.items()}
-        own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1, :n] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1])
+        cut = slice(L - n, L) if left else slice(0, n)
+        own = m(input_ids=batch["input_ids"][i : i + 1, cut], labels=batch["labels"][i : i + 1, cut] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1])
         torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, left", [("gpt2", False), ("gpt2", True), ("bert-sdpa", False), ("llama-sdpa", False), ("llama-sdpa", True)])
+def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, left):
+    """The padded length is the longest row's where a collate pads to the longest: a sample's loss
+    (and so its gradient) must not move with it, or one long sample would move every other one's
+    clipped gradient (found by review: left-padded GPT-2 took its positions from the padded length).
+    (Not BERT padded on the left: its classifier reads position 0, a real token in the longest row
+    and a pad in the others; the README says to pad such models on the right.)"""
+    m, batch = model_batch(name, left=left)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    for i in range(3):
+        sample = {k: v[i] for k, v in batch.items()}
+        more = {k: (F.pad(v, (5, 0) if left else (0, 5)) if v.dim() == 1 and v.shape[0] == L else v) for k, v in sample.items()}
+        if more["labels"].dim() == 1 and more["labels"].shape[0] == L + 5:
+            more["labels"] = torch.where(more["attention_mask"] != 0, more["labels"], -100)
+        torch.testing.assert_close(loss(params, buffers, more), loss(params, buffers, sample), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
@@ -189,6 +210,35 @@ def test_make_private_trains_a_transformers_model_on_dict_rows(name):
     assert any(not torch.equal(p.detach(), before[k]) for k, p in m.named_parameters())
     for k, p in m.named_parameters():
         assert torch.equal(p.detach(), trainer.state.params[k])
+
+
+def test_make_private_refuses_a_collate_that_pads_to_the_longest_row():
+    """A batch's padded length must not depend on its rows (see the test above and hf.sample_loss):
+    a collate that pads to the longest row is refused before the first release; one that pads to a
+    fixed length trains."""
+    torch.manual_seed(0)
+    m = MODELS["gpt2"]().eval()
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(1, V, (n,), generator=g) for n in [2, 3, 4, 5, 6] * 4)]
+
+    def pad_to(rows, length):
+        ids = torch.stack([F.pad(r["input_ids"], (0, length - len(r["input_ids"]))) for r in rows])
+        mask = torch.stack([F.pad(torch.ones(len(r["input_ids"]), dtype=torch.long), (0, length - len(r["input_ids"]))) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+    def make(collate):
+        return vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), rows, batch_size=8, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                   delta=1e-3, compile=False, method="ghost", seed=0, collate_fn=collate)
+
+    longest = make(lambda rs: pad_to(rs, max(len(r["input_ids"]) for r in rs)))
+    before = {k: v.clone() for k, v in longest.state.params.items()}
+    with pytest.raises(ValueError, match=r"per-sample shapes depend on the rows.*padding='max_length'.*Nothing was released"):
+        next(iter(longest.train_epoch()))
+    assert longest.state.step == 0 and all(torch.equal(v, before[k]) for k, v in longest.state.params.items())
+    fixed = make(lambda rs: pad_to(rs, L))
+    for _ in zip(range(2), fixed.train_epoch()):
+        pass
+    assert fixed.state.step == 2
 
 
 def _only_adapters_change(m, trainer_steps=1):

@@ -994,6 +994,13 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         with pytest.raises(ValueError, match=r"step-000000001.tmp-ab is a save of step 1, after this checkpoint's step 0 \(interrupted\)"):
             sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding, saved_after_last_step=True)
         assert sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding).step == 0
+        # a from_torch optimizer's state is made by its first update: a fresh like has no layout for it (named, not "another optimizer")
+        rms = optim.from_torch(torch.optim.RMSprop, lr=0.01)
+        lazy = vmapdp.init_train_state(params, rms, seed=1, sharding=sharding)
+        _, opt_state = rms.update({k: torch.ones_like(v) for k, v in lazy.params.items()}, lazy.opt_state, lazy.params)
+        sc.save_sharded(tmp_path / "rms", lazy._replace(opt_state=opt_state), sharding)
+        with pytest.raises(ValueError, match=r"fresh optim.from_torch one.*sgd, adam or adamw"):
+            sc.load_sharded(tmp_path / "rms", like=lazy, sharding=sharding)
         # a noise state (identity's: buffers of 0 rows) is saved; a run without it (or with another one) cannot load it
         for name, other in (("identity", "banded"), ("banded", None)):
             priv = correlated_noise(MF[name], steps=STEPS)

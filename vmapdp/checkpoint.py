@@ -207,6 +207,8 @@ def check_like(call: str, state: TrainState, like: Any) -> None:
             )
     for field, what in (("opt_state", "optimizer state"), ("noise_state", "noise state")):
         ours, theirs = getattr(like, field), getattr(state, field)
+        if like.step == 0 and _created_on_update(ours, theirs):
+            continue  # from_torch's state is made by its first update: a fresh run's has nothing to compare yet
         if optree.tree_structure(ours, namespace="torch") != optree.tree_structure(theirs, namespace="torch") or _signature(ours) != _signature(theirs):
             raise ValueError(f"{call}: the checkpoint's {what} ({type(theirs).__name__}) does not fit this run's ({type(ours).__name__}). {fix}")
     if (state.noise_seed is None) != (like.noise_seed is None):
@@ -226,6 +228,18 @@ def check_like(call: str, state: TrainState, like: Any) -> None:
             "releases that its ledger no longer counts. Load a checkpoint at or after this run's step, or into a fresh run "
             "(a seeded run then replays the same steps bit for bit). Nothing was loaded."
         )
+
+
+def _created_on_update(fresh: Any, saved: Any) -> bool:
+    """``fresh`` is an optimizer state made at the first update (``optim.from_torch``: every
+    param's entry empty) and ``saved`` one of the same optimizer kind and param keys."""
+    from vmapdp.optim import TorchOptimizerState
+
+    return (
+        isinstance(fresh, TorchOptimizerState) and isinstance(saved, TorchOptimizerState)
+        and isinstance(saved.per_param, dict) and set(saved.per_param) == set(fresh.per_param)
+        and not any(fresh.per_param.values())
+    )
 
 
 def _restore_sampler(call: str, sampler: Any, saved: Any) -> None:

@@ -185,6 +185,11 @@ def sample_loss(
         causal = _is_causal(model)  # once, eagerly (not while vmap or compile traces the loss)
     window = getattr(config, "sliding_window", None)
     use_cache = config is not None and hasattr(config, "use_cache")
+    # a sample's positions from its own mask: a model left to count positions from 0 would place a
+    # left-padded sample's tokens by the batch's padded length, i.e. by the other samples' lengths
+    # (GPT-2 / BERT learned positions; found by review: adding a long sample moved the others'
+    # clipped sum by 2.07 C)
+    positions = "position_ids" in inspect.signature(_base_model(model).forward).parameters
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):
@@ -208,6 +213,8 @@ def sample_loss(
                     "is a full causal one, not a sliding window. Use sequences of at most that length."
                 )
             inputs["attention_mask"] = additive_mask(mask, causal=causal, dtype=_float_dtype(params, buffers))
+            if positions and "position_ids" not in sample:
+                inputs["position_ids"] = ((mask != 0).long().cumsum(0) - 1).clamp(min=0)[None]
         if use_cache:
             inputs["use_cache"] = False
         out = apply(params, buffers, **inputs)
@@ -221,6 +228,8 @@ def sample_loss(
             target = labels[1:]
             pred = logits[0, :-1]
             valid = target != _IGNORE
+            if mask is not None and mask.dim() == 1:  # predicted from a real token (left padding: not the last pad's output)
+                valid = valid & (mask[:-1] != 0)
             per_token = F.cross_entropy(pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred,
                                         torch.where(valid, target, 0), reduction="none")
             count = valid.sum().clamp(min=1)

@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -91,10 +92,19 @@ class PrivateTrainer:
         tensors = _tensors_of(self._data)
         if tensors is not None:
             return gather(tensors, indices)
-        batch = gather_dataset(self._data, indices, getattr(self, "_collate_fn", None))
+        collate = getattr(self, "_collate_fn", None)
+        batch = gather_dataset(self._data, indices, collate)
         rows = batch_size(batch, call="make_private: collate_fn(rows)")
         if rows != len(indices):
             raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
+        shapes = _sample_shapes(batch)
+        if getattr(self, "_shapes", None) is None:  # the first batch: each row collated alone must give the batch's shapes
+            alone = {_sample_shapes(gather_dataset(self._data, indices[i : i + 1], collate)) for i in range(len(indices))}
+            self._shapes = shapes if alone == {shapes} else None
+            if self._shapes is None:
+                _refuse_shapes(shapes, sorted(alone - {shapes}, key=repr)[0])
+        elif shapes != self._shapes:
+            _refuse_shapes(shapes, self._shapes)
         return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
     def _write_back(self) -> None:
@@ -396,6 +406,23 @@ def _row_form(call: str, data: Any) -> str | None:
     raise ValueError(
         f"{call}: a row of the dataset must be an (input, label) pair or a dict with a 'labels' key, got "
         f"{type(row).__name__}{f' of length {len(row)}' if isinstance(row, (tuple, list)) else ''}. Return (x, y) from __getitem__."
+    )
+
+
+def _sample_shapes(batch: Any) -> tuple:
+    """Each leaf's path and shape without its batch dim: what must not depend on the data."""
+    paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace="torch")
+    return tuple((".".join(map(str, path)), tuple(x.shape[1:])) for path, x in zip(paths, leaves) if isinstance(x, Tensor))
+
+
+def _refuse_shapes(batch: tuple, other: tuple) -> None:
+    raise ValueError(
+        "make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them "
+        f"({dict(batch)} against {dict(other)}): padding to the longest row of a batch makes every sample's "
+        "computation depend on the other samples' lengths (their positions, the rounding margins of the "
+        "clipped sum), so one sample could move the others' clipped gradients, beyond what the accountant "
+        "assumes. Pad every row to one fixed length (a tokenizer's padding='max_length', max_length=N). "
+        "Nothing was released."
     )
 
 

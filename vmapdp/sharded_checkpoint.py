@@ -259,10 +259,17 @@ def load_sharded(
         if saved != entries:
             ours, theirs = ({e[0]: f"{tuple(e[1])} {e[2]}" for e in x} for x in (entries, saved))
             differ = "; ".join(f"{k}: {theirs.get(k, 'absent')} saved, {ours.get(k, 'absent')} here" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+            lazy = _ckpt._created_on_update(like.opt_state, like.opt_state)  # from_torch: made at the first update
             raise ValueError(
                 f"{call}: the checkpoint's tensors do not fit this run's state ({differ}): "
-                "it was saved by a run with another optimizer or noise state. Make like with the optimizer and "
-                "init_train_state(..., privatizer=) of the run that saved it. Nothing was loaded."
+                + (
+                    "like's optimizer is a fresh optim.from_torch one, whose state is made by its first update, so a sharded "
+                    "load has no layout to read it into; train sharded runs with vmapdp.optim's sgd, adam or adamw to resume "
+                    "them. Nothing was loaded."
+                    if lazy else
+                    "it was saved by a run with another optimizer or noise state. Make like with the optimizer and "
+                    "init_train_state(..., privatizer=) of the run that saved it. Nothing was loaded."
+                )
             )
         files = info["files"]
         present = sorted(n for n in os.listdir(path) if n != _META)
