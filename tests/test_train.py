@@ -621,3 +621,31 @@ def test_two_callers_privatizers_never_draw_the_same_noise_from_one_state():
         noises.append(torch.cat([(clean.params[k] - noisy.params[k]).flatten() / std for k in params]))
     assert not torch.allclose(noises[0], noises[1], rtol=1e-3, atol=1e-4)  # (the same draws before)
     assert gaussian_privatizer(2.0).config != gaussian_privatizer(3.0).config
+
+
+def test_a_batch_whose_per_sample_shapes_change_is_refused_unless_asked():
+    """Padding to each batch's longest row makes a sample's computation depend on the others'
+    lengths: the step refuses per-sample shapes that differ from its first batch's, before the
+    ledger or anything else moves; fixed_shapes=False (shapes on a public schedule) lets them through."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x).mean(0, keepdim=True), y[None])
+
+    def batch(t):
+        return (torch.randn(4, t, 3), torch.randint(0, 2, (4,))), torch.ones(4, dtype=torch.bool)
+
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    step = make(loss_fn, method="ghost")
+    state, _ = step(state, *batch(5), buffers)
+    with pytest.raises(ValueError, match=r"per-sample shapes \{'\[0\]': \(7, 3\), '\[1\]': \(\)\} are not the first batch's \{'\[0\]': \(5, 3\).*padding='max_length'.*Nothing was released"):
+        step(state, *batch(7), buffers)
+    state, _ = step(state, *batch(5), buffers)  # the same shapes go on
+    assert state.step == 2 and state.ledger.steps == 2
+    free = make(loss_fn, method="ghost", fixed_shapes=False)
+    for t in (5, 7, 2):
+        state, _ = free(state, *batch(t), buffers)
+    assert state.step == 5

@@ -37,6 +37,13 @@ def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
     return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
 
 
+def sample_shapes(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each tensor leaf's path and shape without its batch dim: a sample's shapes, which must not
+    depend on the data (a batch padded to its longest row makes every sample's computation depend
+    on the others' lengths)."""
+    return tuple((p, tuple(x.shape[1:])) for p, x in leaves_with_paths(tree) if isinstance(x, torch.Tensor))
+
+
 def batch_size(tree: Any, *, call: str, what: str = "batch") -> int:
     """The common leading dim of every tensor leaf of ``tree``; a clear error otherwise."""
     sizes = []

@@ -16,13 +16,12 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
-import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vmapdp import _checks, accounting, optim
-from vmapdp._tree import batch_size
+from vmapdp._tree import batch_size, sample_shapes
 from vmapdp.ghost import METHODS
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
@@ -97,9 +96,9 @@ class PrivateTrainer:
         rows = batch_size(batch, call="make_private: collate_fn(rows)")
         if rows != len(indices):
             raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
-        shapes = _sample_shapes(batch)
+        shapes = sample_shapes(batch)
         if getattr(self, "_shapes", None) is None:  # the first batch: each row collated alone must give the batch's shapes
-            alone = {_sample_shapes(gather_dataset(self._data, indices[i : i + 1], collate)) for i in range(len(indices))}
+            alone = {sample_shapes(gather_dataset(self._data, indices[i : i + 1], collate)) for i in range(len(indices))}
             self._shapes = shapes if alone == {shapes} else None
             if self._shapes is None:
                 _refuse_shapes(shapes, sorted(alone - {shapes}, key=repr)[0])
@@ -407,12 +406,6 @@ def _row_form(call: str, data: Any) -> str | None:
         f"{call}: a row of the dataset must be an (input, label) pair or a dict with a 'labels' key, got "
         f"{type(row).__name__}{f' of length {len(row)}' if isinstance(row, (tuple, list)) else ''}. Return (x, y) from __getitem__."
     )
-
-
-def _sample_shapes(batch: Any) -> tuple:
-    """Each leaf's path and shape without its batch dim: what must not depend on the data."""
-    paths, leaves, _ = optree.tree_flatten_with_path(batch, namespace="torch")
-    return tuple((".".join(map(str, path)), tuple(x.shape[1:])) for path, x in zip(paths, leaves) if isinstance(x, Tensor))
 
 
 def _refuse_shapes(batch: tuple, other: tuple) -> None:

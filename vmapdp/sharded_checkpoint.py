@@ -284,7 +284,7 @@ def load_sharded(
         if saved_after_last_step:
             _check_nothing_later(call, path, payload["step"])
         digest = _sha256(meta)
-    except (ValueError, OSError, KeyError) as err:
+    except (ValueError, OSError, KeyError, TypeError) as err:
         error = err
     _fail_together(call, error, "verifying the checkpoint")
     # every rank reads the same checkpoint (ranks given different paths, or copies of different

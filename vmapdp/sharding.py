@@ -301,7 +301,7 @@ class Sharding:
         :func:`vmapdp.distributed.check_same`). ``device``: of the collective (None: the backend's)."""
         _dist.check_same(
             call,
-            "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard; "
+            "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard, whether this process released the step before; "
             "with unshard='use', physical_batch_size and norm_chunk_size; the params' names in their order)",
             (same, self.names),
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "

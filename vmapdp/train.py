@@ -51,7 +51,7 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
-from vmapdp._tree import batch_size, check_mask, tensor_bytes
+from vmapdp._tree import batch_size, check_mask, sample_shapes, tensor_bytes
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
 from vmapdp.ghost import limits as ghost_limits
@@ -304,11 +304,28 @@ def noise_binding(run_id: str, config: str) -> str:
 
     Execution details that change only rounding are left out, so that the runs they make can be
     compared noise for noise: ``physical_batch_size``, ``compile``, ``distributed`` (a distributed
-    run equals one process) and what ``"auto"`` chose. ``precision`` is bound: a sample that
+    run equals one process) and what ``"auto"`` chose. In one process such a comparison releases
+    one key twice with values that differ in rounding: run the twin inside
+    :func:`vmapdp.noise.spent.unreleased` and publish neither. ``precision`` is bound: a sample that
     overflows in float16 is dropped there and kept in float32, a difference that is not rounding.
     ``loss_fn`` cannot be bound: see :func:`init_train_state` for the rule that stays the caller's.
     """
     return hashlib.sha256(b"vmapdp-noise-binding:" + repr((run_id, config)).encode()).hexdigest()
+
+
+def _check_shapes(call: str, first: list[tuple], shapes: tuple) -> None:
+    """``make_train_step(fixed_shapes=True)``: a batch's per-sample shapes are the first batch's."""
+    if not first:
+        first.append(shapes)
+    elif shapes != first[0]:
+        raise ValueError(
+            f"{call}: the batch's per-sample shapes {dict(shapes)} are not the first batch's {dict(first[0])}: "
+            "a sample's shapes must not depend on the data. "
+            "A batch padded to its longest row makes each sample's computation depend on the others' lengths, so one "
+            "sample could move the others' clipped gradients beyond what the accountant assumes. Pad every row to one "
+            "fixed length (a tokenizer's padding='max_length', max_length=N), or pass fixed_shapes=False where the "
+            "shapes change on a public schedule. Nothing was released."
+        )
 
 
 def _step_key(seed: int, step: int, binding: str) -> bytes:
@@ -523,6 +540,7 @@ def make_train_step(
     privatizer: Privatizer | None = None,
     adaptive_clipping: _adaptive.AdaptiveClipping | None = None,
     sharding: Sharding | None = None,
+    fixed_shapes: bool = True,
 ) -> Callable[..., tuple[TrainState, dict[str, Tensor]]]:
     """Build the DP-SGD step ``step(state, batch, mask, *shared) -> (new_state, metrics)``.
 
@@ -642,6 +660,14 @@ def make_train_step(
             privatizers are refused. With ``adaptive_clipping`` the count of unclipped samples is
             summed over ranks with the telemetry and noised once under the same key (``secure``:
             by rank 0, broadcast), so every rank gets the same next clip norm.
+        fixed_shapes: refuse (before anything is released) a batch whose per-sample shapes (every
+            leaf's shape past the batch dim) differ from the first batch this step took. A sample's
+            shapes must not depend on the data: a batch padded to its longest row makes each
+            sample's computation depend on the others' lengths (a model's positions, ghost's
+            rounding margins: one crafted sample moved the others' clipped sums by 2.2 C), so
+            pad to a fixed length. The first batch cannot be checked against anything: this
+            catches a data-dependent padding at the second step. ``False``: shapes that change on
+            a public schedule (never with the rows drawn).
 
     Returns:
         ``step(state, batch, mask, *shared)``. ``batch`` is a pytree with leading dim ``n``
@@ -752,6 +778,7 @@ def make_train_step(
     agree = (lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None
     chooser, compiled_or_eager = AutoChooser(agree=agree), AutoChooser(agree=agree)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
+    first_shapes: list[tuple] = []  # the per-sample shapes of the first batch (fixed_shapes)
 
     def runner(ran: str) -> Callable:
         """The chunk function of a recorded choice ``ran``: ``"<method>"`` (compiled when ``compile``)
@@ -828,10 +855,20 @@ def make_train_step(
         return total, tuple(sorted(recorded.items()))
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
+        inflight: list[tuple[bytes, int]] = []  # the noise key this call releases under (vmapdp.noise.spent)
+        try:
+            return _step(state, batch, mask, shared, inflight)
+        finally:
+            for run, at in inflight:
+                _spent.SPENT.done(run, at)
+
+    def _step(state: TrainState, batch: Any, mask: Tensor, shared: tuple, inflight: list) -> tuple[TrainState, dict[str, Tensor]]:
         scall = "step(state, batch, mask)"
         failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
+            if fixed_shapes:
+                _check_shapes(scall, first_shapes, sample_shapes(batch))
             _check_sampler_position(scall, sampler, state.step, distributed)
             if stateless and optree.tree_leaves(state.noise_state, namespace="torch"):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
@@ -856,7 +893,9 @@ def make_train_step(
             binding = noise_binding(state.run_id, config)
             # (no noise, nothing to cancel: such a step is charged as non-private; secure: a fresh key per step)
             run = None if secure or noise_multiplier == 0 or not _spent.recording() else _spent.SPENT.run_digest(state.noise_seed, binding)
-            repeat = run is not None and _spent.SPENT.check(scall, run, state.step)  # an old key: raised here, before anything is computed
+            repeat = run is not None and _spent.SPENT.check(scall, run, state.step)  # (raises where another thread releases it now)
+            if run is not None:
+                inflight.append((run, state.step))
         except Exception as err:
             if not distributed:
                 raise

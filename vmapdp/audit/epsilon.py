@@ -20,6 +20,7 @@ from vmapdp.accounting import Ledger
 from vmapdp.audit.ledger import ledger_epsilon
 from vmapdp.audit.report import finish
 from vmapdp.audit.stats import clopper_pearson_upper
+from vmapdp.noise.spent import unreleased
 from vmapdp.train import init_train_state, make_train_step
 
 __all__ = ["AuditReport", "audit_epsilon_lower_bound"]
@@ -121,7 +122,8 @@ def _run_trials(
         world_in = (coord + s) % 2 == 0
         mask = torch.cat([real, world_in])
         state = init_train_state(params, opt, seed=seed * (1 << 32) + s)
-        new, _ = step(state, (idx, x), mask)
+        with unreleased():  # trials on a toy problem, thrown away (vmapdp.noise.spent)
+            new, _ = step(state, (idx, x), mask)
         if claimed is None:
             ledger = getattr(new, "ledger", None)
             if not isinstance(ledger, Ledger) or not ledger.events:

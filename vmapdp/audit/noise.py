@@ -17,6 +17,7 @@ from vmapdp.accounting import NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, seeded
 from vmapdp.audit.stats import ks_normal, two_sided_p
+from vmapdp.noise.spent import unreleased
 
 __all__ = ["NoiseReport", "check_noise_calibration"]
 
@@ -62,8 +63,9 @@ def _noise_draws(
         else:
             s1 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 1) % (1 << 62))
             s2 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 2) % (1 << 62))
-        a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
-        b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
+        with unreleased():  # pairs of runs compared, thrown away (vmapdp.noise.spent)
+            a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
+            b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
         pa, pb = params_of(a), params_of(b)
         diffs.append(torch.cat([(pa[k].detach().to(torch.float64) - pb[k].detach().to(torch.float64)).flatten() for k in pa if is_float(pa[k])]))
         if recorded is None:

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.audit.report import finish
-from vmapdp.noise.spent import unreleased
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
+from vmapdp.noise.spent import unreleased
 
 __all__ = ["SensitivityReport", "check_sensitivity"]
 
