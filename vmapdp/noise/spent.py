@@ -45,7 +45,6 @@ from torch import Tensor
 __all__ = ["NoiseKeyReused", "SpentKeys", "SPENT", "unreleased", "forget_spent_keys", "release_fingerprint"]
 
 
-
 class NoiseKeyReused(RuntimeError):
     """A step would release under a noise key this process already released under, with another value."""
 
