@@ -30,8 +30,8 @@ is carried like the optimizer's. A budget given to a step is recorded in the sta
 (``state.budgets``) and enforced by every later step on it, whatever that step was given.
 Because the same state always gives the same noise, a process never releases one keyed step
 twice with different values (a state stepped again on another batch: :mod:`vmapdp.noise.spent`
-raises ``NoiseKeyReused`` before anything is returned; a recomputation, whose release has the
-first one's leaf norms bit for bit, passes).
+raises ``NoiseKeyReused`` before anything is returned; a recomputation, the first release bit
+for bit, passes).
 """
 
 from __future__ import annotations
