@@ -154,8 +154,8 @@ def precision_unbound(monkeypatch):
     noise, so they unbind it."""
     config = vmapdp.train.step_config
     monkeypatch.setattr(vmapdp.train, "step_config", lambda **kw: config(**dict(kw, precision=None)))
-    with unreleased():  # and the same keys then release other values (vmapdp.noise.spent)
-        yield
+    with unreleased():  # and the same keys then release other values (vmapdp.noise.spent); pytest runs a
+        yield  # sync fixture's setup, the test and its teardown in one context, so this spans the test only
 
 
 @pytest.mark.parametrize("name", MODELS)

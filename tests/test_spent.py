@@ -179,3 +179,28 @@ def test_the_record_keeps_intervals_of_steps():
     keys.clear()
     for step in [0, 1, 2, 5, 4, 3, 9]:
         assert not keys.check("call", run, step)
+
+
+def test_a_key_in_flight_is_refused_to_another_caller_until_done():
+    keys = SpentKeys()
+    run = SpentKeys.run_digest(1, "binding")
+    assert keys.check("call", run, 0) is False  # not released before; now in flight
+    with pytest.raises(NoiseKeyReused, match="another thread is releasing step 0"):
+        keys.check("call", run, 0)
+    keys.done(run, 0)
+    assert keys.check("call", run, 0) is False
+    keys.record(run, 0, torch.tensor(5))
+    keys.done(run, 0)
+    assert keys.check("call", run, 0) is True and not keys.differs(run, 0, torch.tensor(5)) and keys.differs(run, 0, torch.tensor(6))
+    keys.record(run, 4096 + 3, torch.tensor(7))  # another block of checksums
+    assert not keys.differs(run, 4096 + 3, torch.tensor(7)) and keys._runs[run] == [[0, 1], [4099, 4100]]
+
+
+def test_the_checksum_sees_one_ulp_and_reads_any_tensor():
+    x = torch.randn(1000)
+    y = x.clone()
+    y[3] = torch.nextafter(y[3], torch.tensor(10.0))
+    assert spent.release_fingerprint({"a": x}) != spent.release_fingerprint({"a": y})
+    assert spent.release_fingerprint({"a": x, "b": y}) != spent.release_fingerprint({"a": y, "b": x})  # leaves weighted apart
+    for t in (torch.randn(10, dtype=torch.float16)[1:6], torch.ones(3, dtype=torch.bool), torch.randn(3, dtype=torch.bfloat16), torch.tensor(2.0)):
+        assert spent.release_fingerprint(t) == spent.release_fingerprint(t.clone())

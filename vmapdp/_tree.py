@@ -44,6 +44,16 @@ def sample_shapes(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((p, tuple(x.shape[1:])) for p, x in leaves_with_paths(tree) if isinstance(x, torch.Tensor))
 
 
+def shapes_differ(what: str, fix: str = "") -> ValueError:
+    """The refusal of per-sample shapes that depend on the data (``what``: whose, against what)."""
+    return ValueError(
+        f"{what}: a sample's shapes must not depend on the data. A batch padded to its longest row makes each "
+        "sample's computation depend on the others' lengths (a model's positions, the rounding margins of the "
+        "clipped sum), so one sample could move the others' clipped gradients beyond what the accountant assumes. "
+        f"Pad every row to one fixed length (a tokenizer's padding='max_length', max_length=N){fix}. Nothing was released."
+    )
+
+
 def batch_size(tree: Any, *, call: str, what: str = "batch") -> int:
     """The common leading dim of every tensor leaf of ``tree``; a clear error otherwise."""
     sizes = []

@@ -189,7 +189,9 @@ def sample_loss(
     # left-padded sample's tokens by the batch's padded length, i.e. by the other samples' lengths
     # (GPT-2 / BERT learned positions; found by review: adding a long sample moved the others'
     # clipped sum by 2.07 C)
-    positions = "position_ids" in inspect.signature(_base_model(model).forward).parameters
+    # (causal models only: an encoder's positions may start elsewhere, RoBERTa's at padding_idx + 1, and
+    # its padding goes on the right, where positions from 0 are the model's own)
+    positions = bool(causal) and "position_ids" in inspect.signature(_base_model(model).forward).parameters
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):

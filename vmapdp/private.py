@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vmapdp import _checks, accounting, optim
-from vmapdp._tree import batch_size, sample_shapes
+from vmapdp._tree import batch_size, sample_shapes, shapes_differ
 from vmapdp.ghost import METHODS
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
@@ -409,14 +409,7 @@ def _row_form(call: str, data: Any) -> str | None:
 
 
 def _refuse_shapes(batch: tuple, other: tuple) -> None:
-    raise ValueError(
-        "make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them "
-        f"({dict(batch)} against {dict(other)}): padding to the longest row of a batch makes every sample's "
-        "computation depend on the other samples' lengths (their positions, the rounding margins of the "
-        "clipped sum), so one sample could move the others' clipped gradients, beyond what the accountant "
-        "assumes. Pad every row to one fixed length (a tokenizer's padding='max_length', max_length=N). "
-        "Nothing was released."
-    )
+    raise shapes_differ(f"make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them ({dict(batch)} against {dict(other)})")
 
 
 def _collate_mappings(rows: list) -> dict:

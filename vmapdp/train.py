@@ -51,7 +51,7 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
-from vmapdp._tree import batch_size, check_mask, sample_shapes, tensor_bytes
+from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
 from vmapdp.ghost import limits as ghost_limits
@@ -314,17 +314,12 @@ def noise_binding(run_id: str, config: str) -> str:
 
 
 def _check_shapes(call: str, first: list[tuple], shapes: tuple) -> None:
-    """``make_train_step(fixed_shapes=True)``: a batch's per-sample shapes are the first batch's."""
-    if not first:
-        first.append(shapes)
-    elif shapes != first[0]:
-        raise ValueError(
-            f"{call}: the batch's per-sample shapes {dict(shapes)} are not the first batch's {dict(first[0])}: "
-            "a sample's shapes must not depend on the data. "
-            "A batch padded to its longest row makes each sample's computation depend on the others' lengths, so one "
-            "sample could move the others' clipped gradients beyond what the accountant assumes. Pad every row to one "
-            "fixed length (a tokenizer's padding='max_length', max_length=N), or pass fixed_shapes=False where the "
-            "shapes change on a public schedule. Nothing was released."
+    """``make_train_step(fixed_shapes=True)``: a batch's per-sample shapes are those of the first
+    batch the step released (recorded by the step once it succeeds)."""
+    if first and shapes != first[0]:
+        raise shapes_differ(
+            f"{call}: the batch's per-sample shapes {dict(shapes)} are not the first batch's {dict(first[0])}",
+            ", or pass fixed_shapes=False where the shapes change on a public schedule",
         )
 
 
@@ -675,7 +670,10 @@ def make_train_step(
         padding and contribute exactly nothing, even if they hold NaN). ``metrics`` are
         **non-private telemetry** computed from the data without noise (mean loss over real rows,
         number of real rows, clip fraction, mean per-sample norm, non-finite samples dropped):
-        fine for debugging, not for release.
+        fine for debugging, not for release. ``step`` raises
+        :class:`vmapdp.noise.NoiseKeyReused` (nothing returned) for a state this process already
+        stepped on other data (see :mod:`vmapdp.noise.spent`; checks that step one state on purpose
+        run inside :func:`vmapdp.noise.unreleased`).
     """
     call = "make_train_step(loss_fn, optimizer)"
     if not callable(loss_fn):
@@ -939,6 +937,8 @@ def make_train_step(
         new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
         if run is not None:
             _spent.SPENT.record(run, state.step, fingerprint)
+        if fixed_shapes and not first_shapes:  # (a first call that raised records nothing)
+            first_shapes.append(sample_shapes(batch))
         return new_state, {**stats.metrics(), **extra}
 
 
