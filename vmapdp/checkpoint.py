@@ -230,15 +230,22 @@ def check_like(call: str, state: TrainState, like: Any) -> None:
         )
 
 
+def fresh_from_torch(state: Any) -> bool:
+    """``state`` is an ``optim.from_torch`` state before its first update (every param's entry
+    empty: the torch optimizer makes its state at the first update)."""
+    from vmapdp.optim import TorchOptimizerState
+
+    return isinstance(state, TorchOptimizerState) and not any(state.per_param.values())
+
+
 def _created_on_update(fresh: Any, saved: Any) -> bool:
-    """``fresh`` is an optimizer state made at the first update (``optim.from_torch``: every
-    param's entry empty) and ``saved`` one of the same optimizer kind and param keys."""
+    """``fresh`` is a ``from_torch`` state before its first update and ``saved`` one of the same
+    optimizer kind and param keys."""
     from vmapdp.optim import TorchOptimizerState
 
     return (
-        isinstance(fresh, TorchOptimizerState) and isinstance(saved, TorchOptimizerState)
+        fresh_from_torch(fresh) and isinstance(saved, TorchOptimizerState)
         and isinstance(saved.per_param, dict) and set(saved.per_param) == set(fresh.per_param)
-        and not any(fresh.per_param.values())
     )
 
 

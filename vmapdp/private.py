@@ -96,14 +96,15 @@ class PrivateTrainer:
         rows = batch_size(batch, call="make_private: collate_fn(rows)")
         if rows != len(indices):
             raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
-        shapes = sample_shapes(batch)
-        if getattr(self, "_shapes", None) is None:  # the first batch: each row collated alone must give the batch's shapes
+        if not getattr(self, "_shapes_checked", False):
+            # the first batch: each row collated alone must give the batch's shapes (later batches:
+            # the step's own check, make_train_step(fixed_shapes=True), against this first one)
+            shapes = sample_shapes(batch)
             alone = {sample_shapes(gather_dataset(self._data, indices[i : i + 1], collate)) for i in range(len(indices))}
-            self._shapes = shapes if alone == {shapes} else None
-            if self._shapes is None:
-                _refuse_shapes(shapes, sorted(alone - {shapes}, key=repr)[0])
-        elif shapes != self._shapes:
-            _refuse_shapes(shapes, self._shapes)
+            if alone != {shapes}:
+                other = sorted(alone - {shapes}, key=repr)[0]
+                raise shapes_differ(f"make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them ({dict(shapes)} against {dict(other)})")
+            self._shapes_checked = True
         return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
     def _write_back(self) -> None:
@@ -406,10 +407,6 @@ def _row_form(call: str, data: Any) -> str | None:
         f"{call}: a row of the dataset must be an (input, label) pair or a dict with a 'labels' key, got "
         f"{type(row).__name__}{f' of length {len(row)}' if isinstance(row, (tuple, list)) else ''}. Return (x, y) from __getitem__."
     )
-
-
-def _refuse_shapes(batch: tuple, other: tuple) -> None:
-    raise shapes_differ(f"make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them ({dict(batch)} against {dict(other)})")
 
 
 def _collate_mappings(rows: list) -> dict:

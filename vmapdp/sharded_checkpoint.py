@@ -259,7 +259,7 @@ def load_sharded(
         if saved != entries:
             ours, theirs = ({e[0]: f"{tuple(e[1])} {e[2]}" for e in x} for x in (entries, saved))
             differ = "; ".join(f"{k}: {theirs.get(k, 'absent')} saved, {ours.get(k, 'absent')} here" for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
-            lazy = _ckpt._created_on_update(like.opt_state, like.opt_state)  # from_torch: made at the first update
+            lazy = _ckpt.fresh_from_torch(like.opt_state)  # made at the first update
             raise ValueError(
                 f"{call}: the checkpoint's tensors do not fit this run's state ({differ}): "
                 + (

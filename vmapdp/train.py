@@ -865,8 +865,9 @@ def make_train_step(
         failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
+            shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
-                _check_shapes(scall, first_shapes, sample_shapes(batch))
+                _check_shapes(scall, first_shapes, shapes)
             _check_sampler_position(scall, sampler, state.step, distributed)
             if stateless and optree.tree_leaves(state.noise_state, namespace="torch"):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
@@ -938,7 +939,7 @@ def make_train_step(
         if run is not None:
             _spent.SPENT.record(run, state.step, fingerprint)
         if fixed_shapes and not first_shapes:  # (a first call that raised records nothing)
-            first_shapes.append(sample_shapes(batch))
+            first_shapes.append(shapes)
         return new_state, {**stats.metrics(), **extra}
 
 
