@@ -33,7 +33,7 @@ def _attend(q, k, v, heads, causal):
     q, k, v = (z.view(n, t, heads, d // heads).transpose(1, 2) for z in (q, k, v))
     att = (q @ k.transpose(-1, -2)) / math.sqrt(d // heads)
     if causal:
-        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=att.device).triu(1), float("-inf"))
     return (att.softmax(-1) @ v).transpose(1, 2).reshape(n, t, d)
 
 
