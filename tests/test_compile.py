@@ -229,3 +229,21 @@ def test_race_times_more_rounds_while_the_calls_are_short(monkeypatch, seconds, 
     assert (clipped.RACE_SECONDS, clipped.RACE_MAX_ROUNDS) == (0.25, 20)
     clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu"))
     assert timed == ["ghost", "vmap"] * rounds
+
+
+def test_a_compiler_that_cannot_trace_optree_names_the_fix(monkeypatch, problem):
+    """torch 2.11's dynamo cannot trace optree 0.20's registry (it compares sys.version_info; seen on
+    a GPU machine): the step says which versions and what to install, not dynamo's trace."""
+    params, buffers, loss_fn, capacity, batches = problem
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise torch._dynamo.exc.Unsupported("Observed exception ... TypeError: '<' not supported between instances of 'tuple' and 'version_info'")
+
+        return run
+
+    monkeypatch.setattr(train.torch, "compile", broken)
+    step = make(loss_fn, capacity, method="vmap", compile=True)
+    with pytest.raises(RuntimeError, match=r"cannot trace optree .*pip install 'optree<0.20'.*compile=False") as info:
+        step(vmapdp.init_train_state(params, optim.sgd(0.5), seed=1), *batches[0], buffers)
+    assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)

@@ -130,14 +130,20 @@ def _step(loss_fn, capacity, **kw):
     )
 
 
+@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
-def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_step(method):
-    """An epoch of Poisson batches (masks and sizes change) through the compiled step: no recompile
-    after the first step, parameters within float32 rounding of the eager step's (same noise: the
-    keyed noise is the same Triton kernel in both)."""
+def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_step(method, chunks):
+    """An epoch of Poisson batches (masks and sizes change) through the compiled step, each chunk a
+    CUDA graph's replay: no recompile after the first step, no graph skipped, parameters within
+    float32 rounding of the eager step's (same noise: the keyed noise is the same Triton kernel in
+    both). With 3 chunks a step, each replay overwrites the last one's outputs: a sum that kept
+    them would add the last chunk three times."""
     params, buffers, loss_fn, capacity, batches = _problem(CUDA)
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
-    compiled, eager = _step(loss_fn, capacity, method=method, compile=True), _step(loss_fn, capacity, method=method, compile=False)
+    skips = lambda: torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # noqa: E731
+    size = -(-capacity // chunks)
+    skipped = skips()
+    compiled, eager = _step(loss_fn, size, method=method, compile=True), _step(loss_fn, size, method=method, compile=False)
     state = twin = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
     for t, (batch, mask) in enumerate(batches):
         state, _ = compiled(state, batch, mask, buffers)
@@ -149,6 +155,7 @@ def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_
             assert state.params[k].device.type == CUDA
             torch.testing.assert_close(state.params[k], twin.params[k], rtol=1e-5, atol=1e-6)
     assert graphs() - after_first == 0
+    assert skips() == skipped
 
 
 def test_a_resume_on_cuda_recomputes_bit_for_bit_and_a_fork_is_refused(tmp_path):

@@ -508,7 +508,43 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
         summed = {k: torch.where(ok, v * c, torch.full_like(v, math.nan)) for k, v in summed.items()}
         return summed, StepStats.of_chunk(mask, norms * c, losses * c, c)
 
-    return chunk_sums if backend is None else torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False, backend=backend)
+    if backend is None:
+        return chunk_sums
+    made: dict[bool, Callable] = {}  # (CUDA graphs?) -> the compiled chunk
+
+    def compiled(params, mask, shared, chunk):
+        graphs = backend == "inductor" and mask.device.type == "cuda" and ghost_limits.LIMITS.cuda_graphs
+        if graphs not in made:
+            mode = {"mode": "reduce-overhead"} if graphs else {}  # (Inductor's CUDA graphs: one replay per chunk)
+            made[graphs] = torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False, backend=backend, **mode)
+        try:
+            if not graphs:
+                return made[graphs](params, mask, shared, chunk)
+            torch.compiler.cudagraph_mark_step_begin()
+            # a replay writes its outputs into the graph's own memory, which the next replay (the next
+            # chunk's) overwrites: the sums are copied out before anything adds them up
+            return optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
+        except Exception as err:
+            explained = _explain_compile_error(err)
+            if explained is None:
+                raise
+            raise explained from err
+
+    return compiled
+
+
+def _explain_compile_error(err: BaseException) -> BaseException | None:
+    """torch's compiler error, with the cause and the fix where vmapdp knows them (None: raise it as is)."""
+    if "'version_info'" in str(err) and "not supported between" in str(err):
+        import optree as _optree
+
+        return RuntimeError(
+            f"make_train_step(compile=True): torch {torch.__version__}'s compiler cannot trace optree "
+            f"{_optree.__version__} (optree 0.20's registry compares sys.version_info, which dynamo before "
+            "torch 2.13 cannot; seen with torch 2.11). Fix: pip install 'optree<0.20', or torch>=2.13, or "
+            f"make_train_step(compile=False). (torch said: {str(err).splitlines()[0][:200]})"
+        )
+    return None
 
 
 def make_train_step(

@@ -43,6 +43,9 @@ class Limits:
     # the CIFAR-10 CNN (73-90% there, on one thread) it took nothing off after 48 s of compiling;
     # MNIST CNN 25-54%, a tiny GPT-2 18-22%, the embedding model 5-8%, which compiling speeds up
     compile_kernel_share: float = 0.65
+    # a compiled step on CUDA replays each chunk's graph as a CUDA graph (Inductor's
+    # "reduce-overhead"): the eager step is bound by launching its ~10k small kernels
+    cuda_graphs: bool = True
 
 
 LIMITS = Limits()
