@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vmapdp import _checks
 from vmapdp.functional import FunctionalModel, functionalize
@@ -192,6 +193,7 @@ def sample_loss(
     # (causal models only: an encoder's positions may start elsewhere, RoBERTa's at padding_idx + 1, and
     # its padding goes on the right, where positions from 0 are the model's own)
     positions = bool(causal) and "position_ids" in inspect.signature(_base_model(model).forward).parameters
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):
@@ -219,7 +221,13 @@ def sample_loss(
                 inputs["position_ids"] = ((mask != 0).long().cumsum(0) - 1).clamp(min=0)[None]
         if use_cache:
             inputs["use_cache"] = False
-        out = apply(params, buffers, **inputs)
+        if sdpa and any(isinstance(v, Tensor) and v.device.type == "cuda" for v in sample.values()):
+            # vmap of CUDA's memory-efficient attention fails in its backward ("LSE is not correctly
+            # aligned", torch 2.11 on an H200): the math kernel (what "eager" attention computes) batches
+            with sdpa_kernel(SDPBackend.MATH):
+                out = apply(params, buffers, **inputs)
+        else:
+            out = apply(params, buffers, **inputs)
         logits = _logits(out)
         if criterion is not None:
             return criterion(logits, sample[_label_key(sample)][None])
