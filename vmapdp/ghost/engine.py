@@ -107,7 +107,7 @@ def _bound(uses: list[Use], sq: Tensor, margin: Tensor, dtype: torch.dtype, form
     return safe
 
 
-def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], Tensor]]) -> list[Use]:
+def _merged(uses: list[Use], joined: list[tuple[list[Tensor], Tensor]]) -> list[Use]:
     """A param's uses of the same kind joined into one (an RNN cell's weight is used once per time
     step; a tied LM head twice): ``"pair"`` and ``"embedding"`` uses concatenate along T, so that
     the norm and the clipped sum each take one call, not one per use; uses of other kinds stay as
@@ -118,10 +118,12 @@ def _merged(uses: list[Use], joined: dict[tuple[int, ...], tuple[list[Tensor], T
         return uses
 
     def cat(parts: list[Tensor]) -> Tensor:
-        key = tuple(id(t) for t in parts)
-        if key not in joined:  # (the parts stay in the cache too: their ids cannot be reused meanwhile)
-            joined[key] = (parts, torch.cat(parts, 1))
-        return joined[key][1]
+        # (by identity, not id(): dynamo before torch 2.13 cannot take the id() of a tensor made in the graph)
+        for known, together in joined:
+            if len(known) == len(parts) and all(a is b for a, b in zip(known, parts)):
+                return together
+        joined.append((parts, torch.cat(parts, 1)))
+        return joined[-1][1]
 
     by_kind: dict[Any, list[Use]] = {}
     for u in uses:  # (the same kind and shape: one param's box used as a [4, 2] and a [2, 4] weight does not join)
@@ -145,7 +147,7 @@ def _blocks(uses: list[Use]) -> dict[Any, list[Use]]:
 
 
 def _merge_all(uses: dict[str, list[Use]]) -> dict[str, list[Use]]:
-    joined: dict = {}
+    joined: list = []
     return {key: [m for block in _blocks(u).values() for m in _merged(block, joined)] for key, u in uses.items()}
 
 

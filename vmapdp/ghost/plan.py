@@ -131,8 +131,11 @@ class Run:
     """
 
     def __init__(self, params: dict[str, Tensor], plan: Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
-        self.key_of = {id(v): k for k, v in params.items()}
-        self.known = [(v, k) for k, v in params.items()]  # the same, by identity (for torch.compile: see _key)
+        # params by id(), eagerly; by identity under torch.compile (id() of a graph input guards on the
+        # object, and dynamo before torch 2.13 cannot take the id() of a tensor made in the graph)
+        self.compiling = torch.compiler.is_compiling()
+        self.key_of = {} if self.compiling else {id(v): k for k, v in params.items()}
+        self.known = [(v, k) for k, v in params.items()]
         self.shape_of = {k: tuple(v.shape) for k, v in params.items()}
         # the views of params made so far (views.py), found by identity, not id(): under
         # torch.compile the id of an intermediate tensor can be reused. Each is [tensor, param key,
@@ -155,7 +158,7 @@ class Run:
     def _key(self, t: Any) -> str | None:
         if not isinstance(t, Tensor):
             return None
-        if torch.compiler.is_compiling():  # id() of a graph input (a clip norm, a buffer) guards on the object: every new one recompiled
+        if self.compiling:  # (id() of a graph input, a clip norm or a buffer, guards on the object: every new one recompiled)
             k = next((k for v, k in self.known if v is t), None)
         else:
             k = self.key_of.get(id(t))
@@ -284,7 +287,8 @@ class Run:
                 entry = self._view(args[0])
                 if entry is None:
                     key = self._key(args[0])
-                    self.key_of[id(out)] = key
+                    if not self.compiling:
+                        self.key_of[id(out)] = key
                     self.known.append((out, key))
                     self.aliases.append(out)
                 else:  # a cast of a view is the same view
