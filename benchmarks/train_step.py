@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -123,7 +124,7 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
             physical_batch_size=chunk if how != "two_pass" else None,
             **({"norm_chunk_size": chunk} if how == "two_pass" and chunk else {}),
         )
-        box = {"state": vmapdp.init_train_state(params, sgd, seed=0)}
+        box = {"state": vmapdp.init_train_state(params, sgd, seed=zlib.crc32(method.encode()))}  # its own noise: one key is released once (vmapdp.noise.spent)
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
 
         def run():
