@@ -126,6 +126,58 @@ def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, lef
         torch.testing.assert_close(loss(params, buffers, more), loss(params, buffers, sample), rtol=1e-5, atol=1e-6)
 
 
+def token_tagger(name):
+    """A tagger with 3 tags: BERT (bidirectional) or Llama (causal), and a padded batch whose labels
+    are -100 at some real positions (sub-word pieces that carry no tag)."""
+    torch.manual_seed(0)
+    if name == "bert":
+        cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                      vocab_size=V, pad_token_id=0, num_labels=3)
+        m = transformers.BertForTokenClassification(cfg)
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                       max_position_embeddings=16, num_labels=3, **TINY)
+        m = transformers.LlamaForTokenClassification(cfg)
+    batch = padded(left=name == "llama")
+    g = torch.Generator().manual_seed(5)
+    tags = torch.randint(0, 3, batch["input_ids"].shape, generator=g)
+    tags[:, 1] = -100
+    batch["labels"] = torch.where(batch["attention_mask"] != 0, tags, -100)
+    return m.eval(), batch
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_token_classification_is_the_models_own_loss_with_oracle_grads_under_every_method(name):
+    """Tagging (NER): each sample's loss is the model's own token-classification loss on the sample
+    with its padding cut off (the mean over positions with a tag), its per-sample grads the
+    one-sample oracle's, and every method releases the same clipped sum."""
+    m, batch = token_tagger(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    left = name == "llama"
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        cut = slice(L - n, L) if left else slice(0, n)
+        own = m(input_ids=batch["input_ids"][i : i + 1, cut], labels=batch["labels"][i : i + 1, cut])
+        torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own.loss, rtol=1e-5, atol=1e-6)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    mask = torch.tensor([True, True, False])
+    ref = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.05, method="vmap")(params, buffers, batch, mask=mask)[0]
+    for method in ("ghost", "two_pass"):
+        got = vmapdp.clipped_grad_sum(loss, l2_clip_norm=0.05, method=method)(params, buffers, batch, mask=mask)[0]
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=f"{method} {k}")
+
+
+def test_a_token_classifier_is_told_from_its_class_name_and_needs_labels():
+    m, batch = token_tagger("bert")
+    apply, params, buffers, loss = hf.loss_fn(m)
+    with pytest.raises(KeyError, match="no 'labels'"):
+        loss(params, buffers, {k: batch[k][0] for k in ("input_ids", "attention_mask")})
+    with pytest.raises(ValueError, match="token_classification"):
+        hf.loss_fn(m, task="tagging")
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
 def test_ghost_and_two_pass_clipped_sums_equal_vmaps(name):
     m, batch = model_batch(name)

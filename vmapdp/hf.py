@@ -23,6 +23,8 @@ Losses, per sample (a padded position never counts):
 * causal LM (``*ForCausalLM``, ``*LMHeadModel``): the mean cross-entropy of the next token over
   the positions whose target is a real token (``attention_mask == 1`` and ``labels != -100``);
   ``labels`` defaults to ``input_ids``.
+* token classification (``*ForTokenClassification``: tagging, NER): the mean cross-entropy of
+  each real position's logits against its label (``labels`` ``[T]``, ``-100`` ignored);
 * classification (``*ForSequenceClassification``, ``*ForImageClassification``, ...): the
   cross-entropy of the logits against the label (mean squared error for one output,
   ``problem_type="regression"``).
@@ -49,7 +51,7 @@ from vmapdp.functional import FunctionalModel, functionalize
 
 __all__ = ["loss_fn", "sample_loss", "is_transformers_model", "additive_mask", "TASKS"]
 
-TASKS = ("causal_lm", "classification")
+TASKS = ("causal_lm", "classification", "token_classification")
 _IGNORE = -100
 
 
@@ -82,11 +84,13 @@ def _task(call: str, model: nn.Module, task: Optional[str]) -> str:
     name = type(_base_model(model)).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "causal_lm"
+    if name.endswith("ForTokenClassification"):
+        return "token_classification"
     if "Classification" in name:
         return "classification"
     raise ValueError(
-        f"{call}: cannot tell which loss {name} trains with (expected a *ForCausalLM, *LMHeadModel or "
-        f"*For...Classification model). Pass task= one of {TASKS}, or write your own loss_fn around "
+        f"{call}: cannot tell which loss {name} trains with (expected a *ForCausalLM, *LMHeadModel, "
+        f"*ForTokenClassification or *For...Classification model). Pass task= one of {TASKS}, or write your own loss_fn around "
         "vmapdp.hf.additive_mask."
     )
 
@@ -201,7 +205,7 @@ def sample_loss(
                 f"vmapdp.hf loss_fn(params, buffers, sample): sample must be a dict of one sample's tensors "
                 f"(input_ids, attention_mask, labels, ...), got {type(sample).__name__}."
             )
-        key = _label_key(sample) if task == "classification" or "labels" in sample or "label" in sample else None
+        key = _label_key(sample) if task in ("classification", "token_classification") or "labels" in sample or "label" in sample else None
         inputs = {k: v[None] for k, v in sample.items() if k != key}
         mask = sample.get("attention_mask")
         if mask is not None and mask.dim() == 1:
@@ -231,15 +235,18 @@ def sample_loss(
         logits = _logits(out)
         if criterion is not None:
             return criterion(logits, sample[_label_key(sample)][None])
-        if task == "causal_lm":
+        if task in ("causal_lm", "token_classification"):
             labels = sample[key] if key is not None else sample["input_ids"]
             if mask is not None and mask.dim() == 1:
                 labels = torch.where(mask != 0, labels, _IGNORE)
-            target = labels[1:]
-            pred = logits[0, :-1]
-            valid = target != _IGNORE
-            if mask is not None and mask.dim() == 1:  # predicted from a real token (left padding: not the last pad's output)
-                valid = valid & (mask[:-1] != 0)
+            if task == "causal_lm":  # the next token, predicted from a real one (left padding: not from the last pad)
+                target, pred = labels[1:], logits[0, :-1]
+                valid = target != _IGNORE
+                if mask is not None and mask.dim() == 1:
+                    valid = valid & (mask[:-1] != 0)
+            else:  # each position's own label
+                target, pred = labels, logits[0]
+                valid = target != _IGNORE
             per_token = F.cross_entropy(pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred,
                                         torch.where(valid, target, 0), reduction="none")
             count = valid.sum().clamp(min=1)
@@ -257,7 +264,7 @@ def loss_fn(model: nn.Module, *, task: Optional[str] = None, causal: Optional[bo
 
     Args:
       model: a transformers ``PreTrainedModel`` (or a ``peft`` model over one); not modified.
-      task: ``"causal_lm"`` or ``"classification"``; by default from the class name.
+      task: ``"causal_lm"``, ``"classification"`` or ``"token_classification"``; by default from the class name.
       causal: whether attention is causal; by default probed once (position 0 must not see position 1).
 
     Returns:
