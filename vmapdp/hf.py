@@ -198,6 +198,8 @@ def sample_loss(
     # its padding goes on the right, where positions from 0 are the model's own)
     positions = bool(causal) and "position_ids" in inspect.signature(_base_model(model).forward).parameters
     sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    # ALiBi biases from the 2-D mask (Bloom, MPT, Falcon with alibi=True): not from a 4-D one
+    alibi = getattr(config, "model_type", None) in ("bloom", "mpt") or getattr(config, "alibi", False) is True
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):
@@ -213,6 +215,13 @@ def sample_loss(
                 raise ValueError(
                     f"{call}: the sample has a 2-D attention_mask but the model takes no input_ids, so whether its "
                     "attention is causal could not be probed. Pass causal=True or causal=False."
+                )
+            if alibi:
+                raise ValueError(
+                    f"{call}: {type(_base_model(model)).__name__} derives its ALiBi position biases from the 2-D "
+                    "attention_mask, which the adapter replaces by each sample's 4-D mask (transformers' own mask "
+                    "builder cannot run under vmap). Not supported with padding: use batches without attention_mask "
+                    "(equal lengths), or a model with rotary or learned positions."
                 )
             t = mask.shape[0]
             if isinstance(window, int) and causal and t > window:
