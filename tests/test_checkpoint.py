@@ -356,3 +356,29 @@ def test_a_from_torch_optimizers_checkpoint_resumes_into_a_fresh_run(tmp_path):
     other = {k: torch.zeros(2, 2) for k in ("a", "b")}
     with pytest.raises(ValueError, match="do not fit this run"):
         vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(other, opt, seed=7))
+
+
+def test_another_torch_optimizers_checkpoint_is_refused_at_its_first_update(tmp_path):
+    """A fresh from_torch state has nothing to compare at load (the optimizer makes its state at its
+    first update), so an RMSprop run's checkpoint loads into an SGD run; its first update then finds
+    keys SGD does not keep (with momentum 0 SGD would have ignored them silently) and the step
+    raises, returning nothing. The same checkpoint resumes under RMSprop."""
+    params, buffers, data, loss_fn = problem()
+    batches = [(gather(data, i), m) for i, m in PoissonSampler(N, Q, 3, key=b"k")]
+
+    def run(opt):
+        return vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=N * Q, sample_rate=Q, compile=False, method="vmap")
+
+    rms = optim.from_torch(torch.optim.RMSprop, lr=1e-2)
+    state = vmapdp.init_train_state(params, rms, seed=7)
+    for b, m in batches[:2]:
+        state, _ = run(rms)(state, b, m, buffers)
+    vmapdp.save_state(tmp_path / "s.pt", state)
+    for sgd in (optim.from_torch(torch.optim.SGD, lr=1e-2), optim.from_torch(torch.optim.SGD, lr=1e-2, momentum=0.9)):
+        vmapdp.noise.spent.forget_spent_keys()  # (a new process)
+        loaded = vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(params, sgd, seed=7))
+        with pytest.raises(ValueError, match=r"holds \['square_avg', 'step'\], but SGD\(lr=0.01.*made by another optimizer"):
+            run(sgd)(loaded, *batches[2], buffers)
+    vmapdp.noise.spent.forget_spent_keys()
+    loaded = vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(params, rms, seed=7))
+    assert run(rms)(loaded, *batches[2], buffers)[0].step == 3

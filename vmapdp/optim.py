@@ -548,6 +548,36 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     name = f"from_torch({optimizer_cls.__name__})"
     optimizer_cls([torch.zeros(1)], **kwargs)  # the optimizer validates its kwargs now, not mid-training
     update_call = f"{name}.update(grads, state, params)"
+    own_keys: dict[str, frozenset] = {}  # each param's state keys as optimizer_cls makes them (probed once)
+
+    def step_copies(params: Params, names: list[str], grads: Grads, state: Mapping[str, Mapping]) -> tuple[list[Tensor], Any]:
+        leaves = _copies(params, names)
+        opt = optimizer_cls(leaves, **kwargs)
+        saved = opt.state_dict()
+        # load_state_dict keeps some tensors as they are (``step``) and step() then counts in
+        # place: hand it copies, so the caller's state stays untouched
+        saved["state"] = {i: _copy_entry(state[k]) for i, k in enumerate(names) if state.get(k)}
+        opt.load_state_dict(saved)
+        for leaf, g in zip(leaves, _grad_copies(grads, params, names)):
+            leaf.grad = g
+        opt.step()
+        return leaves, opt.state_dict()["state"]
+
+    def check_kind(per_param: Mapping[str, Mapping], names: list[str], params: Params, grads: Grads) -> None:
+        """A param's saved state must hold the keys this optimizer makes: another optimizer's (a
+        checkpoint of an RMSprop run loaded into an SGD one) would be ignored, or half used."""
+        held = [k for k in names if per_param[k]]
+        if any(k not in own_keys for k in held):
+            _, fresh = step_copies(params, names, grads, {})
+            own_keys.update({k: frozenset(fresh.get(i, {})) for i, k in enumerate(names)})
+        for k in held:
+            if set(per_param[k]) != own_keys[k]:
+                raise ValueError(
+                    f"{update_call}: state.per_param[{k!r}] holds {sorted(per_param[k])}, but {optimizer_cls.__name__}"
+                    f"({', '.join(f'{a}={v!r}' for a, v in kwargs.items())}) keeps {sorted(own_keys[k])} for it: the state "
+                    "was made by another optimizer (a checkpoint of another run?). Resume with the optimizer that "
+                    "saved it, or start its state afresh with init(params). Nothing was updated."
+                )
 
     def init(params: Params) -> TorchOptimizerState:
         names = _check_params(f"{name}.init(params)", params)
@@ -565,17 +595,8 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
             raise ValueError(
                 f"{update_call}: state.per_param must have the keys of params, {sorted(names)}; got {got}."
             )
-        leaves = _copies(params, names)
-        opt = optimizer_cls(leaves, **kwargs)
-        saved = opt.state_dict()
-        # load_state_dict keeps some tensors as they are (``step``) and step() then counts in
-        # place: hand it copies, so the caller's state stays untouched
-        saved["state"] = {i: _copy_entry(per_param[k]) for i, k in enumerate(names) if per_param[k]}
-        opt.load_state_dict(saved)
-        for leaf, g in zip(leaves, _grad_copies(grads, params, names)):
-            leaf.grad = g
-        opt.step()
-        after = opt.state_dict()["state"]
+        check_kind(per_param, names, params, grads)
+        leaves, after = step_copies(params, names, grads, per_param)
         new_state = {k: _copy_entry(after.get(i, {})) for i, k in enumerate(names)}
         return {k: leaf.detach() for k, leaf in zip(names, leaves)}, TorchOptimizerState(new_state)
 
