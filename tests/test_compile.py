@@ -46,6 +46,7 @@ def test_compiled_grads_and_clipped_sum_equal_eager_without_graph_breaks():
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import optree  # noqa: E402
 from torch import nn  # noqa: E402
 
 from vmapdp import clipped, optim, train  # noqa: E402
@@ -247,3 +248,43 @@ def test_a_compiler_that_cannot_trace_optree_names_the_fix(monkeypatch, problem)
     with pytest.raises(RuntimeError, match=r"cannot trace optree .*pip install 'optree<0.20'.*compile=False") as info:
         step(vmapdp.init_train_state(params, optim.sgd(0.5), seed=1), *batches[0], buffers)
     assert isinstance(info.value.__cause__, torch._dynamo.exc.Unsupported)
+
+
+def test_a_cuda_graph_replays_outputs_are_copied_before_the_next_replay(monkeypatch, problem):
+    """On CUDA each chunk replays a CUDA graph whose outputs live in the graph's memory, overwritten
+    by the next replay. Here (no GPU) a stand-in compiled chunk writes every call's outputs into the
+    same buffers, as a replay does: the step's sum over 3 chunks must still be the eager step's (a
+    sum that kept the outputs would hold the last chunk 3 times), one graph step marked per chunk."""
+    params, buffers, loss_fn, capacity, batches = problem
+    assert capacity % 3 == 0
+    modes, marks = [], []
+
+    def graphed(fn, **kw):
+        modes.append(kw.get("mode"))
+        memory = {}
+
+        def replay(*a):
+            out = fn(*a)
+            leaves, spec = optree.tree_flatten(out, namespace="torch")
+            if not memory:
+                memory["bufs"] = [torch.empty_like(x) for x in leaves]
+            for buf, x in zip(memory["bufs"], leaves):
+                buf.copy_(x)
+            return optree.tree_unflatten(spec, memory["bufs"])
+
+        return replay
+
+    monkeypatch.setattr(train, "_cuda_graphs", lambda params, mask: True)
+    monkeypatch.setattr(train.torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(train.torch, "compile", graphed)
+    step = make(loss_fn, capacity // 3, method="vmap", compile=True)
+    eager = make(loss_fn, capacity // 3, method="vmap", compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=1)
+    for batch, mask in batches[:3]:
+        got, _ = step(state, batch, mask, buffers)
+        with unreleased():
+            want, _ = eager(state, batch, mask, buffers)
+        for k in params:
+            torch.testing.assert_close(got.params[k], want.params[k], rtol=0, atol=0)
+        state = got
+    assert modes == ["reduce-overhead"] and len(marks) == 9

@@ -132,12 +132,14 @@ def _step(loss_fn, capacity, **kw):
 
 @pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("method", ["ghost", "vmap"])
-def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_step(method, chunks):
+def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_step(method, chunks, monkeypatch):
     """An epoch of Poisson batches (masks and sizes change) through the compiled step, each chunk a
-    CUDA graph's replay: no recompile after the first step, no graph skipped, parameters within
-    float32 rounding of the eager step's (same noise: the keyed noise is the same Triton kernel in
-    both). With 3 chunks a step, each replay overwrites the last one's outputs: a sum that kept
-    them would add the last chunk three times."""
+    CUDA graph's replay (one graph step marked per chunk): no recompile after the first step, no
+    graph skipped, parameters within float32 rounding of the eager step's (the same noise: drawn
+    outside the graph, by the same Triton kernel). With 3 chunks a step, each replay overwrites the
+    last one's outputs: a sum that kept them would add the last chunk three times."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda _mark=torch.compiler.cudagraph_mark_step_begin: (marks.append(1), _mark())[1])
     params, buffers, loss_fn, capacity, batches = _problem(CUDA)
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     skips = lambda: torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]  # noqa: E731
@@ -156,14 +158,18 @@ def test_the_compiled_step_on_cuda_compiles_once_per_epoch_and_equals_the_eager_
             torch.testing.assert_close(state.params[k], twin.params[k], rtol=1e-5, atol=1e-6)
     assert graphs() - after_first == 0
     assert skips() == skipped
+    assert len(marks) == (len(batches) * -(-capacity // size) if CUDA == "cuda" else 0)
 
 
-def test_a_resume_on_cuda_recomputes_bit_for_bit_and_a_fork_is_refused(tmp_path):
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_resume_on_cuda_recomputes_bit_for_bit_and_a_fork_is_refused(tmp_path, compile):
     """Saved after 3 steps and loaded in the same process, the next steps recompute exactly what was
     released (the noise-key guard lets a recomputation through and compares its bits, a checksum
-    made on the device); the same state on another batch is refused before anything is released."""
+    made on the device; compiled, the recomputation is a CUDA graph's replay where the first run
+    was its warm-up and recording); the same state on another batch is refused before anything is
+    released."""
     params, buffers, loss_fn, capacity, batches = _problem(CUDA)
-    step = _step(loss_fn, capacity, method="ghost", compile=False)
+    step = _step(loss_fn, capacity, method="ghost", compile=compile)
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=3)
     for batch, mask in batches[:3]:
         state, _ = step(state, batch, mask, buffers)
@@ -214,3 +220,30 @@ def test_transformers_families_on_cuda_match_the_cpu_and_every_method_releases_o
             except Exception as e:  # noqa: BLE001  (gathered: every family is reported)
                 failures.append(f"{name}: {type(e).__name__}: {str(e)[:400]}")
     assert not failures, "\n".join(failures)
+
+
+def test_a_compiled_transformers_step_on_cuda_equals_the_eager_one():
+    """GPT-2 (sdpa attention: the math kernel under vmap) through the compiled ghost step, a CUDA
+    graph per chunk: two steps within float32 rounding of the eager step's."""
+    pytest.importorskip("transformers")
+    import test_hf
+
+    from vmapdp import hf
+
+    m, batch = test_hf.model_batch("gpt2-sdpa")
+    m.to(CUDA)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    batch, mask = to(batch, CUDA), torch.ones(3, dtype=torch.bool, device=CUDA)
+
+    def make(compile):
+        return vmapdp.make_train_step(loss, optim.sgd(0.5), l2_clip_norm=0.5, noise_multiplier=0.7, expected_batch_size=3.0, sample_rate=0.1,
+                                      method="ghost", compile=compile)
+
+    compiled, eager = make(True), make(False)
+    state = twin = vmapdp.init_train_state(params, optim.sgd(0.5), seed=4)
+    for _ in range(2):
+        state, _ = compiled(state, batch, mask, buffers)
+        with unreleased():
+            twin, _ = eager(twin, batch, mask, buffers)
+        for k in params:
+            torch.testing.assert_close(state.params[k], twin.params[k], rtol=1e-5, atol=1e-6)

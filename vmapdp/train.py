@@ -513,16 +513,18 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
     made: dict[bool, Callable] = {}  # (CUDA graphs?) -> the compiled chunk
 
     def compiled(params, mask, shared, chunk):
-        graphs = backend == "inductor" and mask.device.type == "cuda" and ghost_limits.LIMITS.cuda_graphs
+        graphs = backend == "inductor" and _cuda_graphs(params, mask)
         if graphs not in made:
             mode = {"mode": "reduce-overhead"} if graphs else {}  # (Inductor's CUDA graphs: one replay per chunk)
             made[graphs] = torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False, backend=backend, **mode)
         try:
             if not graphs:
                 return made[graphs](params, mask, shared, chunk)
+            # each call is a step of Inductor's CUDA graph trees (the marker is process-wide: a caller's own
+            # "reduce-overhead" functions share it), and its replay writes the outputs into the graph's
+            # own memory, which the next replay (the next chunk's) overwrites: the sums are copied out
+            # before anything adds them up
             torch.compiler.cudagraph_mark_step_begin()
-            # a replay writes its outputs into the graph's own memory, which the next replay (the next
-            # chunk's) overwrites: the sums are copied out before anything adds them up
             return optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
         except Exception as err:
             explained = _explain_compile_error(err)
@@ -533,6 +535,15 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
     return compiled
 
 
+def _cuda_graphs(params: dict[str, Tensor], mask: Tensor) -> bool:
+    """Whether a compiled chunk replays a CUDA graph: on CUDA, for at most
+    ``Limits.cuda_graph_elements`` trainable elements (a replay copies the params into the graph's
+    memory and holds its parameter-sized sums there, which the step then copies out: about three
+    parameter-sized buffers more than an eager step)."""
+    limits = ghost_limits.LIMITS
+    return mask.device.type == "cuda" and limits.cuda_graphs and sum(v.numel() for v in params.values()) <= limits.cuda_graph_elements
+
+
 def _explain_compile_error(err: BaseException) -> BaseException | None:
     """torch's compiler error, with the cause and the fix where vmapdp knows them (None: raise it as is)."""
     if "'version_info'" in str(err) and "not supported between" in str(err):
@@ -540,8 +551,8 @@ def _explain_compile_error(err: BaseException) -> BaseException | None:
 
         return RuntimeError(
             f"make_train_step(compile=True): torch {torch.__version__}'s compiler cannot trace optree "
-            f"{_optree.__version__} (optree 0.20's registry compares sys.version_info, which dynamo before "
-            "torch 2.13 cannot; seen with torch 2.11). Fix: pip install 'optree<0.20', or torch>=2.13, or "
+            f"{_optree.__version__} (optree 0.20's registry compares sys.version_info, which torch 2.11's "
+            "dynamo cannot; torch 2.13's can). Fix: pip install 'optree<0.20', or torch>=2.13, or "
             f"make_train_step(compile=False). (torch said: {str(err).splitlines()[0][:200]})"
         )
     return None

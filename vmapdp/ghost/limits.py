@@ -46,6 +46,9 @@ class Limits:
     # a compiled step on CUDA replays each chunk's graph as a CUDA graph (Inductor's
     # "reduce-overhead"): the eager step is bound by launching its ~10k small kernels
     cuda_graphs: bool = True
+    # ... for at most this many trainable elements (1 GiB in float32): a replay holds about three
+    # parameter-sized buffers more than an eager step (the params copied in, its sums, their copy)
+    cuda_graph_elements: int = 1 << 28
 
 
 LIMITS = Limits()
