@@ -166,7 +166,11 @@ def test_token_classification_is_the_models_own_loss_with_oracle_grads_under_eve
         n = int(batch["attention_mask"][i].sum())
         cut = slice(L - n, L) if left else slice(0, n)
         own = m(input_ids=batch["input_ids"][i : i + 1, cut], labels=batch["labels"][i : i + 1, cut])
-        torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own.loss, rtol=1e-5, atol=1e-6)
+        sample = {k: v[i] for k, v in batch.items()}
+        torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
+        # padded 5 positions further (a longer batch): the same loss
+        more = {k: F.pad(v, (5, 0) if left else (0, 5), value=-100 if k == "labels" else 0) for k, v in sample.items()}
+        torch.testing.assert_close(loss(params, buffers, more), own.loss, rtol=1e-5, atol=1e-6)
     grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
     vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
     mask = torch.tensor([True, True, False])
