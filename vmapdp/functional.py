@@ -170,5 +170,7 @@ def _quiet_transformers_logging_under_compile(module: nn.Module) -> None:
     if callable(warning_once):
         import torch._dynamo
 
-        torch._dynamo.config.ignore_logging_functions.add(warning_once)
+        ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)  # (torch 2.9 has none)
+        if ignored is not None:
+            ignored.add(warning_once)
 

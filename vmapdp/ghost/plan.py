@@ -422,8 +422,8 @@ def run_loss(run: Run, loss_fn: Callable, params: dict[str, Tensor], shared: tup
 def rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
     """The global RNGs (CPU and ``device``'s) restored on exit: random layers (dropout) then draw
     in the real run as if what ran inside (the probe, auto's race) had never run."""
-    accelerator = device.type != "cpu"
-    return torch.random.fork_rng(devices=[device] if accelerator else [], device_type=device.type if accelerator else None)
+    # (device_type "cpu", not None, for a CPU device: torch 2.9's fork_rng cannot take None)
+    return torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type)
 
 
 def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> Plan:
