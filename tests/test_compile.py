@@ -288,3 +288,23 @@ def test_a_cuda_graph_replays_outputs_are_copied_before_the_next_replay(monkeypa
             torch.testing.assert_close(got.params[k], want.params[k], rtol=0, atol=0)
         state = got
     assert modes == ["reduce-overhead"] and len(marks) == 9
+
+
+def test_compile_on_a_torch_whose_compiler_cannot_trace_the_step_is_refused_with_the_fix(monkeypatch, problem):
+    """torch 2.9's dynamo refuses optree's C functions and functorch's autograd.Function in vmap (a
+    run of the suite on torch 2.9.1: 14 compiled tests failed inside dynamo, everything eager
+    passed): compile= is refused at construction, naming compile=False; eager steps run."""
+    from vmapdp import _checks
+
+    for old in ("2.9.1+cu128", "2.10.0"):
+        with pytest.raises(RuntimeError, match=r"compile needs torch>=2.11; this is torch " + old.replace("+", r"\+") + r".*compile=False"):
+            _checks.compile_supported("make_train_step", old)
+    for new in ("2.11.0", "2.13.0+cpu", "2.14.1+cu130", "3.0.0"):
+        _checks.compile_supported("make_train_step", new)
+    params, buffers, loss_fn, capacity, batches = problem
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    for compile in (True, "inductor", "eager"):
+        with pytest.raises(RuntimeError, match="compile needs torch>=2.11"):
+            make(loss_fn, capacity, method="vmap", compile=compile)
+    step = make(loss_fn, capacity, method="vmap", compile=False)
+    assert step(vmapdp.init_train_state(params, optim.sgd(0.5), seed=1), *batches[0], buffers)[0].step == 1

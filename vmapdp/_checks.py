@@ -160,10 +160,30 @@ def choice(call: str, name: str, value: Any, options: Sequence[str], *, why: str
     return value
 
 
+#: The oldest torch whose compiler traces the step (2.9's dynamo refuses optree's C functions and
+#: functorch's autograd.Function inside vmap; 2.11 compiled it on a GPU, 2.13 and 2.14 on the CPU).
+COMPILE_MIN_TORCH = (2, 11)
+
+
+def compile_supported(call: str, version: str | None = None) -> None:
+    """Refuse ``compile=`` on a torch whose compiler cannot trace the step, naming the fix."""
+    version = torch.__version__ if version is None else version
+    parts = version.split("+")[0].split(".")
+    have = tuple(int(p) for p in parts[:2] if p.isdigit())
+    if len(have) == 2 and have < COMPILE_MIN_TORCH:
+        raise RuntimeError(
+            f"{call}: compile needs torch>={'.'.join(map(str, COMPILE_MIN_TORCH))}; this is torch {version}, whose "
+            "compiler cannot trace the DP step (seen with torch 2.9: dynamo refuses optree's C functions). Pass "
+            "compile=False (the eager step: the same results), or upgrade torch. Nothing was run."
+        )
+
+
 def compile_backend(call: str, value: Any) -> str | None:
     """``compile=``: ``True`` (Inductor), ``False`` (eager: None) or a ``torch.compile`` backend's name
     (``"inductor"``; ``"aot_eager"`` and ``"eager"``, dynamo's and AOTAutograd's capture without
     code generation, for tests of the compiled path that cannot wait for Inductor), as a backend name."""
+    if value is not False and isinstance(value, (bool, str)):
+        compile_supported(call)
     if isinstance(value, bool):
         return "inductor" if value else None
     if not isinstance(value, str):
