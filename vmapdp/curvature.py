@@ -90,7 +90,7 @@ def _prepare_forward_ad() -> None:
     """Load torch's forward-mode decompositions once, without their ``torch.jit.script`` warning.
 
     torch registers them lazily on the first ``make_dual`` through ``torch.jit.script``, which
-    warns ``DeprecationWarning`` from inside torch (an error for users running with
+    warns (``DeprecationWarning``; ``FutureWarning`` from torch 2.14) from inside torch (an error for users running with
     ``-W error``). Doing it here, at construction time, keeps that out of user code and out of
     traced code.
     """
@@ -98,7 +98,8 @@ def _prepare_forward_ad() -> None:
     if _forward_ad_ready:
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning)
+        # (a DeprecationWarning in torch 2.13, a FutureWarning in 2.14)
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
         with torch.autograd.forward_ad.dual_level():
             torch.autograd.forward_ad.make_dual(torch.zeros(()), torch.zeros(()))
     _forward_ad_ready = True
