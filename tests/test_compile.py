@@ -308,3 +308,18 @@ def test_compile_on_a_torch_whose_compiler_cannot_trace_the_step_is_refused_with
             make(loss_fn, capacity, method="vmap", compile=compile)
     step = make(loss_fn, capacity, method="vmap", compile=False)
     assert step(vmapdp.init_train_state(params, optim.sgd(0.5), seed=1), *batches[0], buffers)[0].step == 1
+
+
+def test_cuda_graphs_are_used_on_cuda_up_to_the_size_limit(monkeypatch):
+    """A compiled chunk replays a CUDA graph on CUDA only, and only up to Limits.cuda_graph_elements
+    trainable elements (a replay holds about three parameter-sized buffers more than eager)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    params = {"w": torch.empty(6, 2), "b": torch.empty(3)}
+    on_cuda, on_cpu = SimpleNamespace(device=torch.device("cuda")), torch.ones(2, dtype=torch.bool)
+    for elements, graphs in ((15, True), (14, False)):
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, cuda_graph_elements=elements))
+        assert train._cuda_graphs(params, on_cuda) is graphs and not train._cuda_graphs(params, on_cpu)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, cuda_graphs=False, cuda_graph_elements=1 << 28))
+    assert not train._cuda_graphs(params, on_cuda)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from vmapdp.__main__ import main
 
 
@@ -27,3 +29,26 @@ def test_demo_quick_runs_and_learns(capsys, tmp_path):
 def test_unknown_command_is_an_error(capsys):
     assert main(["train-everything"]) == 2
     assert "unknown command 'train-everything'" in capsys.readouterr().err
+
+
+def test_demo_runs_without_compiling_on_a_torch_whose_compiler_cannot(capsys, monkeypatch):
+    """On torch older than 2.11 the demo says why and trains eagerly (compile=True is refused there)."""
+    import torch
+
+    import vmapdp.__main__ as demo
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def train(*a, compile, **k):
+        seen.append(compile)
+        raise Stop
+
+    monkeypatch.setattr(torch, "__version__", "2.9.1")
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("the demo compiled on torch 2.9"))
+    monkeypatch.setattr(demo, "_train", train)
+    with pytest.raises(Stop):
+        main(["demo", "--epochs", "1", "--plot", ""])
+    assert seen == [False] and "compile needs torch>=2.11" in capsys.readouterr().out

@@ -182,14 +182,22 @@ def test_token_classification_is_the_models_own_loss_with_oracle_grads_under_eve
 
 
 def test_alibi_models_with_a_padding_mask_are_refused_with_the_reason():
-    """Bloom derives its ALiBi biases from the 2-D mask, which the adapter replaces by each sample's
-    4-D one: refused by name (it failed with "too many values to unpack")."""
-    cfg = transformers.BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=V, pad_token_id=0)
-    m = transformers.BloomForCausalLM(cfg).eval()
+    """Falcon with alibi=True derives its ALiBi biases from the 2-D mask, which the adapter replaces
+    by each sample's 4-D one: refused with padding (Bloom failed with "too many values to unpack"),
+    the model's own loss without. Bloom is refused at once: its GELU cannot run under vmap."""
+    cfg = transformers.FalconConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=V, pad_token_id=0, alibi=True,
+                                    new_decoder_architecture=False, multi_query=False)
+    torch.manual_seed(0)
+    m = transformers.FalconForCausalLM(cfg).eval()
     apply, params, buffers, loss = hf.loss_fn(m)
     batch = padded()
-    with pytest.raises(ValueError, match=r"ALiBi .* 2-D attention_mask"):
+    with pytest.raises(ValueError, match=r"ALiBi .* 2-D attention_mask.*without attention_mask"):
         loss(params, buffers, {k: v[1] for k, v in batch.items()})
+    ids = batch["input_ids"][0]
+    torch.testing.assert_close(loss(params, buffers, {"input_ids": ids, "labels": ids}), m(input_ids=ids[None], labels=ids[None]).loss)
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=V, pad_token_id=0))
+    with pytest.raises(ValueError, match=r"BloomForCausalLM cannot run under vmap: its GELU is an autograd.Function"):
+        hf.loss_fn(bloom)
 
 
 def test_a_token_classifier_is_told_from_its_class_name_and_needs_labels():

@@ -351,3 +351,55 @@ def test_compiled_adam_update_equals_eager_without_graph_breaks_or_recompiles():
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
     # compiled once: new state tensors and the new rate reuse the graph
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_before + 1
+
+
+class _NoisyLateKeys(torch.optim.Optimizer):
+    """A stand-in optimizer that draws from the global RNG in step() and adds a state key only from
+    its second step on (what an optimizer may do; from_torch must accept its own state)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                if state["n"] > 1:
+                    state["ema"] = p.detach().clone()
+                p.add_(p.grad + torch.randn_like(p), alpha=-group["lr"])
+
+
+def test_from_torch_accepts_its_own_state_and_refuses_another_optimizers():
+    """The first update of a held state probes which keys the optimizer makes (once per param name,
+    shape, dtype and device, without drawing from the global RNG): keys an optimizer adds later or
+    another setting keeps are fine (Adam(amsgrad=True)'s state under amsgrad=False, as torch's own
+    load_state_dict allows); a state lacking them (RMSprop's under Adam or SGD) is refused."""
+    p, g = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+    opt = optim.from_torch(_NoisyLateKeys, lr=0.1)
+    state = opt.init(p)
+    params = p
+    torch.manual_seed(0)
+    for _ in range(4):
+        params, state = opt.update(g, state, params)
+    torch.manual_seed(0)
+    ref = torch.ones(3)
+    plain = _NoisyLateKeys([ref], lr=0.1)
+    for _ in range(4):
+        ref.grad = torch.full((3,), 0.5)
+        plain.step()
+    assert torch.equal(params["w"], ref)  # (the probe drew nothing from the run's RNG)
+    ams = optim.from_torch(torch.optim.Adam, lr=0.1, amsgrad=True)
+    _, held = ams.update(g, ams.init(p), p)
+    optim.from_torch(torch.optim.Adam, lr=0.1).update(g, held, p)
+    rms = optim.from_torch(torch.optim.RMSprop, lr=0.1)
+    _, held = rms.update(g, rms.init(p), p)
+    with pytest.raises(ValueError, match=r"makes \['exp_avg', 'exp_avg_sq', 'step'\] for it: the state was made by another optimizer"):
+        optim.from_torch(torch.optim.Adam, lr=0.1).update(g, held, p)
+    # one optimizer object over params of different ranks under one name (Adafactor keeps other keys)
+    ada = optim.from_torch(torch.optim.Adafactor, lr=0.1)
+    for shape in ((3,), (3, 2)):
+        q, h = {"w": torch.ones(shape)}, {"w": torch.full(shape, 0.5)}
+        _, s = ada.update(h, ada.init(q), q)
+        ada.update(h, s, q)

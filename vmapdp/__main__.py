@@ -23,7 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import vmapdp
-from vmapdp import accounting
+from vmapdp import _checks, accounting
 from vmapdp.data import PoissonSampler, gather
 from vmapdp.datasets import load_digits
 
@@ -130,6 +130,12 @@ def demo(argv: Sequence[str]) -> int:
     torch.manual_seed(args.seed)
     if args.quick:
         args.epochs, args.no_compile = 3.0, True
+    if not args.no_compile:
+        try:
+            _checks.compile_supported("python -m vmapdp demo")
+        except RuntimeError as err:
+            print(f"{err}\n(the demo runs without compiling)")
+            args.no_compile = True
 
     split = load_digits(seed=args.seed)
     n = split.train_images.shape[0]

@@ -172,8 +172,8 @@ def compile_supported(call: str, version: str | None = None) -> None:
     have = tuple(int(p) for p in parts[:2] if p.isdigit())
     if len(have) == 2 and have < COMPILE_MIN_TORCH:
         raise RuntimeError(
-            f"{call}: compile needs torch>={'.'.join(map(str, COMPILE_MIN_TORCH))}; this is torch {version}, whose "
-            "compiler cannot trace the DP step (seen with torch 2.9: dynamo refuses optree's C functions). Pass "
+            f"{call}: compile needs torch>={'.'.join(map(str, COMPILE_MIN_TORCH))}; this is torch {version} (untested "
+            "below 2.11; torch 2.9's compiler cannot trace the DP step: dynamo refuses optree's C functions). Pass "
             "compile=False (the eager step: the same results), or upgrade torch. Nothing was run."
         )
 

@@ -198,8 +198,15 @@ def sample_loss(
     # its padding goes on the right, where positions from 0 are the model's own)
     positions = bool(causal) and "position_ids" in inspect.signature(_base_model(model).forward).parameters
     sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
-    # ALiBi biases from the 2-D mask (Bloom, MPT, Falcon with alibi=True): not from a 4-D one
-    alibi = getattr(config, "model_type", None) in ("bloom", "mpt") or getattr(config, "alibi", False) is True
+    if getattr(config, "model_type", None) == "bloom":
+        raise ValueError(
+            f"{call}: {type(_base_model(model)).__name__} cannot run under vmap: its GELU is an autograd.Function "
+            "without setup_context (torch.func refuses it), and it derives ALiBi biases from the 2-D attention_mask, "
+            "which the adapter replaces by each sample's 4-D mask. Not supported; use a model with rotary or learned "
+            "positions (Llama, Qwen2, GPT-2, OPT), or Falcon/MPT (ALiBi) on batches without padding."
+        )
+    # ALiBi biases from the 2-D mask (MPT, Falcon with alibi=True): not from a 4-D one
+    alibi = getattr(config, "model_type", None) == "mpt" or getattr(config, "alibi", False) is True
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):

@@ -548,7 +548,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     name = f"from_torch({optimizer_cls.__name__})"
     optimizer_cls([torch.zeros(1)], **kwargs)  # the optimizer validates its kwargs now, not mid-training
     update_call = f"{name}.update(grads, state, params)"
-    own_keys: dict[str, frozenset] = {}  # each param's state keys as optimizer_cls makes them (probed once)
+    own_keys: dict[tuple, frozenset] = {}  # a param's state keys after one step from none (by name, shape, dtype, device)
 
     def step_copies(params: Params, names: list[str], grads: Grads, state: Mapping[str, Mapping]) -> tuple[list[Tensor], Any]:
         leaves = _copies(params, names)
@@ -564,19 +564,23 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
         return leaves, opt.state_dict()["state"]
 
     def check_kind(per_param: Mapping[str, Mapping], names: list[str], params: Params, grads: Grads) -> None:
-        """A param's saved state must hold the keys this optimizer makes: another optimizer's (a
-        checkpoint of an RMSprop run loaded into an SGD one) would be ignored, or half used."""
+        """A param's saved state must hold at least the keys this optimizer makes at its first step
+        (more is fine: an optimizer may add keys later, or ignore another setting's): another
+        optimizer's (an RMSprop run's checkpoint loaded into an SGD one) would be ignored, or half used."""
+        key = lambda k: (k, tuple(params[k].shape), params[k].dtype, params[k].device)  # noqa: E731
         held = [k for k in names if per_param[k]]
-        if any(k not in own_keys for k in held):
-            _, fresh = step_copies(params, names, grads, {})
-            own_keys.update({k: frozenset(fresh.get(i, {})) for i, k in enumerate(names)})
+        if any(key(k) not in own_keys for k in held):
+            with torch.random.fork_rng(devices=[d for d in {params[k].device for k in names} if d.type != "cpu"]):  # (its draws are not the run's)
+                _, fresh = step_copies(params, names, grads, {})
+            own_keys.update({key(k): frozenset(fresh.get(i, {})) for i, k in enumerate(names)})
         for k in held:
-            if set(per_param[k]) != own_keys[k]:
+            made = own_keys[key(k)]
+            if not made or not made <= set(per_param[k]):
                 raise ValueError(
                     f"{update_call}: state.per_param[{k!r}] holds {sorted(per_param[k])}, but {optimizer_cls.__name__}"
-                    f"({', '.join(f'{a}={v!r}' for a, v in kwargs.items())}) keeps {sorted(own_keys[k])} for it: the state "
-                    "was made by another optimizer (a checkpoint of another run?). Resume with the optimizer that "
-                    "saved it, or start its state afresh with init(params). Nothing was updated."
+                    f"({', '.join(f'{a}={v!r}' for a, v in kwargs.items())}) makes {sorted(made)} for it: the state was "
+                    "made by another optimizer or other hyperparameters (a checkpoint of another run?). Resume with the "
+                    "optimizer that saved it, or start its state afresh with init(params). Nothing was updated."
                 )
 
     def init(params: Params) -> TorchOptimizerState:
