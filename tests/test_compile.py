@@ -63,6 +63,11 @@ def graphs() -> int:
 
 @pytest.fixture(scope="module")
 def problem():
+    return make_problem()
+
+
+def make_problem():
+    """A small MLP, its loss for one sample, and one epoch of Poisson batches (tests/test_cuda.py's too)."""
     torch.manual_seed(0)
     apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)))
     g = torch.Generator().manual_seed(1)

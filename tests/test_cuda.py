@@ -17,7 +17,6 @@ from dataclasses import replace
 import optree
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vmapdp
 from vmapdp import optim
@@ -29,7 +28,6 @@ import test_sensitivity as sens
 # VMAPDP_TEST_DEVICE=cpu runs these on the CPU (to develop them without a GPU)
 CUDA = os.environ.get("VMAPDP_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(), reason="needs CUDA")]
-EPOCH = 20  # Poisson steps
 
 
 def to(tree, device):
@@ -108,20 +106,11 @@ def test_per_sample_grads_on_cuda_match_the_float64_oracle():
 
 
 def _problem(device):
-    from vmapdp.data import PoissonSampler, gather
+    """test_compile's MLP and epoch of Poisson batches, on ``device``."""
+    from test_compile import make_problem
 
-    torch.manual_seed(0)
-    apply, params, buffers = vmapdp.functionalize(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)))
-    g = torch.Generator().manual_seed(1)
-    data = (torch.randn(60, 5, generator=g), torch.randint(0, 3, (60,), generator=g))
-
-    def loss_fn(p, b, sample):
-        x, y = sample
-        return F.cross_entropy(apply(p, b, x[None]), y[None])
-
-    sampler = PoissonSampler(60, 0.1, EPOCH, torch.Generator().manual_seed(2))
-    batches = [(to(gather(data, i), device), m.to(device)) for i, m in sampler]
-    return to(params, device), buffers, loss_fn, sampler.capacity, batches
+    params, buffers, loss_fn, capacity, batches = make_problem()
+    return to(params, device), buffers, loss_fn, capacity, [(to(b, device), m.to(device)) for b, m in batches]
 
 
 def _step(loss_fn, capacity, **kw):
