@@ -118,7 +118,7 @@ def _merged(uses: list[Use], joined: list[tuple[list[Tensor], Tensor]]) -> list[
         return uses
 
     def cat(parts: list[Tensor]) -> Tensor:
-        # (by identity, not id(): dynamo before torch 2.13 cannot take the id() of a tensor made in the graph)
+        # (by identity, not id(): torch 2.11's dynamo cannot take the id() of a tensor made in the graph; 2.13's can)
         for known, together in joined:
             if len(known) == len(parts) and all(a is b for a, b in zip(known, parts)):
                 return together

@@ -132,7 +132,7 @@ class Run:
 
     def __init__(self, params: dict[str, Tensor], plan: Plan | None, taps: list[Tensor], expanded: dict[str, Tensor], level: int = -1):
         # params by id(), eagerly; by identity under torch.compile (id() of a graph input guards on the
-        # object, and dynamo before torch 2.13 cannot take the id() of a tensor made in the graph)
+        # object, and torch 2.11's dynamo cannot take the id() of a tensor made in the graph; 2.13's can)
         self.compiling = torch.compiler.is_compiling()
         self.key_of = {} if self.compiling else {id(v): k for k, v in params.items()}
         self.known = [(v, k) for k, v in params.items()]
