@@ -236,3 +236,20 @@ def test_a_compiled_transformers_step_on_cuda_equals_the_eager_one():
             twin, _ = eager(twin, batch, mask, buffers)
         for k in params:
             torch.testing.assert_close(state.params[k], twin.params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_make_private_trains_a_model_on_cuda_from_data_on_the_host():
+    """The usual set-up: the model on the GPU, the dataset in host memory; each sampled batch is
+    moved to the model's device, and the model's own params follow the state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).to(CUDA)
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 5, generator=g), torch.randint(0, 3, (64,), generator=g))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = vmapdp.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, batch_size=8, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                  delta=1e-3, compile=False, method="ghost", seed=0)
+    metrics = [next(iter(trainer.train_epoch())) for _ in range(2)]
+    assert trainer.state.step == 2 and all(bool(torch.isfinite(m["loss"])) for m in metrics)
+    for k, p in model.named_parameters():
+        assert p.device.type == torch.device(CUDA).type and not torch.equal(p.detach(), before[k])
+        assert torch.equal(p.detach(), trainer.state.params[k])

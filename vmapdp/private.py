@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -115,8 +116,10 @@ class PrivateTrainer:
 
     def train_epoch(self) -> Iterator[dict[str, Tensor]]:
         """Run one epoch of Poisson-sampled DP-SGD steps; yields each step's (non-private) metrics."""
+        device = next(iter(self.state.params.values())).device  # (a model on a GPU, its data on the host: each batch is moved)
         for indices, mask in self.sampler:
-            self.state, metrics = self._step(self.state, self._batch(indices), mask, self._buffers)
+            batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, self._batch(indices), namespace="torch")
+            self.state, metrics = self._step(self.state, batch, mask.to(device), self._buffers)
             self._write_back()
             yield metrics
 
