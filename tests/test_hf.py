@@ -209,6 +209,25 @@ def test_a_token_classifier_is_told_from_its_class_name_and_needs_labels():
         hf.loss_fn(m, task="tagging")
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_one_samples_removal_moves_the_clipped_sum_by_at_most_c_under_every_method(name):
+    """The DP guarantee's sensitivity on the real families, padded batches: for every method (and
+    ghost in bfloat16), removing any one sample (its mask row) moves the released clipped sum by at
+    most C (1e-4 of float32 rounding), and by more than C / 2 for some sample (clipping active)."""
+    m, batch = model_batch(name, left=name.startswith(("llama", "opt")))
+    apply, params, buffers, loss = hf.loss_fn(m)
+    c = 1e-3  # below every sample's gradient norm: all clipped
+    for method, precision in (("vmap", None), ("ghost", None), ("two_pass", None), ("ghost", torch.bfloat16)):
+        fn = vmapdp.clipped_grad_sum(loss if precision is None else vmapdp.mixed_precision(loss, precision), l2_clip_norm=c, method=method)
+
+        def flat(mask):
+            return torch.cat([v.double().flatten() for v in fn(params, buffers, batch, mask=mask)[0].values()])
+
+        full = flat(torch.ones(3, dtype=torch.bool))
+        moved = [float((full - flat(torch.arange(3) != i)).norm()) / c for i in range(3)]
+        assert max(moved) <= 1 + 1e-4 and max(moved) > 0.5, (method, precision, moved)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
 def test_ghost_and_two_pass_clipped_sums_equal_vmaps(name):
     m, batch = model_batch(name)
