@@ -3,6 +3,8 @@ twice) is refused unless the second step recomputes exactly what the first relea
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,8 +115,6 @@ def test_one_sample_fewer_is_refused_even_where_a_leaf_is_large():
 def test_two_threads_cannot_release_one_key():
     """Checked before computing, recorded after: without a mark in between two threads stepping one
     state both released (10 of 10 trials; found by review). Exactly one goes through."""
-    import threading
-
     params, buffers, data, loss_fn, _ = problem()
     step = make(loss_fn)
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=7)
@@ -152,6 +152,42 @@ def test_the_audits_throw_their_steps_away_and_leave_the_run_alone():
         vmapdp.audit.check_sensitivity(step, state, b, m, buffers, **hyper)
     state, _ = step(state, b, m, buffers)
     assert state.step == 1
+
+
+def test_unreleased_covers_the_code_it_runs_not_the_caller_of_a_generator_suspended_inside_it():
+    """Inside `with unreleased():` a state may be stepped on two batches (nothing of it is
+    published); a generator suspended inside the block (its frame off the stack) leaves its caller
+    recorded, so the caller's fork is refused (it was let through: the flag was the context's, which
+    a generator shares with its caller). As a decorator it covers the call. Threads are apart."""
+    params, buffers, data, loss_fn, _ = problem()
+    step = make(loss_fn)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=9)
+    with spent.unreleased():
+        step(state, *batch(data, 0), buffers)
+        step(state, *batch(data, 8), buffers)
+
+    def audit():
+        with spent.unreleased():
+            yield step(state, *batch(data, 0), buffers)
+
+    suspended = audit()
+    next(suspended)  # the generator waits inside its `with` block
+    step(state, *batch(data, 4, 12), buffers)
+    with pytest.raises(NoiseKeyReused, match="already released step 0"):
+        step(state, *batch(data, 2, 10), buffers)
+    suspended.close()
+
+    @spent.unreleased()
+    def thrown_away(lo):
+        return step(state, *batch(data, lo), buffers)
+
+    thrown_away(1), thrown_away(3)
+    seen = []
+    with spent.unreleased():
+        t = threading.Thread(target=lambda: seen.append(spent.recording()))
+        t.start()
+        t.join()
+    assert seen == [True]
 
 
 def test_other_runs_other_configurations_and_unnoised_steps_are_not_refused():

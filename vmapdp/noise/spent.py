@@ -22,8 +22,8 @@ every rank raise (one small collective, on a repeated key only).
 
 What this cannot see: another process (two processes resumed from one checkpoint: see
 ``load_state(saved_after_last_step=)``), steps inside :func:`unreleased` (checks that throw their
-results away; enter and leave it in one frame: a generator suspended inside it leaves it on in
-its caller) and keys a process was told to forget (:func:`forget_spent_keys`, for test suites).
+results away, while the frame that entered it runs: a generator suspended inside it does not
+cover its caller) and keys a process was told to forget (:func:`forget_spent_keys`, for test suites).
 Not recorded: secure runs (noise from the OS CSPRNG, a fresh key per step, never repeated; a
 forked secure state's branches each count only their own steps in their ledgers) and steps
 without noise (``noise_multiplier=0``, charged as non-private).
@@ -35,8 +35,9 @@ import bisect
 import contextlib
 import contextvars
 import hashlib
+import sys
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import optree
 import torch
@@ -182,24 +183,37 @@ def _message(call: str, step: int, how: str) -> str:
 
 
 SPENT = SpentKeys()
-_UNRECORDED: contextvars.ContextVar[bool] = contextvars.ContextVar("vmapdp_unrecorded", default=False)
+# the frames running a `with unreleased():` block now (a context's own: threads and asyncio tasks apart)
+_UNRECORDED: contextvars.ContextVar[tuple] = contextvars.ContextVar("vmapdp_unrecorded", default=())
 
 
 def recording() -> bool:
-    """False inside :func:`unreleased`."""
-    return not _UNRECORDED.get()
+    """False inside :func:`unreleased`: while a frame that entered it is on the caller's stack (a
+    generator suspended inside it, its frame off the stack, leaves the caller recorded)."""
+    inside = _UNRECORDED.get()
+    if not inside:
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:
+        if any(frame is f for f in inside):
+            return False
+        frame = frame.f_back
+    return True
 
 
-@contextlib.contextmanager
-def unreleased() -> Iterator[None]:
+class unreleased(contextlib.ContextDecorator):
     """Steps run inside are neither checked nor recorded: for checks whose results are thrown away
     (``vmapdp.audit.check_sensitivity`` steps one state with neighbouring batches on purpose). Never
-    around a step whose result is used or published."""
-    token = _UNRECORDED.set(True)
-    try:
-        yield
-    finally:
-        _UNRECORDED.reset(token)
+    around a step whose result is used or published. It holds for the code that the ``with``
+    block runs, not for a caller of a generator suspended inside it."""
+
+    def __enter__(self) -> None:
+        self._tokens = getattr(self, "_tokens", [])
+        self._tokens.append(_UNRECORDED.set(_UNRECORDED.get() + (sys._getframe(1),)))
+
+    def __exit__(self, *exc: Any) -> bool:
+        _UNRECORDED.reset(self._tokens.pop())
+        return False
 
 
 def forget_spent_keys() -> None:
