@@ -240,3 +240,25 @@ def test_the_checksum_sees_one_ulp_and_reads_any_tensor():
     assert spent.release_fingerprint({"a": x, "b": y}) != spent.release_fingerprint({"a": y, "b": x})  # leaves weighted apart
     for t in (torch.randn(10, dtype=torch.float16)[1:6], torch.ones(3, dtype=torch.bool), torch.randn(3, dtype=torch.bfloat16), torch.tensor(2.0)):
         assert spent.release_fingerprint(t) == spent.release_fingerprint(t.clone())
+
+
+def test_unreleased_blocks_left_out_of_order_leave_nothing_behind():
+    """A block entered inside another through a generator and left after it: leaving the outer
+    block must not be undone by the inner one's exit (a reset to the inner block's entry value
+    would restore the outer block's frame while its function runs on: its later steps unrecorded)."""
+    params, buffers, data, loss_fn, _ = problem()
+    step = make(loss_fn)
+    state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=11)
+
+    def inner():
+        with spent.unreleased():
+            yield
+
+    g = inner()
+    with spent.unreleased():
+        next(g)  # the inner block entered while the outer one is on
+    next(g, None)  # the inner block left after the outer one
+    assert spent.recording()
+    step(state, *batch(data, 0), buffers)
+    with pytest.raises(NoiseKeyReused, match="already released step 0"):
+        step(state, *batch(data, 8), buffers)

@@ -208,11 +208,19 @@ class unreleased(contextlib.ContextDecorator):
     block runs, not for a caller of a generator suspended inside it."""
 
     def __enter__(self) -> None:
-        self._tokens = getattr(self, "_tokens", [])
-        self._tokens.append(_UNRECORDED.set(_UNRECORDED.get() + (sys._getframe(1),)))
+        self._frames = getattr(self, "_frames", [])
+        self._frames.append(sys._getframe(1))
+        _UNRECORDED.set(_UNRECORDED.get() + (self._frames[-1],))
 
     def __exit__(self, *exc: Any) -> bool:
-        _UNRECORDED.reset(self._tokens.pop())
+        # its own entry out, whatever entered or left since (blocks left out of order, through
+        # generators, must not restore another block's entry, as a token's reset would)
+        frame, inside = self._frames.pop(), list(_UNRECORDED.get())
+        for i in range(len(inside) - 1, -1, -1):
+            if inside[i] is frame:
+                del inside[i]
+                break
+        _UNRECORDED.set(tuple(inside))
         return False
 
 
