@@ -262,3 +262,36 @@ def test_unreleased_blocks_left_out_of_order_leave_nothing_behind():
     step(state, *batch(data, 0), buffers)
     with pytest.raises(NoiseKeyReused, match="already released step 0"):
         step(state, *batch(data, 8), buffers)
+
+
+def test_one_shared_unreleased_left_out_of_order_or_in_another_context_leaves_nothing_behind():
+    """One instance shared by two generators and left in the other order, and a block left in another
+    context (a generator resumed through contextvars.copy_context().run): after its block, each
+    generator's own fork is refused (found by review: each case let it through)."""
+    import contextvars
+
+    params, buffers, data, loss_fn, _ = problem()
+    step = make(loss_fn)
+    quiet = spent.unreleased()
+
+    def audit_then_train(seed):
+        state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=seed)
+        with quiet:
+            yield
+        step(state, *batch(data, 0), buffers)
+        yield
+        step(state, *batch(data, 8), buffers)  # a fork of the step above
+        yield
+
+    a, b = audit_then_train(12), audit_then_train(13)
+    next(a), next(b)  # both inside the shared block
+    next(a), next(b)  # a leaves first, then b; each steps once
+    for g in (a, b):
+        with pytest.raises(NoiseKeyReused, match="already released step 0"):
+            next(g)
+    c = audit_then_train(14)
+    next(c)
+    contextvars.copy_context().run(next, c)  # leaves its block (and steps) in another context
+    with pytest.raises(NoiseKeyReused, match="already released step 0"):
+        next(c)
+    assert spent._INSIDE == {}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import contextvars
 import hashlib
 import sys
 import threading
@@ -183,19 +182,22 @@ def _message(call: str, step: int, how: str) -> str:
 
 
 SPENT = SpentKeys()
-# the frames running a `with unreleased():` block now (a context's own: threads and asyncio tasks apart)
-_UNRECORDED: contextvars.ContextVar[tuple] = contextvars.ContextVar("vmapdp_unrecorded", default=())
+# the frames running a `with unreleased():` block now, process-wide: id -> [frame, depth] (the frame
+# held, so its id is not reused while on record). A frame is on one stack at a time, so threads and
+# asyncio tasks stay apart without a context of their own, and leaving a block in another context
+# (a generator resumed elsewhere) still takes its own entry out.
+_INSIDE: dict[int, list] = {}
+_INSIDE_LOCK = threading.Lock()
 
 
 def recording() -> bool:
     """False inside :func:`unreleased`: while a frame that entered it is on the caller's stack (a
-    generator suspended inside it, its frame off the stack, leaves the caller recorded)."""
-    inside = _UNRECORDED.get()
-    if not inside:
+    generator suspended inside it, its frame off the stack, leaves its caller recorded)."""
+    if not _INSIDE:
         return True
     frame = sys._getframe(1)
     while frame is not None:
-        if any(frame is f for f in inside):
+        if id(frame) in _INSIDE:
             return False
         frame = frame.f_back
     return True
@@ -204,23 +206,25 @@ def recording() -> bool:
 class unreleased(contextlib.ContextDecorator):
     """Steps run inside are neither checked nor recorded: for checks whose results are thrown away
     (``vmapdp.audit.check_sensitivity`` steps one state with neighbouring batches on purpose). Never
-    around a step whose result is used or published. It holds for the code that the ``with``
-    block runs, not for a caller of a generator suspended inside it."""
+    around a step whose result is used or published. It covers the code its ``with`` block runs in
+    that frame and the calls from it (not other threads, not the caller of a generator suspended
+    inside it); enter it with a ``with`` statement or as a decorator. No state on the instance: one
+    may be shared."""
 
     def __enter__(self) -> None:
-        self._frames = getattr(self, "_frames", [])
-        self._frames.append(sys._getframe(1))
-        _UNRECORDED.set(_UNRECORDED.get() + (self._frames[-1],))
+        frame = sys._getframe(1)  # the frame that runs the with-statement
+        with _INSIDE_LOCK:
+            _INSIDE.setdefault(id(frame), [frame, 0])[1] += 1
 
     def __exit__(self, *exc: Any) -> bool:
-        # its own entry out, whatever entered or left since (blocks left out of order, through
-        # generators, must not restore another block's entry, as a token's reset would)
-        frame, inside = self._frames.pop(), list(_UNRECORDED.get())
-        for i in range(len(inside) - 1, -1, -1):
-            if inside[i] is frame:
-                del inside[i]
-                break
-        _UNRECORDED.set(tuple(inside))
+        frame = sys._getframe(1)  # a with-statement leaves in the frame that entered it, in any context or thread
+        with _INSIDE_LOCK:
+            entry = _INSIDE.get(id(frame))
+            if entry is None or entry[0] is not frame:
+                raise RuntimeError("vmapdp.noise.unreleased(): left from another frame than the one that entered it; enter it with a with-statement.")
+            entry[1] -= 1
+            if not entry[1]:
+                del _INSIDE[id(frame)]
         return False
 
 
