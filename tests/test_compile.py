@@ -304,8 +304,16 @@ def test_compile_on_a_torch_whose_compiler_cannot_trace_the_step_is_refused_with
     for old in ("2.9.1+cu128", "2.10.0"):
         with pytest.raises(RuntimeError, match=r"compile needs torch>=2.11; this is torch " + old.replace("+", r"\+") + r".*compile=False"):
             _checks.compile_supported("make_train_step", old)
-    for new in ("2.11.0", "2.13.0+cpu", "2.14.1+cu130", "3.0.0"):
+    for new in ("2.12.0", "2.13.0+cpu", "2.14.1+cu130", "3.0.0"):
         _checks.compile_supported("make_train_step", new)
+    # torch 2.11 with optree 0.20 (seen on a GPU machine: every compiled step failed in dynamo)
+    monkeypatch.setattr(optree, "__version__", "0.20.0")
+    with pytest.raises(RuntimeError, match=r"torch 2.11.0\+cu130's compiler cannot trace optree 0.20.0.*'optree<0.20'"):
+        _checks.compile_supported("make_train_step", "2.11.0+cu130")
+    _checks.compile_supported("make_train_step", "2.13.0")
+    monkeypatch.setattr(optree, "__version__", "0.19.0")
+    _checks.compile_supported("make_train_step", "2.11.0+cu130")
+    monkeypatch.undo()
     params, buffers, loss_fn, capacity, batches = problem
     monkeypatch.setattr(torch, "__version__", "2.9.1")
     for compile in (True, "inductor", "eager"):

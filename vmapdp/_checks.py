@@ -170,6 +170,15 @@ def compile_supported(call: str, version: str | None = None) -> None:
     version = torch.__version__ if version is None else version
     parts = version.split("+")[0].split(".")
     have = tuple(int(p) for p in parts[:2] if p.isdigit())
+    if len(have) == 2 and have == (2, 11):
+        import optree
+
+        if tuple(int(p) for p in optree.__version__.split(".")[:2] if p.isdigit()) >= (0, 20):
+            raise RuntimeError(
+                f"{call}: torch {version}'s compiler cannot trace optree {optree.__version__} (optree 0.20's registry "
+                "compares sys.version_info, which torch 2.11's dynamo cannot; torch 2.13's can). Fix: pip install "
+                "'optree<0.20', or torch>=2.13, or compile=False. Nothing was run."
+            )
     if len(have) == 2 and have < COMPILE_MIN_TORCH:
         raise RuntimeError(
             f"{call}: compile needs torch>={'.'.join(map(str, COMPILE_MIN_TORCH))}; this is torch {version} (untested "

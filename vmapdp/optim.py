@@ -566,11 +566,14 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
     def check_kind(per_param: Mapping[str, Mapping], names: list[str], params: Params, grads: Grads) -> None:
         """A param's saved state must hold at least the keys this optimizer makes at its first step
         (more is fine: an optimizer may add keys later, or ignore another setting's): another
-        optimizer's (an RMSprop run's checkpoint loaded into an SGD one) would be ignored, or half used."""
+        optimizer's (an RMSprop run's checkpoint loaded into an SGD one) would be ignored, or half used.
+        The keys come from one step on copies from no state, once per param name, shape, dtype and
+        device (that first update holds a second copy of the params and the new state meanwhile)."""
         key = lambda k: (k, tuple(params[k].shape), params[k].dtype, params[k].device)  # noqa: E731
         held = [k for k in names if per_param[k]]
         if any(key(k) not in own_keys for k in held):
-            with torch.random.fork_rng(devices=[d for d in {params[k].device for k in names} if d.type != "cpu"]):  # (its draws are not the run's)
+            accel = [d for d in {params[k].device for k in names} if d.type != "cpu"]
+            with torch.random.fork_rng(devices=accel, device_type=accel[0].type if accel else "cpu"):  # (its draws are not the run's)
                 _, fresh = step_copies(params, names, grads, {})
             own_keys.update({key(k): frozenset(fresh.get(i, {})) for i, k in enumerate(names)})
         for k in held:

@@ -550,7 +550,7 @@ def _explain_compile_error(err: BaseException) -> BaseException | None:
         import optree as _optree
 
         return RuntimeError(
-            f"make_train_step(compile=True): torch {torch.__version__}'s compiler cannot trace optree "
+            f"step(state, batch, mask): the compiled step (compile=True) failed: torch {torch.__version__}'s compiler cannot trace optree "
             f"{_optree.__version__} (optree 0.20's registry compares sys.version_info, which torch 2.11's "
             "dynamo cannot; torch 2.13's can). Fix: pip install 'optree<0.20', or torch>=2.13, or "
             f"make_train_step(compile=False). (torch said: {str(err).splitlines()[0][:200]})"
