@@ -165,20 +165,30 @@ def choice(call: str, name: str, value: Any, options: Sequence[str], *, why: str
 COMPILE_MIN_TORCH = (2, 11)
 
 
+def _major_minor(version: str) -> tuple[int, ...]:
+    """``(2, 11)`` of ``"2.11.0a0+git1234"``; shorter where the version does not start with two numbers."""
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def optree_untraceable(call: str, torch_version: str, optree_version: str) -> str:
+    """The message for torch 2.11's dynamo on optree 0.20 (``compile_supported`` refuses the pair;
+    ``train`` explains the trace error where another torch shows it)."""
+    return (
+        f"{call}: torch {torch_version}'s compiler cannot trace optree {optree_version} (optree 0.20's registry compares "
+        "sys.version_info, which torch 2.11's dynamo cannot; torch 2.13's can). Fix: pip install 'optree<0.20', or "
+        "torch>=2.13, or compile=False."
+    )
+
+
 def compile_supported(call: str, version: str | None = None) -> None:
     """Refuse ``compile=`` on a torch whose compiler cannot trace the step, naming the fix."""
     version = torch.__version__ if version is None else version
-    parts = version.split("+")[0].split(".")
-    have = tuple(int(p) for p in parts[:2] if p.isdigit())
-    if len(have) == 2 and have == (2, 11):
+    have = _major_minor(version)
+    if have == (2, 11):
         import optree
 
-        if tuple(int(p) for p in optree.__version__.split(".")[:2] if p.isdigit()) >= (0, 20):
-            raise RuntimeError(
-                f"{call}: torch {version}'s compiler cannot trace optree {optree.__version__} (optree 0.20's registry "
-                "compares sys.version_info, which torch 2.11's dynamo cannot; torch 2.13's can). Fix: pip install "
-                "'optree<0.20', or torch>=2.13, or compile=False. Nothing was run."
-            )
+        if _major_minor(optree.__version__) >= (0, 20):
+            raise RuntimeError(optree_untraceable(call, version, optree.__version__) + " Nothing was run.")
     if len(have) == 2 and have < COMPILE_MIN_TORCH:
         raise RuntimeError(
             f"{call}: compile needs torch>={'.'.join(map(str, COMPILE_MIN_TORCH))}; this is torch {version} (untested "

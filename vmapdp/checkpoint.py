@@ -239,8 +239,9 @@ def fresh_from_torch(state: Any) -> bool:
 
 
 def _created_on_update(fresh: Any, saved: Any) -> bool:
-    """``fresh`` is a ``from_torch`` state before its first update and ``saved`` one of the same
-    optimizer kind and param keys."""
+    """``fresh`` is a ``from_torch`` state before its first update and ``saved`` a ``from_torch``
+    state with the same param keys (which torch optimizer made it cannot be told here: the first
+    update checks its state's keys, ``optim.from_torch``)."""
     from vmapdp.optim import TorchOptimizerState
 
     return (

@@ -547,13 +547,9 @@ def _cuda_graphs(params: dict[str, Tensor], mask: Tensor) -> bool:
 def _explain_compile_error(err: BaseException) -> BaseException | None:
     """torch's compiler error, with the cause and the fix where vmapdp knows them (None: raise it as is)."""
     if "'version_info'" in str(err) and "not supported between" in str(err):
-        import optree as _optree
-
         return RuntimeError(
-            f"step(state, batch, mask): the compiled step (compile=True) failed: torch {torch.__version__}'s compiler cannot trace optree "
-            f"{_optree.__version__} (optree 0.20's registry compares sys.version_info, which torch 2.11's "
-            "dynamo cannot; torch 2.13's can). Fix: pip install 'optree<0.20', or torch>=2.13, or "
-            f"make_train_step(compile=False). (torch said: {str(err).splitlines()[0][:200]})"
+            _checks.optree_untraceable("step(state, batch, mask): the compiled step (compile=True) failed", torch.__version__, optree.__version__)
+            + f" (torch said: {str(err).splitlines()[0][:200]})"
         )
     return None
 

@@ -106,10 +106,14 @@ class SpentKeys:
     def run_digest(seed: int, binding: str) -> bytes:
         return hashlib.sha256(f"vmapdp-spent:{seed}:{binding}".encode()).digest()[:16]
 
+    @staticmethod
+    def _after(spans: list[list[int]], step: int) -> tuple[int, bool]:
+        """The index past the last interval starting at or before ``step``, and whether that one holds it."""
+        i = bisect.bisect_right(spans, [step, float("inf")])
+        return i, i > 0 and spans[i - 1][0] <= step < spans[i - 1][1]
+
     def _released(self, run: bytes, step: int) -> bool:
-        spans = self._runs.get(run, ())
-        i = bisect.bisect_right(spans, [step, float("inf")]) - 1
-        return i >= 0 and spans[i][0] <= step < spans[i][1]
+        return self._after(self._runs.get(run, []), step)[1]
 
     def check(self, call: str, run: bytes, step: int) -> bool:
         """Before computing: whether step ``step`` of ``run`` was released before (its release is
@@ -140,8 +144,8 @@ class SpentKeys:
     def record(self, run: bytes, step: int, fingerprint: Tensor) -> None:
         with self._lock:
             spans = self._runs.setdefault(run, [])
-            i = bisect.bisect_right(spans, [step, float("inf")])
-            if i > 0 and spans[i - 1][0] <= step < spans[i - 1][1]:
+            i, held = self._after(spans, step)
+            if held:
                 return  # (a recomputation: the checksum is the one recorded)
             if i > 0 and spans[i - 1][1] == step:
                 spans[i - 1][1] = step + 1
