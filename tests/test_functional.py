@@ -48,6 +48,43 @@ def test_no_copy_and_no_mutation():
     assert torch.equal(model.weight, before)
 
 
+def test_a_submodule_held_under_two_paths_keeps_its_parameters_and_trains_through_each_path():
+    # torch's functional_call set such a slot once per path and restored the originals in the same
+    # order, so after one call the module held the passed-in tensor instead of its Parameter
+    # (peft's prompt models hold the input embedding as word_embeddings as well)
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = self.a  # one submodule, two paths
+            self.c = nn.Linear(3, 3)
+            self.c.weight = self.a.weight  # and a tied parameter in another submodule
+            self.register_buffer("s", torch.tensor(2.0))
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x))) * self.s
+
+    model = Aliased()
+    before = {n: p for n, p in model.named_parameters()}
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert list(params) == ["a.weight", "a.bias", "c.bias"]
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(apply(params, buffers, x), model(x))
+    grads = torch.func.grad(lambda p: apply(p, buffers, x).square().sum())(params)
+    model(x).square().sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
+    moved = {k: v + 1 for k, v in params.items()}
+    want = torch.nn.functional.linear
+    a = lambda z: want(z, moved["a.weight"], moved["a.bias"])  # noqa: E731
+    torch.testing.assert_close(apply(moved, buffers, x), 2 * want(a(a(x)), moved["a.weight"], moved["c.bias"]))
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)  # the module is untouched
+    assert model.b.weight is before["a.weight"] and model.c.weight is before["a.weight"]
+    with pytest.raises(KeyError, match=r"missing \['a.bias'"):
+        apply({"a.weight": params["a.weight"], "c.bias": params["c.bias"]}, buffers, x)
+
+
 def test_kwargs_and_tuple_outputs_pass_through():
     class Two(nn.Module):
         def __init__(self):

@@ -46,12 +46,13 @@ class FunctionalModel:
     ``.module`` (read only: vmapdp never changes it).
     """
 
-    __slots__ = ("module", "param_names", "buffer_names")
+    __slots__ = ("module", "param_names", "buffer_names", "_slots")
 
     def __init__(self, module: nn.Module, param_names: tuple[str, ...], buffer_names: tuple[str, ...]):
         self.module = module
         self.param_names = param_names
         self.buffer_names = buffer_names
+        self._slots = _aliased_slots(module)
 
     def __call__(self, params: Params, buffers: Buffers, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(params, dict) or not isinstance(buffers, dict):
@@ -66,7 +67,13 @@ class FunctionalModel:
                 "params and buffers; each tensor belongs to exactly one of them."
             )
         try:
-            return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
+            if self._slots is None:
+                return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
+            if params.keys() | buffers.keys() != {*self.param_names, *self.buffer_names}:
+                raise RuntimeError("Error(s) in reparametrizing: Missing key(s) or Unexpected key(s).")
+            tensors = {**params, **buffers}
+            # each slot set once (see _aliased_slots); the keys were checked above
+            return functional_call(self.module, {path: tensors[key] for path, key in self._slots}, args, kwargs, tie_weights=False)
         except (RuntimeError, ValueError) as err:  # (train-mode BatchNorm on one sample raises ValueError)
             explained = _explain(self, params, buffers, err)
             if explained is err:
@@ -75,6 +82,30 @@ class FunctionalModel:
 
     def __repr__(self) -> str:
         return f"FunctionalModel({type(self.module).__name__}, params={len(self.param_names)}, buffers={len(self.buffer_names)})"
+
+
+def _aliased_slots(module: nn.Module):
+    """``((path, key), ...)`` for a module tree that holds one submodule under two or more paths
+    (``self.b = self.a``; peft's prompt models hold the input embedding as ``word_embeddings`` too):
+    one path per (submodule, tensor name) slot, with the key of the tensor there in ``params`` /
+    ``buffers``; ``None`` for any other tree.
+
+    ``torch.func.functional_call`` with ``tie_weights=True`` sets such a slot once per path and puts
+    the originals back in the same order, so the slot ends up holding the value passed in, not the
+    module's parameter (torch 2.13: the module lost its ``Parameter`` after one call). Setting each
+    slot once, through its first path, leaves the module as it was."""
+    modules = list(module.named_modules(remove_duplicate=False))
+    if len({id(m) for _, m in modules}) == len(modules):
+        return None
+    key = {}  # id of each tensor -> its name in params / buffers (the first, as functionalize keys them)
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        key.setdefault(id(t), name)
+    slots = []
+    for prefix, m in module.named_modules():  # (each submodule once, under its first path)
+        for name, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None:
+                slots.append((f"{prefix}.{name}" if prefix else name, key[id(t)]))
+    return tuple(slots)
 
 
 def _explain(fm: FunctionalModel, params: Params, buffers: Buffers, err: RuntimeError) -> Exception:
