@@ -517,3 +517,105 @@ def test_compile_takes_a_backend_name_and_refuses_others():
         vmapdp.make_train_step(loss, sgd, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=3.0, sample_rate=0.1, compile="inductr")
     with pytest.raises(TypeError, match=r"compile must be True, False or a torch.compile backend name"):
         vmapdp.make_train_step(loss, sgd, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=3.0, sample_rate=0.1, compile=1)
+
+
+# --- peft prompt learning: virtual tokens in front of each sample -----------------------------
+
+PROMPTS = {
+    "gpt2-prompt": ("gpt2", False, lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)),
+    "gpt2-prompt-left": ("gpt2", True, lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)),
+    "gpt2-p-tuning": ("gpt2", False, lambda: peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8)),
+    "llama-sdpa-prompt-left": ("llama-sdpa", True, lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)),
+    "bert-sdpa-prompt": ("bert-sdpa", False, lambda: peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3)),
+}
+
+
+def prompted(name):
+    base, left, config = PROMPTS[name]
+    m, batch = model_batch(base, left=left)
+    return peft.get_peft_model(m, config()).eval(), batch, left
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_peft_prompt_learning_is_peft_own_loss_with_oracle_grads_and_every_methods_sum_within_c(name):
+    """Prompt tuning and P-tuning (peft's own forward concatenates a 2-D prefix mask, which failed on
+    the adapter's 4-D one): each sample's loss is peft's own on the sample with its padding cut off,
+    and the same padded 5 positions further; per-sample grads are the one-sample oracle's; ghost
+    covers every trainable element; every method's clipped sum equals vmap's, and removing one
+    sample moves it by at most C; the user's module is left as it was (peft aliases the input
+    embedding: see test_functional)."""
+    pm, batch, left = prompted(name)
+    before = dict(pm.named_parameters())
+    apply, params, buffers, loss = hf.loss_fn(pm)
+    assert "prompt_encoder.default.embedding.weight" in params
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        cut = slice(L - n, L) if left else slice(0, n)
+        labels = batch["labels"][i : i + 1, cut] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1]
+        own = pm(input_ids=batch["input_ids"][i : i + 1, cut], labels=labels).loss
+        sample = {k: v[i] for k, v in batch.items()}
+        torch.testing.assert_close(loss(params, buffers, sample), own, rtol=1e-5, atol=1e-6)
+        more = {k: (F.pad(v, (5, 0) if left else (0, 5)) if v.dim() == 1 and v.shape[0] == L else v) for k, v in sample.items()}
+        torch.testing.assert_close(loss(params, buffers, more), own, rtol=1e-5, atol=1e-6)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    plan = vmapdp.ghost.probe(loss, params, (buffers,), batch, "error")
+    assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
+    c = 1e-3
+    fns = {m: vmapdp.clipped_grad_sum(loss, l2_clip_norm=c, method=m) for m in ("vmap", "ghost", "two_pass")}
+    full = {m: fn(params, buffers, batch)[0] for m, fn in fns.items()}
+    for m in ("ghost", "two_pass"):
+        for k in params:
+            torch.testing.assert_close(full[m][k], full["vmap"][k], rtol=1e-4, atol=1e-7, msg=f"{m} {k}")
+    for m, fn in fns.items():
+        moved = [sum(float((full[m][k].double() - v.double()).square().sum()) for k, v in fn(params, buffers, batch, mask=torch.arange(3) != i)[0].items()) ** 0.5 / c
+                 for i in range(3)]
+        assert max(moved) <= 1 + 1e-4 and max(moved) > 0.5, (m, moved)
+    after = dict(pm.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def test_make_private_trains_only_the_prompt_of_a_prompt_tuned_gpt2():
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(gpt2(), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)).eval()
+    before = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    trainer = vmapdp.make_private(pm, torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.5), dataset(16), batch_size=8,
+                                  l2_clip_norm=1.0, noise_multiplier=0.5, delta=1e-3, compile=False, method="ghost", seed=0)
+    next(iter(trainer.train_epoch()))
+    changed = {k for k, v in pm.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"prompt_encoder.default.embedding.weight"}
+
+
+def test_prompt_learning_the_adapter_cannot_run_is_refused_by_name():
+    torch.manual_seed(0)
+    prefix = peft.get_peft_model(gpt2(), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match=r"peft PREFIX_TUNING is not supported.*past_key_values.*PromptTuningConfig"):
+        hf.loss_fn(prefix)
+    qwen = peft.get_peft_model(qwen2("sdpa"), peft.PromptTuningConfig(task_type="SEQ_CLS", num_virtual_tokens=3))
+    with pytest.raises(ValueError, match=r"Qwen2ForSequenceClassification is not supported: a decoder classifier.*pools the last position"):
+        hf.loss_fn(qwen)
+    pm, batch, _ = prompted("gpt2-prompt")
+    apply, params, buffers, loss = hf.loss_fn(pm)
+    sample = {k: v[0] for k, v in batch.items()}
+    with pytest.raises(ValueError, match=r"position_ids with a peft prompt-tuning model.*does not drop an input silently"):
+        loss(params, buffers, {**sample, "position_ids": torch.arange(L)})
+
+
+def test_a_prompt_tuned_models_compiled_step_equals_the_eager_one():
+    """dynamo's capture (backend "eager") of the ghost step on a left-padded prompt-tuned GPT-2: the
+    twin forward and the loss's pairing of targets with the last real position trace in one graph."""
+    pm, batch, _ = prompted("gpt2-prompt-left")
+    apply, params, buffers, loss = hf.loss_fn(pm)
+    sgd = vmapdp.optim.sgd(0.1)
+
+    def make(compile):
+        return vmapdp.make_train_step(loss, sgd, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=3.0, sample_rate=0.1, method="ghost", compile=compile)
+
+    eager, compiled = make(False), make("eager")
+    s_eager = s_comp = vmapdp.init_train_state(params, sgd, seed=0)
+    for mask in (torch.tensor([True, True, False]), torch.tensor([True, False, True])):
+        s_eager, _ = eager(s_eager, batch, mask, buffers)
+        s_comp, _ = compiled(s_comp, batch, mask, buffers)
+    for k in params:
+        torch.testing.assert_close(s_comp.params[k], s_eager.params[k], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(s_comp.params["prompt_encoder.default.embedding.weight"], params["prompt_encoder.default.embedding.weight"])

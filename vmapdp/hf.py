@@ -29,6 +29,13 @@ Losses, per sample (a padded position never counts):
   cross-entropy of the logits against the label (mean squared error for one output,
   ``problem_type="regression"``).
 
+peft models: LoRA and the other adapters run as they are (only the adapters are in ``params``);
+prompt tuning and P-tuning (``PromptTuningConfig``, ``PromptEncoderConfig``) run through a twin of
+the model whose forward puts the virtual tokens' embeddings in front of the sample's and passes the
+adapter's mask on (peft's own forward concatenates a 2-D prefix mask), with a causal LM's first real
+token predicted from the last virtual one across any left padding, as without it. Prefix tuning and
+the others that pass a cache or per-sample task ids are refused by name.
+
 This module imports ``transformers`` lazily; vmapdp itself does not depend on it
 (``pip install vmapdp[hf]``).
 """
@@ -36,7 +43,9 @@ This module imports ``transformers`` lazily; vmapdp itself does not depend on it
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
+import types
 import inspect
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -76,6 +85,50 @@ def is_transformers_model(model: Any) -> bool:
         return False
     base = _base_model(model)
     return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(base).__mro__)
+
+
+_PROMPT_TYPES = ("PROMPT_TUNING", "P_TUNING")
+
+
+def _prompt_tokens(call: str, model: nn.Module, task: str, causal: Optional[bool]) -> int:
+    """The number of virtual tokens a peft prompt-learning model prepends (0 for any other model),
+    after refusing the kinds the adapter cannot run per sample."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind not in _PROMPT_TYPES:
+        raise ValueError(
+            f"{call}: peft {kind} is not supported: the adapter runs prompt learning that prepends virtual token "
+            f"embeddings ({', '.join(_PROMPT_TYPES)}); prefix tuning passes past_key_values (a transformers Cache, which "
+            "vmap cannot batch), and multitask prompt tuning / CPT need per-sample task_ids or type masks. Use "
+            "PromptTuningConfig, PromptEncoderConfig (P-tuning) or LoRA."
+        )
+    if task == "token_classification" or (task == "classification" and causal):
+        raise ValueError(
+            f"{call}: peft prompt tuning with a {type(_base_model(model)).__name__} is not supported: "
+            + ("a tagger's outputs at the virtual tokens have no labels" if task == "token_classification" else
+               "a decoder classifier given inputs_embeds pools the last position, which is a padding position of a "
+               "right-padded sample")
+            + ". Prompt tuning runs with causal LMs and encoder classifiers (BERT-style); use LoRA here."
+        )
+    return int(config.num_virtual_tokens)
+
+
+def _prompted(apply: FunctionalModel) -> FunctionalModel:
+    """``apply`` over a twin of the peft prompt-learning model whose forward prepends the virtual
+    tokens' embeddings and passes the given (4-D, per-sample) attention mask on as it is (peft's own
+    forward concatenates a 2-D prefix mask, which fails on the adapter's 4-D one). The twin shares the
+    model's submodules and parameter names (a shallow copy with its own ``forward``)."""
+
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        embeds = self.word_embeddings(input_ids)
+        prompts = self.get_prompt(batch_size=input_ids.shape[0]).to(embeds.dtype)
+        return self.base_model(inputs_embeds=torch.cat((prompts, embeds), dim=1), attention_mask=attention_mask, **kwargs)
+
+    twin = copy.copy(apply.module)
+    twin.forward = types.MethodType(forward, twin)
+    return FunctionalModel(twin, apply.param_names, apply.buffer_names)
 
 
 def _task(call: str, model: nn.Module, task: Optional[str]) -> str:
@@ -187,7 +240,12 @@ def sample_loss(
         getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
     )
     if causal is None and "input_ids" in inspect.signature(_base_model(model).forward).parameters:
-        causal = _is_causal(model)  # once, eagerly (not while vmap or compile traces the loss)
+        # once, eagerly (not while vmap or compile traces the loss); on the transformers model (a peft
+        # prompt's virtual tokens would sit at position 0)
+        causal = _is_causal(_base_model(model))
+    virtual = _prompt_tokens(call, model, task, causal)
+    if virtual:
+        apply = _prompted(apply)
     window = getattr(config, "sliding_window", None)
     use_cache = config is not None and hasattr(config, "use_cache")
     # a sample's positions from its own mask: a model left to count positions from 0 would place a
@@ -214,6 +272,8 @@ def sample_loss(
                 f"vmapdp.hf loss_fn(params, buffers, sample): sample must be a dict of one sample's tensors "
                 f"(input_ids, attention_mask, labels, ...), got {type(sample).__name__}."
             )
+        if virtual:
+            sample = _with_prompt(sample, virtual, task)
         key = _label_key(sample) if task in ("classification", "token_classification") or "labels" in sample or "label" in sample else None
         inputs = {k: v[None] for k, v in sample.items() if k != key}
         mask = sample.get("attention_mask")
@@ -258,7 +318,13 @@ def sample_loss(
             if task == "causal_lm":  # the next token, predicted from a real one (left padding: not from the last pad)
                 target, pred = labels[1:], logits[0, :-1]
                 valid = target != _IGNORE
-                if mask is not None and mask.dim() == 1:
+                if virtual:  # predicted from the last real position before it: a left-padded sample's first
+                    # token from the prompt's last virtual one across the padding, as without the padding
+                    index = torch.arange(mask.shape[0], device=mask.device)
+                    src = torch.cummax(torch.where(mask != 0, index, -1), 0).values[:-1]
+                    pred = logits[0].index_select(0, src.clamp(min=0))
+                    valid = valid & (src >= 0)
+                elif mask is not None and mask.dim() == 1:
                     valid = valid & (mask[:-1] != 0)
             else:  # each position's own label
                 target, pred = labels, logits[0]
@@ -273,6 +339,33 @@ def sample_loss(
         return F.cross_entropy(logits.reshape(1, -1), y.reshape(1))
 
     return loss
+
+
+def _with_prompt(sample: Mapping, virtual: int, task: str) -> dict:
+    """ONE sample as the prompted model sees it: ``virtual`` real positions in front of its mask and
+    (causal LM) labels that ignore them; ``token_type_ids`` get zeros in front, as peft's own forward
+    gives a classifier."""
+    call = "vmapdp.hf loss_fn(params, buffers, sample)"
+    if "input_ids" not in sample:
+        raise KeyError(f"{call}: a peft prompt-tuning model needs input_ids (its prompt goes in front of their embeddings); the sample has keys {sorted(sample)}.")
+    if "position_ids" in sample or (task == "causal_lm" and "token_type_ids" in sample):
+        bad = "position_ids" if "position_ids" in sample else "token_type_ids"
+        raise ValueError(
+            f"{call}: {bad} with a peft prompt-tuning model: peft's own forward ignores them (with a warning); the adapter "
+            f"does not drop an input silently. Leave {bad} out of the batch."
+        )
+    ids = sample["input_ids"]
+    out = dict(sample)
+    ones = torch.ones(virtual, dtype=torch.long, device=ids.device)
+    mask = sample.get("attention_mask")
+    out["attention_mask"] = torch.cat((ones, torch.ones_like(ids) if mask is None else mask.to(torch.long)))
+    if task == "causal_lm":
+        labels = sample[_label_key(sample)] if ("labels" in sample or "label" in sample) else ids
+        out.pop("label", None)
+        out["labels"] = torch.cat((torch.full((virtual,), _IGNORE, dtype=labels.dtype, device=ids.device), labels))
+    if "token_type_ids" in sample:
+        out["token_type_ids"] = torch.cat((torch.zeros_like(ones), sample["token_type_ids"].to(torch.long)))
+    return out
 
 
 def loss_fn(model: nn.Module, *, task: Optional[str] = None, causal: Optional[bool] = None):
