@@ -297,9 +297,11 @@ class Run:
             return out
         if func in VIEW_OPS and args and self._key(args[0]) is not None:
             return self._view_op(func, args, kwargs)
-        cand = self._candidate(func, args, kwargs)
+        keys = self._keys_in((args, kwargs))
+        # (no param among the arguments: no rule applies, and its parse, shape checks in Python, is skipped:
+        # an LSTM's time loop makes thousands of elementwise calls a step)
+        cand = self._candidate(func, args, kwargs) if keys else None
         if cand is None:
-            keys = self._keys_in((args, kwargs))
             if func is F.embedding and arg(args, kwargs, 2, "padding_idx") is not None:
                 func, args, kwargs = embedding_with_padding, (func,) + tuple(args), kwargs
             return self._other_use(func, args, kwargs, keys) if keys else func(*args, **kwargs)
