@@ -99,6 +99,8 @@ def _each_form():
         "einsum ellipsis xwt list": (lambda p, x: torch.tanh(torch.einsum("...i,ji->...j", [x, p["w"]])).sum(), (3, 4), (5, 4)),
         "einsum W first": (lambda p, x: torch.tanh(torch.einsum("ij,...i->...j", p["w"], x)).sum(), (4, 3), (5, 4)),
         "addmm": (lambda p, x: torch.tanh(torch.addmm(p["b"], x, p["w"])).sum(), (4, 3), (5, 4)),
+        # an activation of the output's shape added (a recurrent step's x_proj + h W_hh^T), its grad flowing on
+        "addmm, an activation added": (lambda p, x: torch.tanh(torch.addmm(torch.sin(x[:, :3]) * x[:, 3:], x, p["w"])).sum(), (4, 3), (5, 4)),
         "layer_norm 2-D shape": (lambda p, x: torch.tanh(F.layer_norm(x, (5, 4), p["w"], p["b"])).square().sum(), (5, 4), (5, 4)),
         "rms_norm default eps": (lambda p, x: torch.tanh(F.rms_norm(x, (4,), p["w"])).square().sum(), (4,), (5, 4)),
         "group_norm": (lambda p, x: torch.tanh(F.group_norm(x.view(1, 4, 5), 2, p["w"], p["b"])).square().sum(), (4,), (5, 4)),
@@ -140,6 +142,22 @@ def test_uncovered_uses_are_named_with_their_ops():
     assert "covers 0.0%" in text and "w (3, 4, 2)" in text
     summed, norms, _ = fn(params, x[:, 0])
     _close((summed, norms), vmapdp.clip_and_sum(microbatch_grads(loss, params, x[:, 0]), C), 1e-10)
+
+
+def test_addmm_adding_a_param_of_the_outputs_shape_is_an_other_use():
+    """``addmm(P, x, W)`` with ``P`` a param of the output's shape: ``W``'s use is covered, ``P``'s
+    addend is not a bias (its grad is the output grad itself, per position): a per-sample view."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=g, dtype=torch.float64), "p": torch.randn(5, 3, generator=g, dtype=torch.float64)}
+
+    def loss(p, x):
+        return torch.tanh(torch.addmm(p["p"], x, p["w"])).sum()
+
+    x = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
+    assert fn.prepare(params, x).other == ["p", "w"]
+    summed, norms, _ = fn(params, x)
+    _close((summed, norms), vmapdp.clip_and_sum(microbatch_grads(loss, params, x), C), 1e-10)
 
 
 def _view_forms():

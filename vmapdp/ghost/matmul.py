@@ -76,13 +76,18 @@ def parse_matmul(args: tuple, kwargs: dict) -> list[tuple[Any, Any, Any, tuple]]
 
 
 def parse_addmm(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
-    """``torch.addmm(bias, x, W)`` with ``beta = alpha = 1`` and a bias of shape ``[out]``."""
+    """``torch.addmm(bias, x, W)`` with ``beta = alpha = 1`` and a bias of shape ``[out]``, or
+    ``torch.addmm(z, x, W)`` with ``z`` of the output's shape ``[n, out]``, an activation added to
+    ``x @ W`` (a recurrent step's ``x_proj + h W_hh^T``): no bias use (a param there is another use
+    of it, and the tracer takes the generic path)."""
     bias, x, w = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "mat1"), arg(args, kwargs, 2, "mat2")
-    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or not _xw(x, w):
+    if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1 or not _xw(x, w) or not isinstance(bias, Tensor):
         return None
-    if not isinstance(bias, Tensor) or tuple(bias.shape) != (w.shape[1],):
-        return None
-    return x, w, bias, ("xw", 0)
+    if tuple(bias.shape) == (w.shape[1],):
+        return x, w, bias, ("xw", 0)
+    if tuple(bias.shape) == (x.shape[0], w.shape[1]):
+        return x, w, None, ("xw", 0)
+    return None
 
 
 class EinsumForm(NamedTuple):
