@@ -83,6 +83,37 @@ def test_a_submodule_held_under_two_paths_keeps_its_parameters_and_trains_throug
     assert model.b.weight is before["a.weight"] and model.c.weight is before["a.weight"]
     with pytest.raises(KeyError, match=r"missing \['a.bias'"):
         apply({"a.weight": params["a.weight"], "c.bias": params["c.bias"]}, buffers, x)
+    # the buffers passed are the ones used (not the module's), a frozen param among them
+    model.c.bias.requires_grad_(False)
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert sorted(buffers) == ["c.bias", "s"]
+    other = {"s": torch.tensor(3.0), "c.bias": torch.ones(3)}
+    torch.testing.assert_close(apply(params, other, x), 1.5 * (model(x) - 2 * model.c.bias) + 3 * torch.ones(3))
+    assert model.s == 2.0 and model.c.bias is before["c.bias"]
+    # a module changed after functionalize is refused with the names it gained (not run with its own new layer)
+    model.extra = nn.Linear(3, 3)
+    with pytest.raises(KeyError, match=r"missing \['extra.bias', 'extra.weight'\].*functionalize it again"):
+        apply(params, buffers, x)
+
+
+def test_a_recurrent_layer_held_under_two_paths_gets_one_twin():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 3, batch_first=True)
+            self.again = self.rnn
+
+        def forward(self, x):
+            return self.again(self.rnn(x)[0])[0].square().sum()
+
+    model = Twice()
+    apply, params, buffers = vmapdp.functionalize(model)
+    assert apply.module.rnn is apply.module.again and list(params) == ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0", "rnn.bias_hh_l0"]
+    x = torch.randn(2, 4, 3)
+    grads = torch.func.grad(lambda p: apply(p, buffers, x))(params)
+    model(x).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad)
 
 
 def test_kwargs_and_tuple_outputs_pass_through():

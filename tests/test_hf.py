@@ -559,6 +559,14 @@ def test_peft_prompt_learning_is_peft_own_loss_with_oracle_grads_and_every_metho
         torch.testing.assert_close(loss(params, buffers, more), own, rtol=1e-5, atol=1e-6)
     grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
     vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+    for i in range(3):  # and against autograd through peft's own forward (not the adapter's apply)
+        n = int(batch["attention_mask"][i].sum())
+        cut = slice(L - n, L) if left else slice(0, n)
+        pm.zero_grad()
+        pm(input_ids=batch["input_ids"][i : i + 1, cut], labels=batch["labels"][i : i + 1, cut] if batch["labels"].dim() == 2 else batch["labels"][i : i + 1]).loss.backward()
+        for k, p in pm.named_parameters():
+            if k in params:
+                torch.testing.assert_close(grads[k][i], p.grad, rtol=1e-4, atol=1e-6, msg=f"{k} sample {i}")
     plan = vmapdp.ghost.probe(loss, params, (buffers,), batch, "error")
     assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
     c = 1e-3
@@ -586,6 +594,29 @@ def test_make_private_trains_only_the_prompt_of_a_prompt_tuned_gpt2():
     assert changed == {"prompt_encoder.default.embedding.weight"}
 
 
+def test_prompt_tuning_takes_token_type_ids_a_label_key_and_a_sample_without_tokens_as_peft_does():
+    """A BERT classifier's token_type_ids get zeros in front (peft's own forward: the same loss); a
+    causal LM's targets under the key ``label`` (not replaced by input_ids); a sample whose mask is
+    all padding: loss 0 and a zero gradient, not NaN."""
+    pm, batch, _ = prompted("bert-sdpa-prompt")
+    g = torch.Generator().manual_seed(1)
+    batch["token_type_ids"] = torch.randint(0, 2, batch["input_ids"].shape, generator=g) * batch["attention_mask"]
+    apply, params, buffers, loss = hf.loss_fn(pm)
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        own = pm(input_ids=batch["input_ids"][i : i + 1, :n], token_type_ids=batch["token_type_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1]).loss
+        torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own, rtol=1e-5, atol=1e-6)
+    pm, batch, _ = prompted("gpt2-prompt")
+    apply, params, buffers, loss = hf.loss_fn(pm)
+    targets = torch.roll(batch["input_ids"], 1, dims=1)  # other targets than the inputs
+    sample = {"input_ids": batch["input_ids"][0], "label": targets[0]}
+    own = pm(input_ids=batch["input_ids"][:1], labels=targets[:1]).loss
+    torch.testing.assert_close(loss(params, buffers, sample), own, rtol=1e-5, atol=1e-6)
+    empty = {"input_ids": torch.zeros(L, dtype=torch.long), "attention_mask": torch.zeros(L, dtype=torch.long), "labels": torch.zeros(L, dtype=torch.long)}
+    grads = torch.func.grad(lambda p: loss(p, buffers, empty))(params)
+    assert float(loss(params, buffers, empty)) == 0.0 and all(torch.equal(v, torch.zeros_like(v)) for v in grads.values())
+
+
 def test_prompt_learning_the_adapter_cannot_run_is_refused_by_name():
     torch.manual_seed(0)
     prefix = peft.get_peft_model(gpt2(), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
@@ -599,6 +630,13 @@ def test_prompt_learning_the_adapter_cannot_run_is_refused_by_name():
     sample = {k: v[0] for k, v in batch.items()}
     with pytest.raises(ValueError, match=r"position_ids with a peft prompt-tuning model.*does not drop an input silently"):
         loss(params, buffers, {**sample, "position_ids": torch.arange(L)})
+    with pytest.raises(ValueError, match=r"token_type_ids with a peft prompt-tuning model"):
+        loss(params, buffers, {**sample, "token_type_ids": torch.zeros(L, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"criterion= with a peft prompt-tuned GPT2LMHeadModel: its logits hold the 3 virtual tokens"):
+        hf.sample_loss(pm, apply, criterion=F.cross_entropy)
+    tagger, _ = token_tagger("bert")
+    with pytest.raises(ValueError, match=r"BertForTokenClassification is not supported: a tagger's outputs at the virtual tokens"):
+        hf.loss_fn(peft.get_peft_model(tagger, peft.PromptTuningConfig(task_type="TOKEN_CLS", num_virtual_tokens=3)))
 
 
 def test_a_prompt_tuned_models_compiled_step_equals_the_eager_one():

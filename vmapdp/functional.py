@@ -46,13 +46,13 @@ class FunctionalModel:
     ``.module`` (read only: vmapdp never changes it).
     """
 
-    __slots__ = ("module", "param_names", "buffer_names", "_slots")
+    __slots__ = ("module", "param_names", "buffer_names", "_aliased")
 
     def __init__(self, module: nn.Module, param_names: tuple[str, ...], buffer_names: tuple[str, ...]):
         self.module = module
         self.param_names = param_names
         self.buffer_names = buffer_names
-        self._slots = _aliased_slots(module)
+        self._aliased = _aliased_slots(module) is not None
 
     def __call__(self, params: Params, buffers: Buffers, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(params, dict) or not isinstance(buffers, dict):
@@ -67,18 +67,31 @@ class FunctionalModel:
                 "params and buffers; each tensor belongs to exactly one of them."
             )
         try:
-            if self._slots is None:
+            if not self._aliased:
                 return functional_call(self.module, (params, buffers), args, kwargs, tie_weights=True, strict=True)
-            if params.keys() | buffers.keys() != {*self.param_names, *self.buffer_names}:
-                raise RuntimeError("Error(s) in reparametrizing: Missing key(s) or Unexpected key(s).")
-            tensors = {**params, **buffers}
-            # each slot set once (see _aliased_slots); the keys were checked above
-            return functional_call(self.module, {path: tensors[key] for path, key in self._slots}, args, kwargs, tie_weights=False)
+            return self._call_aliased(params, buffers, args, kwargs)
         except (RuntimeError, ValueError) as err:  # (train-mode BatchNorm on one sample raises ValueError)
             explained = _explain(self, params, buffers, err)
             if explained is err:
                 raise
             raise explained from err
+
+    def _call_aliased(self, params: Params, buffers: Buffers, args: tuple, kwargs: dict) -> Any:
+        """Each slot set once, through its first path (see :func:`_aliased_slots`), after the
+        check ``strict=True`` makes on the other path: the names passed are those of the module's
+        tensors as it is now (one changed since ``functionalize`` is refused, not run with its own
+        new tensors)."""
+        slots = _aliased_slots(self.module)
+        given, expected = params.keys() | buffers.keys(), {key for _, key in slots}
+        if given != expected:
+            raise KeyError(
+                f"apply(params, buffers, ...): the tensors passed do not match the module {type(self.module).__name__}: "
+                f"missing {sorted(expected - given)}, unexpected {sorted(given - expected)}. Pass the params and buffers "
+                "dicts from vmapdp.functionalize(model) (trainable parameters in params; buffers and frozen parameters in "
+                "buffers), of the model as it is now (functionalize it again after adding or replacing layers)."
+            )
+        chosen = {path: (params[key] if key in params else buffers[key]) for path, key in slots}
+        return functional_call(self.module, chosen, args, kwargs, tie_weights=False)
 
     def __repr__(self) -> str:
         return f"FunctionalModel({type(self.module).__name__}, params={len(self.param_names)}, buffers={len(self.buffer_names)})"
@@ -97,14 +110,16 @@ def _aliased_slots(module: nn.Module):
     modules = list(module.named_modules(remove_duplicate=False))
     if len({id(m) for _, m in modules}) == len(modules):
         return None
-    key = {}  # id of each tensor -> its name in params / buffers (the first, as functionalize keys them)
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        key.setdefault(id(t), name)
+    # id of each tensor -> its name in params / buffers (the first, as functionalize keys them); a
+    # parameter's and a buffer's apart (one tensor registered as both gets each value passed)
+    param_key = {id(t): name for name, t in reversed(list(module.named_parameters()))}
+    buffer_key = {id(t): name for name, t in reversed(list(module.named_buffers()))}
     slots = []
     for prefix, m in module.named_modules():  # (each submodule once, under its first path)
-        for name, t in [*m._parameters.items(), *m._buffers.items()]:
-            if t is not None:
-                slots.append((f"{prefix}.{name}" if prefix else name, key[id(t)]))
+        for registry, key in ((m._parameters, param_key), (m._buffers, buffer_key)):
+            for name, t in registry.items():
+                if t is not None:
+                    slots.append((f"{prefix}.{name}" if prefix else name, key[id(t)]))
     return tuple(slots)
 
 
@@ -113,13 +128,15 @@ def _explain(fm: FunctionalModel, params: Params, buffers: Buffers, err: Runtime
     msg = str(err)
     if "reparametrizing" in msg and ("Missing key" in msg or "Unexpected key" in msg):
         given = set(params) | set(buffers)
-        expected = set(fm.param_names) | set(fm.buffer_names)
+        # (the module's names as it is now: one changed since functionalize shows what it gained)
+        expected = {n for n, _ in fm.module.named_parameters()} | {n for n, _ in fm.module.named_buffers()}
         return KeyError(
             f"apply(params, buffers, ...): the tensors passed do not match the module "
             f"{type(fm.module).__name__}: missing {sorted(expected - given)}, unexpected "
             f"{sorted(given - expected)}. Pass the params and buffers dicts from "
             "vmapdp.functionalize(model) (trainable parameters in params; buffers and frozen "
-            "parameters in buffers)."
+            "parameters in buffers), of the model as it is now (functionalize it again after adding "
+            "or replacing layers)."
         )
     if "randomness" in msg:
         return err  # per_sample_grads explains the randomness choice

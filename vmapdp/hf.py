@@ -115,6 +115,14 @@ def _prompt_tokens(call: str, model: nn.Module, task: str, causal: Optional[bool
     return int(config.num_virtual_tokens)
 
 
+def _task_of_class(model: nn.Module, default: str) -> str:
+    """The task the model's class name says (``default`` where it says none)."""
+    try:
+        return _task("", model, None)
+    except ValueError:
+        return default
+
+
 def _prompted(apply: FunctionalModel) -> FunctionalModel:
     """``apply`` over a twin of the peft prompt-learning model whose forward prepends the virtual
     tokens' embeddings and passes the given (4-D, per-sample) attention mask on as it is (peft's own
@@ -243,7 +251,13 @@ def sample_loss(
         # once, eagerly (not while vmap or compile traces the loss); on the transformers model (a peft
         # prompt's virtual tokens would sit at position 0)
         causal = _is_causal(_base_model(model))
-    virtual = _prompt_tokens(call, model, task, causal)
+    virtual = _prompt_tokens(call, model, task if criterion is None else _task_of_class(model, task), causal)
+    if virtual and criterion is not None and _task_of_class(model, task) != "classification":
+        raise ValueError(
+            f"{call}: criterion= with a peft prompt-tuned {type(_base_model(model)).__name__}: its logits hold the "
+            f"{virtual} virtual tokens' positions in front of the sample's, which a criterion written for the model's own "
+            "outputs does not expect. Leave criterion out: the adapter's loss skips them."
+        )
     if virtual:
         apply = _prompted(apply)
     window = getattr(config, "sliding_window", None)

@@ -421,11 +421,14 @@ def with_vmap_recurrent(module: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {id(t): t for t in module.parameters()}
     memo.update({id(t): t for t in module.buffers()})
     copied = copy.deepcopy(module, memo)
+    made: dict[int, nn.Module] = {}  # one twin per layer, however many paths hold it
     for m in list(copied.modules()):
         for name, child in list(m._modules.items()):
             twin = _TORCH_RECURRENT.get(type(child)) if child is not None else None
             if twin is not None:
-                setattr(m, name, twin.from_torch(child))
+                if id(child) not in made:
+                    made[id(child)] = twin.from_torch(child)
+                setattr(m, name, made[id(child)])
     root = _TORCH_RECURRENT.get(type(copied))
     return root.from_torch(copied) if root is not None else copied
 
