@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import replace
 
 import optree
 import pytest
@@ -38,10 +37,7 @@ def to(tree, device):
 def zoo_limits(name):
     """test_sensitivity's zoo_paths fixture, as a context (one test walks the whole zoo)."""
     old = limits.LIMITS
-    if name == "conv_patches":
-        limits.LIMITS = replace(old, grouped_conv_max=0)
-    elif name == "tied_embedding_head":
-        limits.LIMITS = replace(old, keep_elements=0, keep_ratio=0.0)
+    limits.LIMITS = sens.zoo_limits(name)
     try:
         yield
     finally:

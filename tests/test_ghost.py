@@ -81,7 +81,8 @@ def test_float32(name):
 
 
 @pytest.mark.parametrize("path", ["patches", "grouped-recomputed"])
-@pytest.mark.parametrize("name", ["conv1d_stride_dilation_padding", "conv2d_groups_reflect", "conv2d_circular_stride", "conv3d_same_replicate", "groupnorm"])
+@pytest.mark.parametrize("name", ["conv1d_stride_dilation_padding", "conv2d_groups_reflect", "conv2d_circular_stride", "conv3d_same_replicate", "groupnorm",
+                                  "conv_transpose1d_dilation", "conv_transpose3d", "conv_transpose2d_stride_output_padding_groups"])
 def test_conv_paths(name, path, monkeypatch):
     """The zoo's small convs take the grouped path with kept per-sample grads (tested above);
     force the other two: unfolded patches (wide convs), and a clipped sum by conv backward (over
@@ -159,6 +160,42 @@ def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype
         assert len(calls) == 2  # the two wide convs went through the Grams
     else:
         assert len(calls) == (0 if input_gram else 2)  # float64: no input Grams; the patches, for the direct outer products
+
+
+@pytest.mark.parametrize("input_gram", [True, False])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
+def test_transposed_convs_are_covered_on_every_path(input_gram, dtype, rtol, monkeypatch):
+    """Transposed convs (a generator's upsampling, a U-Net's decoder): ghost covers them fully (the
+    conv's use with the roles of input and output grads swapped), small ones by the grouped conv
+    backward, wide ones (float32) by Grams from the output grads' own Gram or from patches; equal
+    to the per-sample-gradient engine, stride, padding, output_padding, dilation and groups."""
+    monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
+    calls = []
+    spied = "conv_grams" if input_gram else "conv_pair"
+    real = getattr(conv, spied)
+    monkeypatch.setattr(conv, spied, lambda *a: calls.append(a) or real(*a))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(3, 48, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),  # few channels: grouped
+                          nn.ConvTranspose2d(48, 96, (2, 3), stride=(1, 2), dilation=(2, 1)), nn.Tanh(),  # wide: Grams (float32)
+                          nn.ConvTranspose2d(96, 4, 3, padding=1, groups=4), nn.Flatten(), nn.LazyLinear(4))  # groups: grouped
+    x = torch.randn(6, 3, 2, 2)  # (small maps: T^2 (du + dv) < T du dv, the Grams are cheaper)
+    model(x[:1])
+    model = model.to(dtype)
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss_fn(p, b, sample):
+        xs, ys = sample
+        return F.cross_entropy(apply(p, b, xs[None]), ys[None])
+
+    batch = (x.to(dtype), torch.randint(0, 4, (6,)))
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    plan = fn.prepare(params, buffers, batch)
+    assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
+    calls.clear()
+    summed, norms, _ = fn(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *_reference(loss_fn, params, buffers, batch, MASK), rtol=rtol)
+    # the wide one went through the Grams (float32), or the patches of the direct path (float64)
+    assert len(calls) == (0 if dtype == torch.float64 and input_gram else 1)
 
 
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])

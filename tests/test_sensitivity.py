@@ -12,6 +12,7 @@ method x precision x a small model zoo x crafted adversarial samples:
 * repeated tokens and padding rows (embedding + linear with ``padding_idx``), a model with
   ``scale_grad_by_freq`` (its batched backward couples the samples);
 * a NaN sample (must be dropped, i.e. contribute exactly 0);
+* convs and transposed convs on checkerboards of huge values, through both per-sample paths;
 * transformer pieces (matmul.py, affine.py): GPT-2's ``addmm``, ``x @ W`` and ``einsum`` on
   cancelling sequences, RMSNorm / layer-scale / position-embedding params, a Llama-like block on
   repeated and padding tokens and a ViT-like block on checkerboard images;
@@ -77,6 +78,18 @@ class ConvPool(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv, self.head = nn.Conv2d(2, 3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+class ConvTransposePool(nn.Module):
+    """A transposed conv on 4 x 4 inputs (its weight's per-sample grad sums over the input's
+    positions, each with the constant output grad of the mean), a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.ConvTranspose2d(2, 3, 3), nn.Linear(3, 3)
 
     def forward(self, x):
         return self.head(self.conv(x).mean((2, 3)))
@@ -223,6 +236,10 @@ ZOO = {
     "sequence_linear": (lambda: Pool(nn.Linear(5, 6), 6), _floats((2, 5), _alternating)),
     "conv_grouped": (ConvPool, _floats((2, 6, 6), _checkerboard)),
     "conv_patches": (ConvPool, _floats((2, 6, 6), _checkerboard)),  # the wide-conv path (monkeypatched)
+    # the transposed conv (conv.py: the conv's use with input and output grads swapped), both paths;
+    # the checkerboard's huge terms cancel over the 4 x 4 input positions
+    "conv_transpose_grouped": (ConvTransposePool, _floats((2, 4, 4), _checkerboard)),
+    "conv_transpose_patches": (ConvTransposePool, _floats((2, 4, 4), _checkerboard)),
     "embedding_padding": (EmbedLinear, _tokens),
     "embedding_scale_grad_by_freq": (lambda: EmbedLinear(scale_grad_by_freq=True), _tokens),
     "tied_embedding_head": (TiedHead, _tokens),  # nothing kept (monkeypatched): self and cross terms
@@ -270,15 +287,21 @@ def neighbour_differences(fn, params, buffers, batch, c=C):
     return out
 
 
+def zoo_limits(name):
+    """The limits a zoo case runs under: the conv_patches cases send their conv through the
+    unfolded-patches path (book-keeping sum by one conv backward over the batch) instead of the
+    grouped per-sample one; the tied table keeps nothing, as a vocabulary-sized one would not, so
+    its norms come from cross terms."""
+    if name in ("conv_patches", "conv_transpose_patches"):
+        return replace(limits.LIMITS, grouped_conv_max=0)
+    if name == "tied_embedding_head":
+        return replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0)
+    return limits.LIMITS
+
+
 @pytest.fixture
 def zoo_paths(monkeypatch, request):
-    """The conv_patches case sends its conv through the unfolded-patches path (book-keeping
-    sum by one conv backward over the batch) instead of the grouped per-sample one; the tied
-    table keeps nothing, as a vocabulary-sized one would not, so its norms come from cross terms."""
-    if "conv_patches" in request.node.name:
-        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
-    if "tied_embedding_head" in request.node.name:
-        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
+    monkeypatch.setattr(limits, "LIMITS", zoo_limits(request.node.callspec.params["name"]))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])

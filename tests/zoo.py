@@ -143,6 +143,21 @@ CASES = [
         lambda: nn.Sequential(nn.Conv3d(2, 3, 3, padding="same", padding_mode="replicate"), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 3 * 3, 2)),
         _images((2, 4, 3, 3), 2),
     ),
+    Case(
+        "conv_transpose2d_stride_output_padding_groups",
+        lambda: nn.Sequential(nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), nn.Tanh(), nn.Flatten(), nn.Linear(6 * 6 * 6, 3)),
+        _images((4, 3, 3), 3),
+    ),
+    Case(
+        "conv_transpose1d_dilation",
+        lambda: nn.Sequential(nn.ConvTranspose1d(3, 2, 3, stride=3, padding=2, dilation=2, output_padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 14, 3)),
+        _images((3, 5), 3),
+    ),
+    Case(
+        "conv_transpose3d",
+        lambda: nn.Sequential(nn.ConvTranspose3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=(0, 1, 0)), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 3 * 4, 2)),
+        _images((2, 3, 2, 3), 2),
+    ),
     Case("embedding_repeated_tokens", lambda: Pool(nn.Embedding(7, 5), 5, 3), _tokens(7, 9, 3)),
     Case("layernorm", lambda: nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3)), _images((6,), 3)),
     Case(

@@ -1,4 +1,6 @@
-"""The conv rule (``conv1d/2d/3d``) and its "conv" use: per-sample norms of conv kernels, three ways.
+"""The conv rules (``conv1d/2d/3d`` and ``conv_transpose1d/2d/3d``, the adjoint: its weight's use
+is the conv's with the roles of input and output grads swapped) and their "conv" use: per-sample
+norms of conv kernels, three ways.
 
 Few channels: one grouped conv backward with the batch as groups gives the per-sample grads
 (kept for the clipped sum when they fit, see ``Limits``). Wide channels: ghost norms from float64
@@ -73,6 +75,49 @@ def conv_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> li
     if site.bias:
         u = gs.flatten(3).transpose(2, 3)  # [B, n, L, C_out]
         u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)  # [B, n*L, C_out], a view when n == 1
+        out.append((site.bias, Use(PAIR, u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+    return out
+
+
+def parse_conv_transpose(dims: int, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
+    """``conv_transpose{dims}d(input, weight, bias, stride, padding, output_padding, groups,
+    dilation)`` with a kernel ``[C_in, C_out / groups, *k]``; ``meta`` its geometry ``(dims,
+    stride, padding, dilation, groups, kernel shape)``."""
+    w = arg(args, kwargs, 1, "weight")
+    if not isinstance(w, Tensor) or w.dim() != dims + 2:
+        return None
+    groups = int(arg(args, kwargs, 6, "groups", 1))
+    meta = (
+        dims,
+        int_tuple(arg(args, kwargs, 3, "stride", 1), dims),
+        int_tuple(arg(args, kwargs, 4, "padding", 0), dims),
+        int_tuple(arg(args, kwargs, 7, "dilation", 1), dims),
+        groups,
+        tuple(w.shape),
+    )
+    b = arg(args, kwargs, 2, "bias")
+    if isinstance(b, Tensor) and tuple(b.shape) != (w.shape[1] * groups,):
+        return None
+    return arg(args, kwargs, 0, "input"), w, b, meta
+
+
+def conv_transpose_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> list[tuple[str, Use]]:
+    """A transposed conv ``y = C_W^T x`` is the adjoint of the conv ``C_W`` (stride, padding and
+    dilation its own; weight ``[C_in, C_out / groups, *k]`` is that conv's ``[out, in / groups,
+    *k]``), so ``<dy, C_W^T x> = <C_W dy, x>``: its weight's per-sample grad is that conv's weight
+    grad with the output grads ``dy`` as the conv's input and the input ``x`` as its output grads.
+    A ``"conv"`` use with those roles (``output_padding``'s extra rows are read by no position of
+    ``C_W``); the bias is a pair of ``dy``'s positions with ones, as a conv's."""
+    b = g.shape[0]
+    dt = acc_dtype(g.dtype)
+    dims, stride, padding, dilation, groups, kshape = site.meta  # (set by parse_conv_transpose)
+    c_in, c_out = kshape[0], kshape[1] * groups
+    xs = x.reshape((b, -1, c_in) + tuple(x.shape[-dims:])).to(dt)
+    gs = _conv_padded(g.reshape((-1, c_out) + tuple(g.shape[-dims:])).to(dt), dims, padding, tuple(kshape[2:]), dilation)
+    out = [(site.weight, Use(CONV, xs, gs.reshape((b, -1) + tuple(gs.shape[1:])), tuple(params[site.weight].shape), (dims, stride, dilation, groups)))]
+    if site.bias:
+        u = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt).flatten(3).transpose(2, 3)  # [B, n, L, C_out]
+        u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)
         out.append((site.bias, Use(PAIR, u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
     return out
 
@@ -251,3 +296,7 @@ def _positions(use: Use) -> int:
 # conv uses of one param are not joined (each has its own geometry)
 CONV = UseKind("conv", _positions, conv_sq_norms, conv_per_sample, _weighted, conv_mass, joinable=False)
 CONV_RULES = {op: Rule(functools.partial(parse_conv, dims), conv_uses) for op, dims in ((torch.conv1d, 1), (torch.conv2d, 2), (torch.conv3d, 3))}
+CONV_RULES.update({
+    op: Rule(functools.partial(parse_conv_transpose, dims), conv_transpose_uses)
+    for op, dims in ((torch.conv_transpose1d, 1), (torch.conv_transpose2d, 2), (torch.conv_transpose3d, 3))
+})
