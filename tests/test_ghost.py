@@ -198,6 +198,42 @@ def test_transposed_convs_are_covered_on_every_path(input_gram, dtype, rtol, mon
     assert len(calls) == (0 if dtype == torch.float64 and input_gram else 1)
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["instance statistics", "running statistics (eval)", "running statistics updated (train)"])
+def test_instance_norm_affines_are_covered(dims, mode):
+    """``F.instance_norm``'s affine runs as ``mul`` and ``add`` on views of its weight and bias
+    (plan.TRACED_THROUGH): covered, exact, with the sample's own statistics or the running ones
+    (eval). Running statistics updated in place (training with ``track_running_stats=True``) run
+    the op itself, which is refused with the fix, as before."""
+    torch.manual_seed(dims)
+    norm = getattr(nn, f"InstanceNorm{dims}d")(4, affine=True, track_running_stats=mode != "instance statistics")
+    model = nn.Sequential(getattr(nn, f"Conv{dims}d")(2, 4, 3, padding=1), norm, nn.Tanh(), nn.Flatten(), nn.Linear(4 * 4**dims, 3)).double()
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+        if norm.running_mean is not None:
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2.0)
+    model.train(mode != "running statistics (eval)")
+    apply, params, buffers = vmapdp.functionalize(model)
+    x = torch.randn((6, 2) + (4,) * dims, dtype=torch.float64)
+    batch = (x, torch.randint(0, 3, (6,)))
+
+    def loss_fn(p, b, sample):
+        xs, ys = sample
+        return F.cross_entropy(apply(p, b, xs[None]), ys[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    if mode == "running statistics updated (train)":
+        with pytest.raises(vmapdp.errors.UnsupportedModuleError, match=r"InstanceNorm.d\): track_running_stats=True in training mode"):
+            fn.prepare(params, buffers, batch)  # (refused with the fix, as before: it releases batch statistics)
+        return
+    plan = fn.prepare(params, buffers, batch)
+    assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
+    summed, norms, _ = fn(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *_reference(loss_fn, params, buffers, batch, MASK), rtol=1e-10)
+
+
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])
 def test_pair_norms_ghost_and_direct_agree_with_the_outer_product(t, d_in, d_out):
     """Both branches of the per-layer choice (Gram matrices when 2T small, else g^T x)."""

@@ -245,6 +245,7 @@ ZOO = {
     "tied_embedding_head": (TiedHead, _tokens),  # nothing kept (monkeypatched): self and cross terms
     "layernorm": (lambda: Pool(nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6)), 6), _floats((6, 5), _alternating)),
     "groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4 * 16, 3)), _floats((2, 6, 6), _checkerboard)),
+    "instancenorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.InstanceNorm2d(4, affine=True), nn.Flatten(), nn.Linear(4 * 16, 3)), _floats((2, 6, 6), _checkerboard)),
     "lstm": (LastStep, _floats((4, 3), _alternating)),
     "addmm_sequence": (lambda: Pool(AddmmSeq(), 6), _floats((2, 5), _alternating)),
     "matmul_einsum_sequence": (lambda: Pool(MatmulSeq(), 6), _floats((6, 5), _alternating)),

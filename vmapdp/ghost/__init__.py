@@ -16,7 +16,7 @@ mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches 
 with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d``, ``F.embedding``,
 ``torch.addmm``, ``matmul`` / ``@`` / ``mm`` with a 2-D param, ``bmm`` / batched ``matmul`` with a
 ``[*G, m, n]`` param, two-operand ``einsum`` with a param of any rank (``"btd,dhk->bthk"``), the
-affines of ``layer_norm`` / ``group_norm`` / ``rms_norm``, ``x * w`` and ``x + w``, ``torch.cat``)
+affines of ``layer_norm`` / ``group_norm`` / ``rms_norm`` (and of ``batch_norm`` / ``instance_norm``, run as ``mul`` and ``add``), ``x * w`` and ``x + w``, ``torch.cat``)
 whose weight is a param, or a view of one (a box: ``chunk``, ``split``, ``narrow``, slices,
 ``unbind``, ``W.t()`` / ``W.T`` / ``transpose``, reshapes; or a box broadcast by ``expand`` /
 ``broadcast_to`` / ``repeat``, whose per-sample grad is the view's summed over the repeated dims;

@@ -22,7 +22,7 @@ from torch import Tensor
 from vmapdp._tree import acc_dtype, sq_norms
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg
 
-__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use", "batch_norm_affine"]
+__all__ = ["DIRECT", "LAYER_NORM", "GROUP_NORM", "RMS_NORM", "MUL", "ADD", "CAT", "direct_use", "batch_norm_affine", "instance_norm_affine"]
 
 
 def _sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -235,6 +235,28 @@ def batch_norm_affine(
     if bias is not None:
         y = y + bias.view(shape)
     return y.to(input.dtype)  # the op's output dtype (a float32 affine on a bfloat16 input stays bfloat16)
+
+
+def instance_norm_affine(
+    input: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None, weight: Tensor | None = None,
+    bias: Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-5,
+) -> Tensor:
+    """``F.instance_norm`` as the op without its affine, then ``xhat * w.view(1, C, 1..) +
+    b.view(..)`` (plan.TRACED_THROUGH, as :func:`batch_norm_affine`): the affine's uses are the
+    ``mul`` and ``add`` rules' (a style-transfer or GAN discriminator's InstanceNorm). Statistics
+    updated in place (``track_running_stats=True`` in training) and a norm without affine run the
+    op itself."""
+    if (weight is None and bias is None) or (use_input_stats and running_mean is not None) or input.dim() < 3:
+        return torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, torch.backends.cudnn.enabled)
+    if use_input_stats:
+        F._verify_spatial_size(input.size())  # (the op's own check: one value per channel cannot be normalised)
+    y = torch.instance_norm(input, None, None, running_mean, running_var, use_input_stats, momentum, eps, torch.backends.cudnn.enabled)
+    shape = (1, -1) + (1,) * (input.dim() - 2)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y.to(input.dtype)  # the op's output dtype
 
 
 LAYER_NORM = Rule(parse_layer_norm, layer_norm_uses)

@@ -23,7 +23,7 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
 from vmapdp.errors import UnsupportedModuleError
-from vmapdp.ghost.affine import batch_norm_affine
+from vmapdp.ghost.affine import batch_norm_affine, instance_norm_affine
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.uses import Site, arg
 from vmapdp.ghost.views import VIEW_OPS, View, box_of
@@ -104,6 +104,7 @@ def _per_projection(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor | None
 TRACED_THROUGH = {
     F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection),
     F.batch_norm: batch_norm_affine,  # (affine.py: its affine as `mul` and `add` on views of the weight and bias)
+    F.instance_norm: instance_norm_affine,  # (the same)
 }
 
 
