@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -232,6 +233,45 @@ def test_instance_norm_affines_are_covered(dims, mode):
     assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
     summed, norms, _ = fn(params, buffers, batch, mask=MASK)
     _assert_close(summed, norms, *_reference(loss_fn, params, buffers, batch, MASK), rtol=1e-10)
+
+
+@pytest.mark.parametrize("mode, padding_idx, weighted", [("sum", None, False), ("sum", 0, True), ("mean", 0, False), ("mean", -20, False), ("max", 0, False), ("max", None, False)])
+def test_embedding_bags_are_covered_as_embeddings(mode, padding_idx, weighted):
+    """``nn.EmbeddingBag`` on bags given as rows (several bags per sample): the tracer runs it as
+    ``F.embedding`` and each bag's sum / weighted sum / mean / max over its non-padding entries
+    (an empty bag gives 0), so the embedding rule covers the table; exact against the one-sample
+    oracle. Bags given by offsets run the op itself (a per-sample view, exact)."""
+
+    class Bags(nn.Module):
+        def __init__(self, offsets=False):
+            super().__init__()
+            self.bag, self.head, self.offsets = nn.EmbeddingBag(20, 4, mode=mode, padding_idx=padding_idx), nn.Linear(4, 3), offsets
+
+        def forward(self, x):
+            if self.offsets:
+                return self.head(self.bag(x.reshape(-1), torch.arange(0, x.numel(), x.shape[-1])))
+            return self.head(self.bag(x, per_sample_weights=x.double() / 10 if weighted else None))
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 20, (6, 2, 5))
+    x[0, 0, :3] = 0
+    x[1, 1] = 0  # a bag of padding only (when padding_idx is 0)
+    batch = (x, torch.randint(0, 3, (6, 2)))
+    for offsets in (False, True):
+        if offsets and (weighted or mode == "max"):
+            continue
+        apply, params, buffers = vmapdp.functionalize(Bags(offsets).double())
+
+        def loss_fn(p, b, sample):
+            return F.cross_entropy(apply(p, b, sample[0]), sample[1])
+
+        fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+        assert fn.prepare(params, buffers, batch).other == (["bag.weight"] if offsets else [])
+        with warnings.catch_warnings():  # (the offsets case: torch's per-sample loop for embedding_bag warns)
+            warnings.simplefilter("ignore", UserWarning)
+            summed, norms, _ = fn(params, buffers, batch, mask=MASK)
+        want = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, buffers, batch), C, mask=MASK)
+        _assert_close(summed, norms, *want, rtol=1e-10)
 
 
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])

@@ -288,6 +288,42 @@ def neighbour_differences(fn, params, buffers, batch, c=C):
     return out
 
 
+class EmbedBagLinear(nn.Module):
+    """Bags of 7 tokens (rows of the input) from a tiny vocabulary, padding excluded: each bag's
+    mean, max or weighted sum (``nn.EmbeddingBag``)."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.bag = nn.EmbeddingBag(6, 4, mode=mode, padding_idx=0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, tokens):
+        weights = tokens.float() / 3 if self.mode == "sum" else None
+        return self.head(torch.tanh(self.bag(tokens, per_sample_weights=weights)))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["mean", "max", "sum"])
+def test_neighbour_difference_is_at_most_C_with_embedding_bags(mode, precision):
+    """``nn.EmbeddingBag`` under ghost clipping (the tracer runs it as an embedding and a reduction:
+    embedding.py) on repeated and padding tokens. (Ghost only: vmap has no batching rule for
+    ``embedding_bag``, and the other methods' per-sample loop warns.)"""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(EmbedBagLinear(mode))
+    g = torch.Generator().manual_seed(1)
+    batch = (_tokens(g)[:, None], torch.randint(0, 3, (B,), generator=g))
+
+    def loss_fn(params, buffers, sample):
+        x, y = sample
+        return F.cross_entropy(apply(params, buffers, x), y[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn if precision is None else vmapdp.mixed_precision(loss_fn, precision), l2_clip_norm=C, method="ghost")
+    assert fn.prepare(params, buffers, batch).other == []
+    diffs = neighbour_differences(fn, params, buffers, batch)
+    assert max(diffs) <= 1 + TOL and max(diffs) > 0.5, [f"{d:.6f}" for d in diffs]
+
+
 def zoo_limits(name):
     """The limits a zoo case runs under: the conv_patches cases send their conv through the
     unfolded-patches path (book-keeping sum by one conv backward over the batch) instead of the

@@ -13,7 +13,7 @@ runs over the positions of a sequence or the pixels of a feature map, ``g = dL/d
 
 How vmapdp gets ``x`` and ``g`` for a *functional* model, without hooks: the loss is run once,
 mapped over the batch with ``vmap``, under a ``TorchFunctionMode`` that watches the calls made
-with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d``, ``F.embedding``,
+with the trainable params. At a covered op (``F.linear``, ``conv1d/2d/3d``, ``conv_transpose1d/2d/3d``, ``F.embedding`` (and ``F.embedding_bag`` of 2-D bags, run as one),
 ``torch.addmm``, ``matmul`` / ``@`` / ``mm`` with a 2-D param, ``bmm`` / batched ``matmul`` with a
 ``[*G, m, n]`` param, two-operand ``einsum`` with a param of any rank (``"btd,dhk->bthk"``), the
 affines of ``layer_norm`` / ``group_norm`` / ``rms_norm`` (and of ``batch_norm`` / ``instance_norm``, run as ``mul`` and ``add``), ``x * w`` and ``x + w``, ``torch.cat``)

@@ -16,7 +16,35 @@ from torch import Tensor
 from vmapdp._tree import acc_dtype
 from vmapdp.ghost.uses import Rule, Site, Use, UseKind, arg, rounding_margin
 
-__all__ = ["EMBEDDING", "EMBEDDING_RULE", "embedding_sq_norms"]
+__all__ = ["EMBEDDING", "EMBEDDING_RULE", "embedding_sq_norms", "embedding_bag_as_embedding"]
+
+
+def embedding_bag_as_embedding(
+    fallback: Any, input: Tensor, weight: Tensor, offsets: Tensor | None = None, max_norm: float | None = None, norm_type: float = 2,
+    scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False, per_sample_weights: Tensor | None = None,
+    include_last_offset: bool = False, padding_idx: int | None = None,
+) -> Tensor:
+    """``F.embedding_bag`` of bags given as rows of a 2-D input (``nn.EmbeddingBag`` on ``[bags,
+    L]``, no offsets) as ``F.embedding``, then each bag's sum (weighted by ``per_sample_weights``),
+    mean or max over its entries that are not ``padding_idx`` (an empty bag gives 0): what the tracer
+    runs instead of the op (plan.TRACED_THROUGH), so that the table's use is the embedding rule's
+    (and no per-sample loop: vmap has no batching rule for ``embedding_bag``). Other calls (offsets,
+    ``max_norm``, frequency scaling) run ``fallback``, the op's own body."""
+    if offsets is not None or input.dim() != 2 or max_norm is not None or scale_grad_by_freq or mode not in ("sum", "mean", "max"):
+        return fallback(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+    if per_sample_weights is not None and (mode != "sum" or per_sample_weights.shape != input.shape):
+        return fallback(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+    pad = None if padding_idx is None else (padding_idx + weight.shape[0] if padding_idx < 0 else padding_idx)
+    rows = torch.nn.functional.embedding(input, weight, pad)  # [bags, L, d]
+    keep = torch.ones_like(input, dtype=torch.bool) if pad is None else input != pad
+    count = keep.sum(-1, keepdim=True)  # [bags, 1]
+    if mode == "max":
+        out = rows.masked_fill(~keep[..., None], float("-inf")).amax(-2)
+        return torch.where(count > 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[..., None].to(rows.dtype)
+    out = (rows * keep[..., None].to(rows.dtype)).sum(-2)
+    return out if mode == "sum" else out / count.clamp(min=1).to(out.dtype)
 
 
 def parse_embedding(args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:

@@ -11,6 +11,7 @@ real run checks every call against the plan and refuses data-dependent control f
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.ghost.affine import batch_norm_affine, instance_norm_affine
+from vmapdp.ghost.embedding import embedding_bag_as_embedding
 from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.uses import Site, arg
 from vmapdp.ghost.views import VIEW_OPS, View, box_of
@@ -105,6 +107,8 @@ TRACED_THROUGH = {
     F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection),
     F.batch_norm: batch_norm_affine,  # (affine.py: its affine as `mul` and `add` on views of the weight and bias)
     F.instance_norm: instance_norm_affine,  # (the same)
+    # (embedding.py: bags as rows of a 2-D input -> F.embedding and a reduction; other calls its own body)
+    F.embedding_bag: functools.partial(embedding_bag_as_embedding, _body(F.embedding_bag, has_torch_function_variadic=lambda *a: False)),
 }
 
 
