@@ -235,6 +235,42 @@ def test_instance_norm_affines_are_covered(dims, mode):
     _assert_close(summed, norms, *_reference(loss_fn, params, buffers, batch, MASK), rtol=1e-10)
 
 
+TRANSPOSED = {  # name: (dims, C_in, C_out, kwargs of the call, a sample's input shape)
+    "output_padding >= stride (dilation > stride)": (1, 2, 3, dict(stride=1, dilation=2, output_padding=1), (1, 2, 3)),
+    "2-D, output_padding 2 >= stride 2, dilation 3": (2, 2, 4, dict(stride=2, dilation=3, output_padding=2, padding=1), (1, 2, 3, 3)),
+    "padding differs per dim": (2, 3, 2, dict(stride=(2, 1), padding=(2, 0), output_padding=(1, 0)), (1, 3, 4, 3)),
+    "3 images per sample, groups": (2, 4, 6, dict(stride=2, padding=1, groups=2), (3, 4, 3, 3)),
+    "unbatched input, 3-D": (3, 2, 2, dict(stride=(1, 2, 1), padding=(0, 1, 1), dilation=(2, 1, 1)), (2, 2, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("path", ["kept", "grouped-recomputed", "patches-recomputed"])
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_transposed_conv_geometries(name, path, monkeypatch):
+    """Transposed convs called as functions (keyword arguments), over geometries the module tests
+    do not reach: an output_padding past the stride (legal where dilation > stride: the adjoint
+    conv would read rows past the input's last position), padding that differs per dim, a sample
+    holding several images, an unbatched 3-D input; every per-sample path; exact in float64."""
+    dims, c_in, c_out, kwargs, shape = TRANSPOSED[name]
+    if path != "kept":
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0, grouped_conv_max=0 if path.startswith("patches") else 4096))
+    g = torch.Generator().manual_seed(len(name))
+    groups = kwargs.get("groups", 1)
+    params = {"w": torch.randn((c_in, c_out // groups) + (3,) * dims, generator=g, dtype=torch.float64),
+              "b": torch.randn(c_out, generator=g, dtype=torch.float64)}
+    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[dims - 1]
+
+    def loss(p, x):
+        return torch.tanh(conv_t(input=x, weight=p["w"], bias=p["b"], **kwargs)).square().sum()
+
+    x = torch.randn((5,) + shape, generator=g, dtype=torch.float64)
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
+    assert fn.prepare(params, x).other == []
+    mask = torch.tensor([True, False, True, True, True])
+    summed, norms, _ = fn(params, x, mask=mask)
+    _assert_close(summed, norms, *vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss, params, x), C, mask=mask), rtol=1e-10)
+
+
 @pytest.mark.parametrize("mode, padding_idx, weighted", [("sum", None, False), ("sum", 0, True), ("mean", 0, False), ("mean", -20, False), ("max", 0, False), ("max", None, False)])
 def test_embedding_bags_are_covered_as_embeddings(mode, padding_idx, weighted):
     """``nn.EmbeddingBag`` on bags given as rows (several bags per sample): the tracer runs it as

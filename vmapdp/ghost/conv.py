@@ -114,6 +114,10 @@ def conv_transpose_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tens
     c_in, c_out = kshape[0], kshape[1] * groups
     xs = x.reshape((b, -1, c_in) + tuple(x.shape[-dims:])).to(dt)
     gs = _conv_padded(g.reshape((-1, c_out) + tuple(g.shape[-dims:])).to(dt), dims, padding, tuple(kshape[2:]), dilation)
+    # only the rows the conv reads for x's positions: an output_padding >= stride (legal where
+    # dilation > stride) leaves rows that would give the conv more output positions than x has
+    need = tuple((m - 1) * st + dl * (k - 1) + 1 for m, st, dl, k in zip(x.shape[-dims:], stride, dilation, kshape[2:]))
+    gs = gs[(Ellipsis,) + tuple(slice(0, n) for n in need)]
     out = [(site.weight, Use(CONV, xs, gs.reshape((b, -1) + tuple(gs.shape[1:])), tuple(params[site.weight].shape), (dims, stride, dilation, groups)))]
     if site.bias:
         u = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt).flatten(3).transpose(2, 3)  # [B, n, L, C_out]
