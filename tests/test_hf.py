@@ -228,6 +228,21 @@ def test_one_samples_removal_moves_the_clipped_sum_by_at_most_c_under_every_meth
         assert max(moved) <= 1 + 1e-4 and max(moved) > 0.5, (method, precision, moved)
 
 
+@pytest.mark.parametrize("name", ["gpt2-sdpa", "bert-sdpa", "llama-sdpa"])
+def test_sdpa_attention_runs_batched_under_vmap(name):
+    """The adapter runs sdpa attention with the math kernel: the CPU's flash kernel has no vmap
+    batching rule, so torch ran it one sample at a time (a "performance drop" warning every call)."""
+    import warnings
+
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    assert not [w for w in caught if "performance drop" in str(w.message)], [str(w.message)[:120] for w in caught]
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "bert-eager", "llama-sdpa"])
 def test_ghost_and_two_pass_clipped_sums_equal_vmaps(name):
     m, batch = model_batch(name)

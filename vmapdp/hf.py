@@ -315,9 +315,11 @@ def sample_loss(
                 inputs["position_ids"] = ((mask != 0).long().cumsum(0) - 1).clamp(min=0)[None]
         if use_cache:
             inputs["use_cache"] = False
-        if sdpa and any(isinstance(v, Tensor) and v.device.type == "cuda" for v in sample.values()):
-            # vmap of CUDA's memory-efficient attention fails in its backward ("LSE is not correctly
-            # aligned", torch 2.11 on an H200): the math kernel (what "eager" attention computes) batches
+        if sdpa:
+            # the math kernel (what "eager" attention computes), which vmap batches: vmap of CUDA's
+            # memory-efficient attention fails in its backward ("LSE is not correctly aligned", torch
+            # 2.11 on an H200), and the CPU's flash kernel has no batching rule (torch runs it one
+            # sample at a time, with a "performance drop" warning each call; slower by 10-15% on tiny models)
             with sdpa_kernel(SDPBackend.MATH):
                 out = apply(params, buffers, **inputs)
         else:
