@@ -281,17 +281,22 @@ def test_embedding_bags_are_covered_as_embeddings(mode, padding_idx, weighted):
     class Bags(nn.Module):
         def __init__(self, offsets=False):
             super().__init__()
-            self.bag, self.head, self.offsets = nn.EmbeddingBag(20, 4, mode=mode, padding_idx=padding_idx), nn.Linear(4, 3), offsets
+            self.bag, self.head, self.offsets = nn.EmbeddingBag(20, 4, mode=mode), nn.Linear(4, 3), offsets
+            with torch.no_grad():
+                self.bag.weight[3] = self.bag.weight[4]  # tied maxima: the op's gradient goes to the first
+                self.bag.weight[0] *= 5  # a padding row that is not zero (as after a noisy step): excluded all the same
 
         def forward(self, x):
-            if self.offsets:
-                return self.head(self.bag(x.reshape(-1), torch.arange(0, x.numel(), x.shape[-1])))
-            return self.head(self.bag(x, per_sample_weights=x.double() / 10 if weighted else None))
+            if self.offsets:  # (F.embedding_bag called as a function: a negative padding_idx reaches it as it is)
+                return self.head(F.embedding_bag(x.reshape(-1), self.bag.weight, torch.arange(0, x.numel(), x.shape[-1]), mode=mode, padding_idx=padding_idx))
+            w = x.double() / 10 if weighted else None
+            return self.head(F.embedding_bag(x, self.bag.weight, mode=mode, per_sample_weights=w, padding_idx=padding_idx))
 
     torch.manual_seed(0)
     x = torch.randint(0, 20, (6, 2, 5))
     x[0, 0, :3] = 0
     x[1, 1] = 0  # a bag of padding only (when padding_idx is 0)
+    x[3, 0] = torch.tensor([3, 4, 3, 4, 4])  # a bag of two tokens with equal rows: tied in every dim (row 2 is masked)
     batch = (x, torch.randint(0, 3, (6, 2)))
     for offsets in (False, True):
         if offsets and (weighted or mode == "max"):
@@ -308,6 +313,54 @@ def test_embedding_bags_are_covered_as_embeddings(mode, padding_idx, weighted):
             summed, norms, _ = fn(params, buffers, batch, mask=MASK)
         want = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, buffers, batch), C, mask=MASK)
         _assert_close(summed, norms, *want, rtol=1e-10)
+
+
+def test_the_replaced_norm_and_bag_ops_keep_their_errors_and_compile():
+    """What the ops refuse is refused as before (a one-element instance norm in training, an
+    embedding bag's max_norm, with vmapdp's fix), and the compiled step over both equals the eager
+    one (dynamo, backend "eager")."""
+    norm = nn.Sequential(nn.Conv2d(2, 4, 1), nn.InstanceNorm2d(4, affine=True), nn.Flatten(), nn.Linear(4, 3))
+    apply, params, buffers = vmapdp.functionalize(norm)
+
+    def loss_fn(p, b, sample):
+        return F.cross_entropy(apply(p, b, sample[0][None]), sample[1][None])
+
+    one = (torch.randn(4, 2, 1, 1), torch.randint(0, 3, (4,)))
+    with pytest.raises(ValueError, match="Expected more than 1 spatial element"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, one)
+    renorm = nn.Sequential(nn.EmbeddingBag(10, 4, max_norm=1.0), nn.Linear(4, 3))
+    apply_r, params_r, buffers_r = vmapdp.functionalize(renorm)
+    with pytest.raises(vmapdp.errors.UnsupportedModuleError, match="max_norm=1.0"):
+        vmapdp.clipped_grad_sum(lambda p, b, s: apply_r(p, b, s[None]).sum(), l2_clip_norm=C, method="ghost")(params_r, buffers_r, torch.randint(0, 10, (4, 3)))
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.conv, self.norm, self.head = nn.EmbeddingBag(10, 4, mode="max", padding_idx=0), nn.Conv1d(1, 3, 2), nn.InstanceNorm1d(3, affine=True), nn.Linear(9, 3)
+
+        def forward(self, tokens):
+            return self.head(self.norm(self.conv(self.bag(tokens)[:, None])).flatten(1))
+
+    torch.manual_seed(0)
+    apply_b, params_b, buffers_b = vmapdp.functionalize(Both())
+
+    def loss_b(p, b, sample):
+        return F.cross_entropy(apply_b(p, b, sample[0]), sample[1])
+
+    sgd = vmapdp.optim.sgd(0.1)
+
+    def make(compile):
+        return vmapdp.make_train_step(loss_b, sgd, l2_clip_norm=C, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, method="ghost", compile=compile)
+
+    eager, compiled = make(False), make("eager")
+    s_e = s_c = vmapdp.init_train_state(params_b, sgd, seed=0)
+    g = torch.Generator().manual_seed(0)
+    for mask in (torch.tensor([True, True, False, True]), torch.tensor([False, True, True, True])):
+        batch = (torch.randint(0, 10, (4, 1, 5), generator=g), torch.randint(0, 3, (4, 1), generator=g))
+        s_e, _ = eager(s_e, batch, mask, buffers_b)
+        s_c, _ = compiled(s_c, batch, mask, buffers_b)
+    for k in params_b:
+        torch.testing.assert_close(s_c.params[k], s_e.params[k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("t, d_in, d_out", [(2, 8, 8), (9, 3, 4), (1, 5, 1)])

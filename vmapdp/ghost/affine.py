@@ -238,25 +238,25 @@ def batch_norm_affine(
 
 
 def instance_norm_affine(
-    input: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None, weight: Tensor | None = None,
+    fallback: Any, input: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None, weight: Tensor | None = None,
     bias: Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-5,
 ) -> Tensor:
     """``F.instance_norm`` as the op without its affine, then ``xhat * w.view(1, C, 1..) +
     b.view(..)`` (plan.TRACED_THROUGH, as :func:`batch_norm_affine`): the affine's uses are the
     ``mul`` and ``add`` rules' (a style-transfer or GAN discriminator's InstanceNorm). Statistics
-    updated in place (``track_running_stats=True`` in training) and a norm without affine run the
-    op itself."""
-    if (weight is None and bias is None) or (use_input_stats and running_mean is not None) or input.dim() < 3:
-        return torch.instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, torch.backends.cudnn.enabled)
-    if use_input_stats:
-        F._verify_spatial_size(input.size())  # (the op's own check: one value per channel cannot be normalised)
-    y = torch.instance_norm(input, None, None, running_mean, running_var, use_input_stats, momentum, eps, torch.backends.cudnn.enabled)
+    updated in place (``track_running_stats=True`` in training), a norm without affine, an
+    unbatched input and tensors of mixed dtypes run ``fallback``, the op's own body (its checks
+    and errors included)."""
+    tensors = [t for t in (running_mean, running_var, weight, bias) if t is not None]
+    if (weight is None and bias is None) or (use_input_stats and running_mean is not None) or input.dim() < 3 or any(t.dtype != input.dtype for t in tensors):
+        return fallback(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    y = fallback(input, running_mean, running_var, None, None, use_input_stats, momentum, eps)  # (the op's checks: one value per channel)
     shape = (1, -1) + (1,) * (input.dim() - 2)
     if weight is not None:
         y = y * weight.view(shape)
     if bias is not None:
         y = y + bias.view(shape)
-    return y.to(input.dtype)  # the op's output dtype
+    return y
 
 
 LAYER_NORM = Rule(parse_layer_norm, layer_norm_uses)

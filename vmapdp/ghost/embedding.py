@@ -30,19 +30,25 @@ def embedding_bag_as_embedding(
     runs instead of the op (plan.TRACED_THROUGH), so that the table's use is the embedding rule's
     (and no per-sample loop: vmap has no batching rule for ``embedding_bag``). Other calls (offsets,
     ``max_norm``, frequency scaling) run ``fallback``, the op's own body."""
-    if offsets is not None or input.dim() != 2 or max_norm is not None or scale_grad_by_freq or mode not in ("sum", "mean", "max"):
-        return fallback(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
-    if per_sample_weights is not None and (mode != "sum" or per_sample_weights.shape != input.shape):
-        return fallback(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+    psw = per_sample_weights
+    own = (
+        offsets is not None or input.dim() != 2 or input.shape[-1] == 0 or max_norm is not None or scale_grad_by_freq
+        or mode not in ("sum", "mean", "max") or (mode == "max" and sparse)
+        or (psw is not None and (mode != "sum" or psw.shape != input.shape or psw.dtype != weight.dtype))
+        or (padding_idx is not None and not -weight.shape[0] <= padding_idx < weight.shape[0])
+    )
+    if own:  # (what the op refuses, it refuses itself)
+        return fallback(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq, mode, sparse, psw, include_last_offset, padding_idx)
     pad = None if padding_idx is None else (padding_idx + weight.shape[0] if padding_idx < 0 else padding_idx)
     rows = torch.nn.functional.embedding(input, weight, pad)  # [bags, L, d]
     keep = torch.ones_like(input, dtype=torch.bool) if pad is None else input != pad
     count = keep.sum(-1, keepdim=True)  # [bags, 1]
-    if mode == "max":
-        out = rows.masked_fill(~keep[..., None], float("-inf")).amax(-2)
+    if mode == "max":  # (the op's gradient goes to one entry per bag and dim, the first of tied maxima: gather, not amax)
+        masked = rows.masked_fill(~keep[..., None], float("-inf"))
+        out = masked.gather(-2, masked.argmax(-2, keepdim=True)).squeeze(-2)
         return torch.where(count > 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    if per_sample_weights is not None:
-        rows = rows * per_sample_weights[..., None].to(rows.dtype)
+    if psw is not None:
+        rows = rows * psw[..., None]
     out = (rows * keep[..., None].to(rows.dtype)).sum(-2)
     return out if mode == "sum" else out / count.clamp(min=1).to(out.dtype)
 

@@ -72,6 +72,8 @@ class Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         body = TRACED_THROUGH.get(func)
         if body is not None:  # run its body with the mode on: the ops inside are seen one by one
+            if self.run.probe:
+                self.run._inspect(func, args, kwargs or {})  # (embedding_bag's max_norm: refused with the fix)
             self.run.plan.traced_through |= func is F.multi_head_attention_forward
             with self:
                 return body(*args, **(kwargs or {}))
@@ -106,7 +108,7 @@ def _per_projection(q: Tensor, k: Tensor, v: Tensor, w: Tensor, b: Tensor | None
 TRACED_THROUGH = {
     F.multi_head_attention_forward: _body(F.multi_head_attention_forward, _in_projection_packed=_per_projection),
     F.batch_norm: batch_norm_affine,  # (affine.py: its affine as `mul` and `add` on views of the weight and bias)
-    F.instance_norm: instance_norm_affine,  # (the same)
+    F.instance_norm: functools.partial(instance_norm_affine, _body(F.instance_norm, has_torch_function_variadic=lambda *a: False)),  # (the same)
     # (embedding.py: bags as rows of a 2-D input -> F.embedding and a reduction; other calls its own body)
     F.embedding_bag: functools.partial(embedding_bag_as_embedding, _body(F.embedding_bag, has_torch_function_variadic=lambda *a: False)),
 }
