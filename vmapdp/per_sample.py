@@ -23,6 +23,7 @@ from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask, zero_rows
 from vmapdp.clipping import grad_norms
 from vmapdp.errors import explain_torch_error
+from vmapdp.functional import batched_attention
 
 __all__ = ["per_sample_grads", "per_sample_grad_norms"]
 
@@ -84,7 +85,8 @@ def _mapped(
         in_dims = (None,) * (len(args) - 1) + (0,)
         mapped = vmap(transform, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
         try:
-            grads, value = mapped(*args)
+            with batched_attention(args[nums[0]]):
+                grads, value = mapped(*args)
         except (RuntimeError, ValueError) as err:
             raise explain_runtime_error(call, err) from err
         if has_aux:

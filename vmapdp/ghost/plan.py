@@ -24,6 +24,7 @@ from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
 from vmapdp.errors import UnsupportedModuleError
+from vmapdp.functional import batched_attention
 from vmapdp.ghost.affine import batch_norm_affine, instance_norm_affine
 from vmapdp.ghost.embedding import embedding_bag_as_embedding
 from vmapdp.ghost.rules import RULES
@@ -424,7 +425,7 @@ def _version_of(x: Tensor) -> tuple[Tensor, int]:
 
 def run_loss(run: Run, loss_fn: Callable, params: dict[str, Tensor], shared: tuple, sample: Any) -> Tensor:
     """``loss_fn`` on one (vmapped) sample with ``run`` watching its calls."""
-    with Mode(run):
+    with Mode(run), batched_attention(params):
         return loss_fn(params, *shared, sample)
 
 
