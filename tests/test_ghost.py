@@ -128,6 +128,17 @@ def test_conv_grams_from_the_input_gram_equal_the_patches_grams(dims, n, c_in, c
     torch.testing.assert_close(sq, per.flatten(1).square().sum(1), rtol=1e-10, atol=0)
 
 
+def _conv_path_spied(monkeypatch, input_gram: bool) -> list:
+    """Forces the patches' Gram from the input's Gram (or from unfolded patches) and returns the
+    list that records each call of the forced path's function."""
+    monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
+    calls = []
+    spied = "conv_grams" if input_gram else "conv_pair"
+    real = getattr(conv, spied)
+    monkeypatch.setattr(conv, spied, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("input_gram", [True, False])
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-5), (torch.float32, 1e-4)])
 def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype, rtol, monkeypatch):
@@ -135,11 +146,7 @@ def test_wide_convs_take_the_gram_path_and_match_the_reference(input_gram, dtype
     either from the input's Gram or from unfolded patches (both forced), and a conv backward for
     the clipped sum; equal to the per-sample-gradient engine. A float64 model's convs take the
     direct path instead (their squares can underflow: ``uses.float64_factors``): patches, no Grams."""
-    monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
-    calls = []
-    spied = "conv_grams" if input_gram else "conv_pair"
-    real = getattr(conv, spied)
-    monkeypatch.setattr(conv, spied, lambda *a: calls.append(a) or real(*a))
+    calls = _conv_path_spied(monkeypatch, input_gram)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.ReLU(), nn.Conv2d(40, 128, 3, stride=2, padding=1), nn.ReLU(),
                           nn.Conv2d(128, 64, (2, 3), dilation=(2, 1)), nn.Flatten(), nn.LazyLinear(4))
@@ -170,11 +177,7 @@ def test_transposed_convs_are_covered_on_every_path(input_gram, dtype, rtol, mon
     conv's use with the roles of input and output grads swapped), small ones by the grouped conv
     backward, wide ones (float32) by Grams from the output grads' own Gram or from patches; equal
     to the per-sample-gradient engine, stride, padding, output_padding, dilation and groups."""
-    monkeypatch.setattr(conv, "input_gram_cheaper", lambda *a: input_gram)
-    calls = []
-    spied = "conv_grams" if input_gram else "conv_pair"
-    real = getattr(conv, spied)
-    monkeypatch.setattr(conv, spied, lambda *a: calls.append(a) or real(*a))
+    calls = _conv_path_spied(monkeypatch, input_gram)
     torch.manual_seed(0)
     model = nn.Sequential(nn.ConvTranspose2d(3, 48, 3, stride=2, padding=1, output_padding=1), nn.ReLU(),  # few channels: grouped
                           nn.ConvTranspose2d(48, 96, (2, 3), stride=(1, 2), dilation=(2, 1)), nn.Tanh(),  # wide: Grams (float32)
