@@ -321,8 +321,8 @@ def test_embedding_bags_are_covered_as_embeddings(mode, padding_idx, weighted):
 
 def test_the_replaced_norm_and_bag_ops_keep_their_errors_and_compile():
     """What the ops refuse is refused as before (a one-element instance norm in training, an
-    embedding bag's max_norm, with vmapdp's fix), and the compiled step over both equals the eager
-    one (dynamo, backend "eager")."""
+    embedding bag's max_norm, with vmapdp's fix), and the compiled step over both and a transposed
+    conv equals the eager one (dynamo, backend "eager")."""
     norm = nn.Sequential(nn.Conv2d(2, 4, 1), nn.InstanceNorm2d(4, affine=True), nn.Flatten(), nn.Linear(4, 3))
     apply, params, buffers = vmapdp.functionalize(norm)
 
@@ -340,10 +340,11 @@ def test_the_replaced_norm_and_bag_ops_keep_their_errors_and_compile():
     class Both(nn.Module):
         def __init__(self):
             super().__init__()
-            self.bag, self.conv, self.norm, self.head = nn.EmbeddingBag(10, 4, mode="max", padding_idx=0), nn.Conv1d(1, 3, 2), nn.InstanceNorm1d(3, affine=True), nn.Linear(9, 3)
+            self.bag, self.conv, self.norm = nn.EmbeddingBag(10, 4, mode="max", padding_idx=0), nn.Conv1d(1, 3, 2), nn.InstanceNorm1d(3, affine=True)
+            self.up, self.head = nn.ConvTranspose1d(3, 2, 3, stride=2, padding=1, output_padding=1), nn.Linear(12, 3)
 
         def forward(self, tokens):
-            return self.head(self.norm(self.conv(self.bag(tokens)[:, None])).flatten(1))
+            return self.head(self.up(self.norm(self.conv(self.bag(tokens)[:, None]))).flatten(1))
 
     torch.manual_seed(0)
     apply_b, params_b, buffers_b = vmapdp.functionalize(Both())
@@ -351,6 +352,9 @@ def test_the_replaced_norm_and_bag_ops_keep_their_errors_and_compile():
     def loss_b(p, b, sample):
         return F.cross_entropy(apply_b(p, b, sample[0]), sample[1])
 
+    g = torch.Generator().manual_seed(0)
+    probe_batch = (torch.randint(0, 10, (4, 1, 5), generator=g), torch.randint(0, 3, (4, 1), generator=g))
+    assert vmapdp.clipped_grad_sum(loss_b, l2_clip_norm=C, method="ghost").prepare(params_b, buffers_b, probe_batch).other == []
     sgd = vmapdp.optim.sgd(0.1)
 
     def make(compile):
