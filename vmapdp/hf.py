@@ -45,8 +45,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-import types
 import inspect
+import types
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -251,8 +251,10 @@ def sample_loss(
         # once, eagerly (not while vmap or compile traces the loss); on the transformers model (a peft
         # prompt's virtual tokens would sit at position 0)
         causal = _is_causal(_base_model(model))
-    virtual = _prompt_tokens(call, model, task if criterion is None else _task_of_class(model, task), causal)
-    if virtual and criterion is not None and _task_of_class(model, task) != "classification":
+    # (with a criterion, ``task`` only says where the labels are: the prompt checks take the class's)
+    prompt_task = task if criterion is None else _task_of_class(model, task)
+    virtual = _prompt_tokens(call, model, prompt_task, causal)
+    if virtual and criterion is not None and prompt_task != "classification":
         raise ValueError(
             f"{call}: criterion= with a peft prompt-tuned {type(_base_model(model)).__name__}: its logits hold the "
             f"{virtual} virtual tokens' positions in front of the sample's, which a criterion written for the model's own "

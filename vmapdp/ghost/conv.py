@@ -73,10 +73,17 @@ def conv_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tensor]) -> li
     gs = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt)
     out = [(site.weight, Use(CONV, gs, xs.reshape((b, -1) + tuple(xs.shape[1:])), tuple(params[site.weight].shape), (dims, stride, dilation, groups)))]
     if site.bias:
-        u = gs.flatten(3).transpose(2, 3)  # [B, n, L, C_out]
-        u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)  # [B, n*L, C_out], a view when n == 1
-        out.append((site.bias, Use(PAIR, u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+        out.append(_bias_use(site, gs, params))
     return out
+
+
+def _bias_use(site: Site, g: Tensor, params: dict[str, Tensor]) -> tuple[str, Use]:
+    """A conv's (or transposed conv's) bias: the pair of its output grads' positions with ones;
+    ``g`` ``[B, n, C_out, *out]``."""
+    b, c_out = g.shape[0], g.shape[2]
+    u = g.flatten(3).transpose(2, 3)  # [B, n, L, C_out]
+    u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)  # [B, n*L, C_out], a view when n == 1
+    return site.bias, Use(PAIR, u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))
 
 
 def parse_conv_transpose(dims: int, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, tuple] | None:
@@ -120,9 +127,7 @@ def conv_transpose_uses(site: Site, x: Tensor, g: Tensor, params: dict[str, Tens
     gs = gs[(Ellipsis,) + tuple(slice(0, n) for n in need)]
     out = [(site.weight, Use(CONV, xs, gs.reshape((b, -1) + tuple(gs.shape[1:])), tuple(params[site.weight].shape), (dims, stride, dilation, groups)))]
     if site.bias:
-        u = g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt).flatten(3).transpose(2, 3)  # [B, n, L, C_out]
-        u = u[:, 0] if u.shape[1] == 1 else u.reshape(b, -1, c_out)
-        out.append((site.bias, Use(PAIR, u, u.new_ones(u.shape[:2] + (1,)), tuple(params[site.bias].shape))))
+        out.append(_bias_use(site, g.reshape((b, -1, c_out) + tuple(g.shape[-dims:])).to(dt), params))
     return out
 
 
