@@ -81,15 +81,18 @@ def test_float32(name):
     assert norms.dtype == torch.float32
 
 
-@pytest.mark.parametrize("path", ["patches", "grouped-recomputed"])
+@pytest.mark.parametrize("path", ["patches", "grouped-recomputed", "grouped-kept-sliced"])
 @pytest.mark.parametrize("name", ["conv1d_stride_dilation_padding", "conv2d_groups_reflect", "conv2d_circular_stride", "conv3d_same_replicate", "groupnorm",
                                   "conv_transpose1d_dilation", "conv_transpose3d", "conv_transpose2d_stride_output_padding_groups"])
 def test_conv_paths(name, path, monkeypatch):
-    """The zoo's small convs take the grouped path with kept per-sample grads (tested above);
-    force the other two: unfolded patches (wide convs), and a clipped sum by conv backward (over
-    the keep budget)."""
+    """The zoo's small convs take the grouped path with kept per-sample grads of the whole batch
+    in one grouped backward (tested above); force the others: unfolded patches (wide convs), a
+    clipped sum by conv backward (over the keep budget), and kept grads made one sample per
+    grouped backward (many input channels), copied into one tensor."""
     if path == "patches":
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_conv_max=0))
+    elif path == "grouped-kept-sliced":
+        monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, grouped_channels=1))
     else:
         monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
     params, buffers, batch, loss_fn = _case(name)

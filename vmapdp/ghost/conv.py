@@ -278,14 +278,17 @@ def conv_sq_norms(use: Use, keep_grads: bool, dtype: torch.dtype | None = None) 
         return cat_rows(sqs), cat_rows(margins), per
     rows = max(1, limits.LIMITS.grouped_channels // use.v.shape[2])  # samples per grouped conv backward (x all their C_in)
     step = min(rows, b) if keep_grads else min(rows, rows_per_slice(b, math.prod(use.shape)))
-    per = use.u.new_empty((b,) + use.shape) if keep_grads else None
+    # kept grads of one slice are that slice's own (no copy); of several, copied into one tensor
+    per = use.u.new_empty((b,) + use.shape) if keep_grads and step < b else None
     sqs = []
     for s in range(0, b, step):
         part = use.rows(s, s + step)
-        g = conv_per_sample(part if per is not None else part.to(dtype))  # not kept: in the sum's dtype (Use.to)
+        g = conv_per_sample(part if keep_grads else part.to(dtype))  # not kept: in the sum's dtype (Use.to)
         sqs.append(sq_norms(g).to(g.dtype))
         if per is not None:
             per[s:s + step] = g
+        elif keep_grads:
+            per = g
     sq = cat_rows(sqs)
     if per is not None:  # the clipped sum will use these very numbers: nothing to reconcile
         return sq, torch.zeros_like(sq), per
