@@ -115,8 +115,25 @@ TRACED_THROUGH = {
 }
 
 
+def _arg_leaves(tree: Any, out: list | None = None) -> list:
+    """The leaves of a torch function's arguments or result: what (nested) tuples, lists and dicts
+    hold, the containers torch's argument parser reads and its ops return (named tuples too). Not
+    an optree flatten: this runs for every call of a forward, and under torch.compile dynamo traces
+    an optree flatten's registry lookups (as much as half of the capture of a ghost step)."""
+    out = [] if out is None else out
+    if isinstance(tree, (tuple, list)):
+        for x in tree:
+            _arg_leaves(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _arg_leaves(x, out)
+    else:
+        out.append(tree)
+    return out
+
+
 def _has_tensor(out: Any) -> bool:
-    return any(isinstance(leaf, Tensor) for leaf in optree.tree_leaves(out, namespace="torch"))
+    return any(isinstance(leaf, Tensor) for leaf in _arg_leaves(out))
 
 
 CONTROL_FLOW = (
@@ -185,7 +202,7 @@ class Run:
     def _keys_listed(self, tree: Any) -> list[str]:
         """The params (by key) among the leaves of a call's arguments, once per leaf that is one of
         them or a view of one."""
-        keys = (self._key(leaf) for leaf in optree.tree_leaves(tree, namespace="torch"))
+        keys = [self._key(leaf) for leaf in _arg_leaves(tree) if isinstance(leaf, Tensor)]
         return [k for k in keys if k is not None]
 
     def _keys_in(self, tree: Any) -> set[str]:
