@@ -22,8 +22,9 @@ import operator
 import warnings
 from typing import Any, Sequence
 
-import optree
 import torch
+
+from vmapdp._tree import leaves as _leaves
 
 ACCOUNTANTS = ("rdp", "pld", "prv", "gdp")
 
@@ -327,7 +328,7 @@ def params_dict(call: str, params: Any, *, what: str = "params", require_dict: b
     them one parameter at a time: ``Sharding``, ``init_train_state``)."""
     if require_dict and not isinstance(params, dict):
         raise _type_error(call, what, params, "a dict of tensors keyed like named_parameters() (from vmapdp.functionalize)")
-    leaves = [leaf for leaf in optree.tree_leaves(params, namespace="torch") if isinstance(leaf, torch.Tensor)]
+    leaves = [leaf for leaf in _leaves(params) if isinstance(leaf, torch.Tensor)]
     if not leaves:
         raise ValueError(
             f"{call}: {what}={params!r} must hold at least one tensor; there is nothing to differentiate or train "
@@ -348,7 +349,7 @@ def no_dtensor(call: str, tree: Any, what: str = "params") -> None:
     ``fully_shard`` module): the calls that run the model on full params cannot take them."""
     from vmapdp.sharding import _is_dtensor
 
-    if any(_is_dtensor(leaf) for leaf in optree.tree_leaves(tree, namespace="torch")):
+    if any(_is_dtensor(leaf) for leaf in _leaves(tree)):
         raise ValueError(
             f"{call}: {what} hold FSDP2 DTensor shards (vmapdp.functionalize of a fully_shard module does not gather "
             "them). Train them sharded: state = init_train_state(params, opt, sharding=Sharding(params)) and "

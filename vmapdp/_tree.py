@@ -32,7 +32,22 @@ def path_str(path: tuple) -> str:
     return ".".join(parts).replace(".[", "[")
 
 
+def _tensor_dict(tree: Any) -> bool:
+    """A dict of tensors keyed by names (params, grads): its leaves are its values in insertion order
+    (see above), taken without optree's flatten, which torch.compile traces step by step (the
+    checks and sums of a compiled step flatten the params several times: a quarter of a vmap
+    step's capture)."""
+    return type(tree) is dict and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tree.items())
+
+
+def leaves(tree: Any) -> list:
+    """``optree.tree_leaves(tree, namespace="torch")``."""
+    return list(tree.values()) if _tensor_dict(tree) else optree.tree_leaves(tree, namespace="torch")
+
+
 def leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    if _tensor_dict(tree):
+        return [(path_str((k,)), v) for k, v in tree.items()]
     paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace="torch")
     return [(path_str(p), leaf) for p, leaf in zip(paths, leaves)]
 

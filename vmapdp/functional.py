@@ -210,10 +210,11 @@ def batched_attention(params: Any) -> contextlib.AbstractContextManager:
     has no batching rule, and torch ran it one sample at a time ("performance drop" warnings; a
     TransformerEncoderLayer's per-sample step 25-30% slower, batch 64 x 32). The per-sample engines
     enter it around their ``vmap``. Elsewhere (CUDA: untested there) nothing changes."""
-    import optree
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    leaf = next((t for t in optree.tree_leaves(params, namespace="torch") if isinstance(t, torch.Tensor)), None)
+    from vmapdp._tree import leaves as _leaves
+
+    leaf = next((t for t in _leaves(params) if isinstance(t, torch.Tensor)), None)
     if leaf is None or leaf.device.type != "cpu":
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
