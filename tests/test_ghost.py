@@ -1073,3 +1073,30 @@ def test_one_param_used_as_weights_of_two_shapes(keep_elements, monkeypatch):
         return F.linear(x, p["w"].view(4, 2)).sin().sum() + F.linear(x.repeat(1, 2), p["w"].view(2, 4)).cos().sum()
 
     _ghost_equals_vmap(loss, {"w": torch.randn(8)}, torch.randn(3, 5, 2), keep_elements=keep_elements, monkeypatch=monkeypatch)
+
+
+def test_the_tracer_finds_the_tensors_optree_finds_in_a_calls_arguments():
+    """Ghost's tracer flattens each call's arguments itself (plan._arg_leaves, not optree: dynamo
+    traced optree's flatten for every call). A param it missed would be a use the plan never sees,
+    so its tensors must be optree's, whatever the containers: nested tuples, lists, dicts, named
+    tuples, and types only optree knows (a registered node, a deque)."""
+    import collections
+    import dataclasses
+
+    import optree
+
+    from vmapdp.ghost.plan import _arg_leaves
+
+    @dataclasses.dataclass
+    class Box:
+        a: torch.Tensor
+
+    optree.register_pytree_node(Box, lambda d: ((d.a,), None), lambda _, c: Box(*c), namespace="torch")
+    try:
+        Pair = collections.namedtuple("Pair", "x y")
+        t = [torch.full((i + 1,), float(i)) for i in range(6)]
+        tree = ((t[0], [2, None, {"b": t[1], "a": 3}], Pair(t[2], slice(1, 2))), {"k": Box(t[3]), "d": collections.deque([t[4]])}, torch.float32, ..., torch.Size([2]), t[5])
+        tensors = lambda xs: sorted(id(x) for x in xs if isinstance(x, torch.Tensor))  # noqa: E731
+        assert tensors(_arg_leaves(tree)) == tensors(optree.tree_leaves(tree, namespace="torch")) == sorted(map(id, t))
+    finally:
+        optree.unregister_pytree_node(Box, namespace="torch")

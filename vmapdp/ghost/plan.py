@@ -115,11 +115,17 @@ TRACED_THROUGH = {
 }
 
 
+# leaves that are no pytree node (``_arg_leaves``): what torch functions take besides tensors
+_PLAIN = (Tensor, int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 def _arg_leaves(tree: Any, out: list | None = None) -> list:
-    """The leaves of a torch function's arguments or result: what (nested) tuples, lists and dicts
-    hold, the containers torch's argument parser reads and its ops return (named tuples too). Not
-    an optree flatten: this runs for every call of a forward, and under torch.compile dynamo traces
-    an optree flatten's registry lookups (as much as half of the capture of a ghost step)."""
+    """The leaves of a torch function's arguments or result, as ``optree.tree_leaves(tree,
+    namespace="torch")`` finds them (up to their order, and ``None``): (nested) tuples, lists and
+    dicts, the containers torch's argument parser reads and its ops return (named tuples too), are
+    walked here; anything else that is not a plain leaf goes to optree. This runs for every call of
+    a forward, and under torch.compile dynamo traces an optree flatten's registry lookups (as much
+    as half of the capture of a ghost step)."""
     out = [] if out is None else out
     if isinstance(tree, (tuple, list)):
         for x in tree:
@@ -127,8 +133,10 @@ def _arg_leaves(tree: Any, out: list | None = None) -> list:
     elif isinstance(tree, dict):
         for x in tree.values():
             _arg_leaves(x, out)
-    else:
+    elif isinstance(tree, _PLAIN):
         out.append(tree)
+    else:  # (a container optree knows, or a leaf: a param inside it must not go unseen)
+        out.extend(optree.tree_leaves(tree, namespace="torch"))
     return out
 
 
