@@ -1091,12 +1091,38 @@ def test_the_tracer_finds_the_tensors_optree_finds_in_a_calls_arguments():
     class Box:
         a: torch.Tensor
 
+    class Seq(tuple):  # unknown to optree (one leaf there); torch's parser reads its items
+        pass
+
     optree.register_pytree_node(Box, lambda d: ((d.a,), None), lambda _, c: Box(*c), namespace="torch")
     try:
         Pair = collections.namedtuple("Pair", "x y")
-        t = [torch.full((i + 1,), float(i)) for i in range(6)]
+        t = [torch.full((i + 1,), float(i)) for i in range(7)]
         tree = ((t[0], [2, None, {"b": t[1], "a": 3}], Pair(t[2], slice(1, 2))), {"k": Box(t[3]), "d": collections.deque([t[4]])}, torch.float32, ..., torch.Size([2]), t[5])
         tensors = lambda xs: sorted(id(x) for x in xs if isinstance(x, torch.Tensor))  # noqa: E731
-        assert tensors(_arg_leaves(tree)) == tensors(optree.tree_leaves(tree, namespace="torch")) == sorted(map(id, t))
+        assert tensors(_arg_leaves(tree)) == tensors(optree.tree_leaves(tree, namespace="torch")) == sorted(map(id, t[:6]))
+        assert tensors(_arg_leaves((Seq([t[6], 1]), tree))) == sorted(map(id, t))
     finally:
         optree.unregister_pytree_node(Box, namespace="torch")
+
+
+def test_a_param_in_a_tuple_subclass_gets_its_per_sample_grads_or_a_refusal(monkeypatch):
+    """``torch.stack`` reads a tuple subclass's items: the param inside is a use no rule covers, so
+    it gets per-sample grads through its per-sample copy, swapped into the same container. (Before,
+    the tracer's optree flatten saw the subclass as one leaf and the use's grad was dropped: norm 0.)
+    Were a found param ever left in place, the call is refused rather than its grad lost."""
+    from vmapdp.ghost import plan as ghost_plan
+
+    class Seq(tuple):
+        pass
+
+    def loss_fn(p, x):
+        return torch.stack(Seq([p["w"], x.sum() + torch.zeros(5, 5)])).square().sum() * x.sum()
+
+    params, x = {"w": torch.randn(5, 5, dtype=torch.float64)}, torch.randn(4, 3, 5, dtype=torch.float64)
+    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, x)
+    got = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, x)
+    _assert_close(got[0], got[1], want[0], want[1], rtol=1e-10)
+    monkeypatch.setattr(ghost_plan, "_arg_map", lambda fn, tree: tree)  # a swap that misses the param
+    with pytest.raises(vmapdp.UnsupportedModuleError, match="container it cannot rebuild"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, x)

@@ -116,28 +116,59 @@ TRACED_THROUGH = {
 
 
 # leaves that are no pytree node (``_arg_leaves``): what torch functions take besides tensors
-_PLAIN = (Tensor, int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN = (Tensor, int, float, bool, complex, str, type(None), slice, type(Ellipsis), torch.Size, torch.dtype, torch.device, torch.layout, torch.memory_format)  # (a Size holds ints)
+_WALKED = (tuple, list, dict)
+
+
+def _walked(tree: Any) -> bool:
+    """Whether ``_arg_leaves`` / ``_arg_map`` walk ``tree``'s items themselves: a tuple, list or
+    dict, or a subclass optree does not know (torch's argument parser reads a tuple subclass's
+    items as a sequence of tensors, where optree would see one leaf and miss a param inside). A
+    registered subclass (named tuples, ``torch.Size``, ``OrderedDict``...) goes to optree, which
+    flattens it as registered."""
+    if type(tree) in _WALKED:
+        return True
+    return isinstance(tree, _WALKED) and optree.tree_is_leaf(tree, namespace="torch")
 
 
 def _arg_leaves(tree: Any, out: list | None = None) -> list:
-    """The leaves of a torch function's arguments or result, as ``optree.tree_leaves(tree,
-    namespace="torch")`` finds them (up to their order, and ``None``): (nested) tuples, lists and
-    dicts, the containers torch's argument parser reads and its ops return (named tuples too), are
-    walked here; anything else that is not a plain leaf goes to optree. This runs for every call of
-    a forward, and under torch.compile dynamo traces an optree flatten's registry lookups (as much
-    as half of the capture of a ghost step)."""
+    """The leaves of a torch function's arguments or result: optree's (``namespace="torch"``, up to
+    their order and ``None``), and the items of tuple, list and dict subclasses optree does not
+    know (``_walked``). Walked here, not by an optree flatten: this runs for every call of a
+    forward, and under torch.compile dynamo traces an optree flatten's registry lookups (as much as
+    half of the capture of a ghost step)."""
     out = [] if out is None else out
-    if isinstance(tree, (tuple, list)):
-        for x in tree:
-            _arg_leaves(x, out)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            _arg_leaves(x, out)
-    elif isinstance(tree, _PLAIN):
+    if isinstance(tree, _PLAIN):
         out.append(tree)
-    else:  # (a container optree knows, or a leaf: a param inside it must not go unseen)
+    elif _walked(tree):
+        for x in tree.values() if isinstance(tree, dict) else tree:
+            _arg_leaves(x, out)
+    else:  # (a container optree knows, or a leaf)
         out.extend(optree.tree_leaves(tree, namespace="torch"))
     return out
+
+
+def _arg_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to each of ``_arg_leaves(tree)``, in ``tree``'s structure (the same containers
+    walked: a param ``_arg_leaves`` finds is one this map replaces). A walked container whose items
+    all stay is returned as it is; one that changes is rebuilt as its own type where that takes its
+    items (a tuple or list subclass's constructor), else as a plain tuple, list or dict."""
+    if isinstance(tree, _PLAIN):
+        return fn(tree)
+    if not _walked(tree):
+        return optree.tree_map(fn, tree, namespace="torch")
+    if isinstance(tree, dict):
+        new = {k: _arg_map(fn, v) for k, v in tree.items()}
+        if all(new[k] is v for k, v in tree.items()):
+            return tree
+        return new
+    items = [_arg_map(fn, x) for x in tree]
+    if all(a is b for a, b in zip(items, tree)):
+        return tree
+    try:
+        return type(tree)(items)
+    except Exception:
+        return tuple(items) if isinstance(tree, tuple) else items
 
 
 def _has_tensor(out: Any) -> bool:
@@ -255,7 +286,14 @@ class Run:
             e = self.expanded[k] if entry is None else entry[4]
             return e if e.dtype == v.dtype else e.to(v.dtype)
 
-        return optree.tree_map(one, tree, namespace="torch")
+        swapped = _arg_map(one, tree)
+        if self._keys_in(swapped) & self.expanded.keys():  # a param left in place: its use's grad would be lost
+            raise UnsupportedModuleError(
+                f"ghost clipping: a parameter is passed to a torch function inside a container it cannot rebuild "
+                f"({type(tree).__name__}); expected tuples, lists, dicts or pytree nodes registered with optree. "
+                "Pass a plain tuple or list, or use method='vmap'."
+            )
+        return swapped
 
     def _other_use(self, func, args: tuple, kwargs: dict, keys: set[str]) -> Any:
         if self.probe:
