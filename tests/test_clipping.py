@@ -332,3 +332,21 @@ def test_sq_norms_of_millions_of_equal_entries_are_not_low():
     x = torch.full((1, 4096 * 2048), v)
     exact = float(torch.tensor(v, dtype=torch.float32).double()) ** 2 * 4096 * 2048
     assert abs(float(sq_norms(x)[0]) / exact - 1) < 1e-6
+
+
+def test_tree_leaves_of_a_dict_of_tensors_are_optrees_in_insertion_order():
+    """_tree.leaves / leaves_with_paths skip optree's flatten for a plain dict of tensors keyed by
+    names (torch.compile traced it step by step). The leaf order picks each param's noise stream,
+    so it must be optree's: insertion order, not sorted; other dicts go to optree itself."""
+    import collections
+
+    import optree
+
+    from vmapdp._tree import leaves, leaves_with_paths, path_str
+
+    t = [torch.full((i + 1,), float(i)) for i in range(4)]
+    for tree in ({"b": t[0], "a": t[1], "c.x": t[2], "A": t[3]}, collections.OrderedDict(b=t[0], a=t[1]), {2: t[0], 1: t[1]}, {"b": t[0], "a": 1.0}, {}):
+        paths, want, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False, namespace="torch")
+        assert [id(x) for x in leaves(tree)] == [id(x) for x in want]
+        assert [(p, id(x)) for p, x in leaves_with_paths(tree)] == [(path_str(p), id(x)) for p, x in zip(paths, want)]
+    assert [id(x) for x in leaves({"b": t[0], "a": t[1]})] == [id(t[0]), id(t[1])]  # insertion, not sorted

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_mask, leaves_with_paths, rows, sq_norms, zero_rows
-from vmapdp._tree import leaves as _leaves  # (optree's flatten, faster for dicts of tensors)
+from vmapdp._tree import leaves as _leaves  # (optree.tree_leaves, without optree for a dict of tensors)
 
 __all__ = [
     "grad_norms",
