@@ -491,7 +491,7 @@ def test_ghost_covers_every_family_fully():
     assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
 
 
-@pytest.mark.slow  # one dynamo capture of the eight models: ~60 s on the idle 2-core CPU, 119 s at load 4.5
+@pytest.mark.slow  # one dynamo capture of the eight models: 63 s on the idle 2-core CPU (2026-11-28; 91 s before ghost stopped flattening with optree), 119 s at load 4.5
 def test_compiled_steps_on_every_family_equal_eager_without_recompiles():
     """The DP step (method="ghost") on all eight families, eager and under
     torch.compile(fullgraph=True) with the "eager" backend: dynamo's capture of the whole step (a
