@@ -59,6 +59,7 @@ from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_chunk_size, check_mask, leaves_with_paths
+from vmapdp._tree import leaves as _leaves
 from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 
 __all__ = [
@@ -190,7 +191,7 @@ def _check_vector(call: str, params: Any, vector: Any, b: int, per_sample: bool)
 
 def _dot(a: Any, b: Any) -> Tensor:
     """Sum over leaves of elementwise products (one sample, joined by key)."""
-    return sum(optree.tree_leaves(optree.tree_map(lambda x, y: (x * y).sum(), a, b, namespace="torch"), namespace="torch"))
+    return sum(_leaves(optree.tree_map(lambda x, y: (x * y).sum(), a, b, namespace="torch")))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from vmapdp._tree import leaves as _leaves
+
 Params = Dict[str, Tensor]
 Buffers = Dict[str, Tensor]
 
@@ -211,8 +213,6 @@ def batched_attention(params: Any) -> contextlib.AbstractContextManager:
     TransformerEncoderLayer's per-sample step 25-30% slower, batch 64 x 32). The per-sample engines
     enter it around their ``vmap``. Elsewhere (CUDA: untested there) nothing changes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from vmapdp._tree import leaves as _leaves
 
     leaf = next((t for t in _leaves(params) if isinstance(t, torch.Tensor)), None)
     if leaf is None or leaf.device.type != "cpu":

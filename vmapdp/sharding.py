@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from vmapdp import distributed as _dist
+from vmapdp._tree import leaves as _leaves
 
 __all__ = ["Sharding", "local_bytes", "UNSHARD"]
 
@@ -319,7 +320,7 @@ class Sharding:
         ``summed`` holds them already, reduce-scattered as they were formed) and the telemetry
         summed over ranks."""
         if not checked:
-            self.check_step(call, same, optree.tree_leaves(stats, namespace="torch")[0].device)
+            self.check_step(call, same, _leaves(stats)[0].device)
         return (dict(summed) if scattered else self.reduce_scatter(summed)), _dist.all_reduce_sum(stats)
 
 
@@ -521,4 +522,4 @@ def plain_twin(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Modu
 
 def local_bytes(tree: Any) -> int:
     """Bytes held by the tensor leaves of ``tree`` (for a sharded state: this rank's share)."""
-    return sum(x.numel() * x.element_size() for x in optree.tree_leaves(tree, namespace="torch") if isinstance(x, Tensor))
+    return sum(x.numel() * x.element_size() for x in _leaves(tree) if isinstance(x, Tensor))

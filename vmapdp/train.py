@@ -52,6 +52,7 @@ from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
+from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
 from vmapdp.ghost import limits as ghost_limits
@@ -912,7 +913,7 @@ def make_train_step(
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)
             _check_sampler_position(scall, sampler, state.step, distributed)
-            if stateless and optree.tree_leaves(state.noise_state, namespace="torch"):
+            if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
                 # participations closer than the band (sensitivity 1.54 where the ledger charged 1.41;

@@ -44,6 +44,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from vmapdp import _checks
 from vmapdp import nn as vnn
+from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 
 __all__ = [
@@ -700,7 +701,7 @@ def tensor_leaves(tree) -> list:
     transformers' ``ModelOutput`` (an ``OrderedDict`` subclass; its set fields through
     ``to_tuple()``), other mappings, dataclasses, named tuples."""
     out = []
-    for leaf in optree.tree_leaves(tree, none_is_leaf=False, namespace="torch"):
+    for leaf in _leaves(tree):
         if isinstance(leaf, torch.Tensor):
             out.append(leaf)
         elif callable(getattr(leaf, "to_tuple", None)):

@@ -14,11 +14,12 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp._tree import leaves as _leaves
+
 __all__ = [
     "check_step_hyperparameters",
     "is_float",
     "tree_map",
-    "tree_leaves",
     "set_rows",
     "flat_rows",
     "params_of",
@@ -44,10 +45,6 @@ def tree_map(fn: Callable[[Tensor], Tensor], tree: Any) -> Any:
     return optree.tree_map(fn, tree, namespace="torch")
 
 
-def tree_leaves(tree: Any) -> list[Tensor]:
-    return optree.tree_leaves(tree, namespace="torch")
-
-
 def set_rows(batch: Any, rows: Tensor | int, value: Callable[[Tensor], Tensor]) -> Any:
     """A copy of ``batch`` whose rows ``rows`` hold ``value(leaf)`` (broadcast to the rows)."""
 
@@ -61,7 +58,7 @@ def set_rows(batch: Any, rows: Tensor | int, value: Callable[[Tensor], Tensor]) 
 
 def flat_rows(grads: Any) -> Tensor:
     """Per-sample gradients ``{k: [B, ...]}`` as one float64 ``[B, P]`` matrix."""
-    leaves = tree_leaves(grads)
+    leaves = _leaves(grads)
     b = leaves[0].shape[0]
     return torch.cat([g.detach().reshape(b, -1).to(torch.float64) for g in leaves], dim=1)
 
@@ -94,7 +91,7 @@ def rounding_slack(*trees: dict[str, Tensor]) -> float:
 
 
 def rng_devices(tree: Any) -> list[int]:
-    return sorted({x.device.index or 0 for x in tree_leaves(tree) if isinstance(x, Tensor) and x.device.type == "cuda"})
+    return sorted({x.device.index or 0 for x in _leaves(tree) if isinstance(x, Tensor) and x.device.type == "cuda"})
 
 
 def seeded(seed: int, devices: list[int], fn: Callable[[], Any]) -> Any:

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
+from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
 from vmapdp.ghost.affine import batch_norm_affine, instance_norm_affine
@@ -418,7 +419,7 @@ class Run:
         keys = self._keys_in((args, kwargs))
         if self.probe:
             out = func(*args, **kwargs)
-            leaves = optree.tree_leaves(out, namespace="torch")
+            leaves = _leaves(out)
             views = idx = None
             # (a tensor among the other arguments, W[idx], may select differently per sample: not a view)
             if keys == {key} and not _has_tensor((args[1:], kwargs)):
@@ -427,7 +428,7 @@ class Run:
                 if base is None:  # the param itself (or a cast of it): its flat indices (int32 when they fit)
                     n = args[0].numel()
                     base = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(self.shape_of[key])
-                idx = optree.tree_leaves(func(base, *args[1:], **kwargs), namespace="torch")
+                idx = _leaves(func(base, *args[1:], **kwargs))
                 views = tuple(box_of(j, self.shape_of[key]) if isinstance(j, Tensor) else None for j in idx)
                 if len(views) != len(leaves) or None in views:
                     views = None
@@ -446,10 +447,10 @@ class Run:
         if views is None:
             return self._other_use(func, args, kwargs, keys)
         out = func(*args, **kwargs)
-        leaves = optree.tree_leaves(out, namespace="torch")
+        leaves = _leaves(out)
         if len(leaves) != len(views) or any(tuple(t.shape) != v.shape for t, v in zip(leaves, views)):
             raise self._mismatch()
-        twins = optree.tree_leaves(func(*self._swap(tuple(args)), **self._swap(kwargs)), namespace="torch") if key in self.expanded else [None] * len(leaves)
+        twins = _leaves(func(*self._swap(tuple(args)), **self._swap(kwargs))) if key in self.expanded else [None] * len(leaves)
         self.views += [[t, key, v, None, e] for t, v, e in zip(leaves, views, twins)]
         return out
 
@@ -508,7 +509,7 @@ def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: An
     run = Run(params, None, [], {})
 
     def fwd(sample):
-        run.level = torch._C._functorch.maybe_get_level(optree.tree_leaves(sample, namespace="torch")[0])
+        run.level = torch._C._functorch.maybe_get_level(_leaves(sample)[0])
         return run_loss(run, loss_fn, params, shared, sample)
 
     with torch.no_grad(), rng_kept(next(iter(params.values())).device):
