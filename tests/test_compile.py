@@ -44,6 +44,8 @@ def test_compiled_grads_and_clipped_sum_equal_eager_without_graph_breaks():
 
 # --- the compiled DP step: what "auto" compiles, and recompiles over an epoch of Poisson batches ---
 
+import warnings  # noqa: E402
+
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import optree  # noqa: E402
@@ -104,17 +106,15 @@ def run(step, params, buffers, batches, state=None):
 def fake_clock(monkeypatch, seconds: dict[str, float]):
     """``clipped._elapsed`` that runs each candidate and says it took ``seconds[name]``. The eager
     race times ``"ghost"`` and ``"vmap"`` (eager runs); then the winner ``w`` compiled (``"w"``)
-    against its eager run (``"w eager"``). ``seconds["share"]`` (default 0) is what
-    ``kernel_share`` says of the winner's eager run (the step's measure, called by name)."""
+    against its eager run (``"w eager"``). ``seconds["share"]`` and ``seconds["ops"]`` (default 0)
+    are what ``eager_profile`` says of the winner's eager run (the step's measure, called by name)."""
     timed = []
-    shares = []
 
-    def share(run_, device):
+    def profile(run_, device):
         run_()
-        shares.append(torch.compiler.is_compiling())
-        return seconds.get("share", 0.0)
+        return clipped.EagerProfile(seconds.get("share", 0.0), int(seconds.get("ops", 0)))
 
-    monkeypatch.setattr(train, "kernel_share", share)
+    monkeypatch.setattr(train, "eager_profile", profile)
 
     def elapsed(name, run_, device):
         run_()
@@ -128,9 +128,10 @@ def fake_clock(monkeypatch, seconds: dict[str, float]):
 
 def test_compiled_auto_races_eagerly_and_compiles_only_the_winner(monkeypatch, problem):
     params, buffers, loss_fn, capacity, batches = problem
-    assert limits.LIMITS.compile_kernel_share == 0.65
-    # ghost wins; its eager run is not kernel-bound (share below the limit); compiled beats eager
-    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "ghost eager": 3.0, "share": 0.64})
+    assert limits.LIMITS.compile_kernel_share == 0.65 and limits.LIMITS.compile_max_ops == 5000
+    # ghost wins; its eager run is neither kernel-bound (share below the limit) nor too big to
+    # compile (ops at the limit); compiled beats eager
+    timed = fake_clock(monkeypatch, {"ghost": 1.0, "vmap": 2.0, "ghost eager": 3.0, "share": 0.64, "ops": 5000})
     before = graphs()
     auto = make(loss_fn, capacity, compile=True)
     states, recompiles = run(auto, params, buffers, batches)
@@ -187,8 +188,35 @@ def test_compiled_auto_keeps_a_kernel_bound_chunk_eager_without_compiling_it(mon
     assert graphs() == before + 1
 
 
-def test_kernel_share_times_only_the_kernels_compile_leaves_as_they_are():
-    """What ``kernel_share`` counts: convolutions (forward, backward), matrix products, sorts;
+def test_compiled_auto_runs_a_chunk_too_big_to_compile_eagerly_and_says_so(monkeypatch, problem):
+    """A winner whose eager run dispatches more ATen ops than ``compile_max_ops`` (an unrolled time
+    loop) is not compiled: its compile would take minutes. Warned (compiled, it might have run
+    faster), naming the limit and how to compile it anyway; a kernel-bound one is not warned of."""
+    params, buffers, loss_fn, capacity, batches = problem
+    timed = fake_clock(monkeypatch, {"ghost": 2.0, "vmap": 1.0, "share": 0.2, "ops": 5001})
+    before = graphs()
+    auto = make(loss_fn, capacity, compile=True)
+    with pytest.warns(UserWarning, match=r"runs its 'vmap' chunks eagerly.*5001 ATen ops.*compile_max_ops = 5000.*method='vmap', compile=True"):
+        states, _ = run(auto, params, buffers, batches[:2])
+    assert graphs() == before and not any(c for _, c in timed)  # nothing compiled, nothing raced compiled
+    assert dict(auto.chosen_runs).popitem()[1] == "vmap eager" and [m for _, m in states[-1].methods] == ["vmap eager"]
+    fake_clock(monkeypatch, {"ghost": 2.0, "vmap": 1.0, "share": 0.65, "ops": 5001})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kernel-bound as well: compiling could not pay, nothing to say
+        run(make(loss_fn, capacity, compile=True), params, buffers, batches[:1])
+    assert graphs() == before
+
+
+def test_eager_profile_counts_the_aten_ops_a_compile_would_trace():
+    x = torch.randn(8)
+    assert clipped.eager_profile(lambda: (x.exp() * 2).sum(), torch.device("cpu")) == (0.0, 3)  # exp, mul, sum
+    x.requires_grad_()
+    grads = clipped.eager_profile(lambda: torch.autograd.grad((x.exp() * 2).sum(), x), torch.device("cpu"))
+    assert grads.ops >= 4 + 3  # the forward's (and a detach of the saved exp) and the backward's (expand, mul, mul)
+
+
+def test_eager_profile_times_only_the_kernels_compile_leaves_as_they_are():
+    """What ``eager_profile``'s kernel share counts: convolutions (forward, backward), matrix products, sorts;
     never pointwise ops or reductions (those Inductor fuses). The global RNG is left as it was."""
     torch.manual_seed(0)
     conv, lin = nn.Conv2d(2, 3, 3), nn.Linear(12, 4)
@@ -201,12 +229,12 @@ def test_kernel_share_times_only_the_kernels_compile_leaves_as_they_are():
 
     seen: dict[str, float] = {}
     before = torch.get_rng_state()
-    share = clipped.kernel_share(work, torch.device("cpu"), breakdown=seen)
+    share = clipped.eager_profile(work, torch.device("cpu"), breakdown=seen).kernel_share
     assert torch.equal(torch.get_rng_state(), before)
     assert 0.0 < share <= 1.0
     assert set(seen) == {"convolution", "convolution_backward", "addmm", "mm", "sort"} and all(v > 0 for v in seen.values())
     pointwise = torch.randn(1000)
-    assert clipped.kernel_share(lambda: (pointwise.exp() * 2).sum(), torch.device("cpu")) == 0.0
+    assert clipped.eager_profile(lambda: (pointwise.exp() * 2).sum(), torch.device("cpu")).kernel_share == 0.0
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])

@@ -16,7 +16,7 @@ import math
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import optree
 import torch
@@ -33,7 +33,7 @@ from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
 from vmapdp.per_sample import explain_runtime_error, per_sample_grads
 from vmapdp.precision import full_float32
 
-__all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "kernel_share"]
+__all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "eager_profile", "EagerProfile"]
 
 METHODS = ("auto", "vmap", "ghost", "two_pass")
 RACE_MARGIN = 0.1  # race keeps the earliest-listed candidate within this fraction of the fastest
@@ -125,13 +125,16 @@ _KERNEL_OPS = frozenset(
 
 
 class _KernelClock(TorchDispatchMode):
-    """Seconds spent in :data:`_KERNEL_OPS` (CPU tensors: the calls are synchronous), per op."""
+    """Seconds spent in :data:`_KERNEL_OPS` (CPU tensors: the calls are synchronous), per op, and
+    the number of ATen ops dispatched in all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seconds: dict[str, float] = {}
+        self.ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
         if func.overloadpacket not in _KERNEL_OPS:
             return func(*args, **(kwargs or {}))
         start = time.perf_counter()
@@ -141,17 +144,28 @@ class _KernelClock(TorchDispatchMode):
         return out
 
 
-def kernel_share(run: Callable[[], Any], device: torch.device, *, breakdown: dict[str, float] | None = None) -> float:
-    """The share of one eager call of ``run`` (CPU) spent in kernels that ``torch.compile`` calls as
-    they are (convolutions forward and backward, matrix products, sorts), in ``[0, 1]``: what a
-    compiled run could at best take off is the rest. The best of two plain calls is the whole, the
-    best of two calls under a dispatch mode that times those kernels the part (best of each, so
-    that a descheduling on a loaded machine does not inflate either), all on one thread: on a
-    loaded machine each multi-threaded kernel also waits until all its threads get a core, which
-    took a tiny GPT-2's 0.2 to over 0.65 (one thread: 0.18-0.22 idle; the CIFAR-10 CNN 0.73-0.90,
-    MNIST 0.25-0.54, at batch 16 and 128); ``breakdown``, if given,
-    gets that call's seconds per op. The global RNGs are restored, as in :func:`race`; the results
-    are dropped."""
+class EagerProfile(NamedTuple):
+    """What one eager call of a step says of compiling it (see :func:`eager_profile`)."""
+
+    kernel_share: float  # the share of its time in kernels Inductor calls as they are, in [0, 1]
+    ops: int  # the ATen ops it dispatched: the size of the graph a compile would trace and lower
+
+
+def eager_profile(run: Callable[[], Any], device: torch.device, *, breakdown: dict[str, float] | None = None) -> EagerProfile:
+    """What compiling ``run`` (CPU) could gain and cost, from eager calls of it.
+
+    ``kernel_share``: the share of one call spent in kernels that ``torch.compile`` calls as they
+    are (convolutions forward and backward, matrix products, sorts): what a compiled run could at
+    best take off is the rest. The best of two plain calls is the whole, the best of two calls
+    under a dispatch mode that times those kernels the part (best of each, so that a descheduling
+    on a loaded machine does not inflate either), all on one thread: on a loaded machine each
+    multi-threaded kernel also waits until all its threads get a core, which took a tiny GPT-2's
+    0.2 to over 0.65 (one thread: 0.18-0.22 idle; the CIFAR-10 CNN 0.73-0.90, MNIST 0.25-0.54, at
+    batch 16 and 128). ``ops``: the ATen ops one call dispatched (after ``vmap`` and ``grad``
+    turned it into batched ops), which compile time grows with: dynamo traces them, Inductor
+    lowers and schedules them and builds their kernels (see ``Limits.compile_max_ops``).
+    ``breakdown``, if given, gets that call's seconds per kernel op. The global RNGs are restored,
+    as in :func:`race`; the results are dropped."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (under load, a parallel kernel waits for each of its threads to get a core: shares near 1)
     try:
@@ -167,7 +181,8 @@ def kernel_share(run: Callable[[], Any], device: torch.device, *, breakdown: dic
     clock = min(clocks, key=lambda c: sum(c.seconds.values()))
     if breakdown is not None:
         breakdown.update(clock.seconds)
-    return min(1.0, sum(clock.seconds.values()) / whole) if whole > 0 else 0.0
+    share = min(1.0, sum(clock.seconds.values()) / whole) if whole > 0 else 0.0
+    return EagerProfile(share, clock.ops)
 
 
 def shape_key(args: tuple) -> tuple:

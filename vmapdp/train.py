@@ -54,7 +54,7 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, kernel_share, shape_key
+from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, eager_profile, shape_key
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
@@ -619,8 +619,10 @@ def make_train_step(
             ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. On
             the CPU, a winner whose eager run spends ``Limits.compile_kernel_share`` (65%) of its
             time or more in convolutions, matrix products and sorts, which Inductor calls as they
-            are (``vmapdp.clipped.kernel_share``), runs ``"<method> eager"`` without being compiled
-            at all (the CIFAR-10 CNN: a 48 s cold compile that bought nothing). What
+            are, runs ``"<method> eager"`` without being compiled at all (the CIFAR-10 CNN: a 48 s
+            cold compile that bought nothing), and so does, with a warning, one whose eager run
+            dispatches more than ``Limits.compile_max_ops`` ATen ops (an unrolled time loop:
+            the IMDb LSTM's took 6 minutes to compile); both from ``vmapdp.clipped.eager_profile``. What
             each chunk shape ran (named or chosen) is recorded in the new state
             (``state.methods``): a step on a state that has a choice for the shape replays it
             without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
@@ -835,12 +837,33 @@ def make_train_step(
             chunk_fns[name, compiled] = chunk_fn(sum_fns[name], backend=backend if compiled else None)
         return chunk_fns[name, compiled]
 
-    def _kernel_bound(run: Callable, device: torch.device) -> bool:
-        """A CPU chunk whose eager run spends ``Limits.compile_kernel_share`` of its time or more in
-        kernels Inductor calls as they are (``kernel_share``): compiling it cannot pay, and is not
-        done (rank 0's measure, distributed). Inductor only: another backend (tests) always compiles."""
-        bound = device.type == "cpu" and kernel_share(run, device) >= ghost_limits.LIMITS.compile_kernel_share
-        return bool(_dist.broadcast_int(int(bound))) if distributed else bound
+    def _not_compiled(run: Callable, device: torch.device, name: str) -> bool:
+        """Whether a CPU chunk is better not compiled, from its eager run (``eager_profile``; rank
+        0's measure, distributed): it spends ``Limits.compile_kernel_share`` of its time or more in
+        kernels Inductor calls as they are (compiling it cannot pay), or it dispatches more than
+        ``Limits.compile_max_ops`` ATen ops, a graph whose compile would take minutes (an unrolled
+        time loop: warned, as the compiled step might have run faster). Inductor only: another
+        backend (tests) always compiles."""
+        if device.type != "cpu":
+            return False
+        profile = eager_profile(run, device)
+        bound = profile.kernel_share >= ghost_limits.LIMITS.compile_kernel_share
+        too_big = not bound and profile.ops > ghost_limits.LIMITS.compile_max_ops  # (warned: compiled, it might run faster)
+        skip = bound or too_big
+        if distributed:
+            skip, too_big = divmod(_dist.broadcast_int(2 * int(skip) + int(too_big)), 2)
+        if too_big:
+            warnings.warn(
+                f"{call}: method='auto' runs its {name!r} chunks eagerly, not compiled: one eager run dispatches "
+                f"{profile.ops} ATen ops (more than Limits.compile_max_ops = {ghost_limits.LIMITS.compile_max_ops}; an "
+                "unrolled loop such as a recurrent layer's time steps), and compiling a graph that size takes minutes "
+                "(the IMDb LSTM benchmark model, 256 steps: ~12k ops, 6 min on a 2-core CPU, after which its steps ran "
+                f"3.5x faster). To compile it anyway, name the method (method={name!r}, compile=True); compile=False "
+                "silences this.",
+                UserWarning,
+                stacklevel=6,
+            )
+        return bool(skip)
 
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
         """What the chunk runs (``"<method>"`` or, chosen by a compiled "auto", ``"<method> eager"``)
@@ -869,8 +892,8 @@ def make_train_step(
         ran = compiled_or_eager.get(key)
         if ran is None:  # compiled: keep the compiled winner only where it beats the eager one
             names = [name, f"{name} eager"] if compile else [name]
-            if backend == "inductor" and _kernel_bound(functools.partial(runner(f"{name} eager"), params, mask, shared, chunk), mask.device):
-                names = [f"{name} eager"]  # compiling could not pay for itself: not compiled at all
+            if backend == "inductor" and _not_compiled(functools.partial(runner(f"{name} eager"), params, mask, shared, chunk), mask.device, name):
+                names = [f"{name} eager"]  # compiling could not pay for itself (or would take minutes): not compiled at all
             ran = compiled_or_eager.choose(key, names, {r: functools.partial(runner(r), params, mask, shared, chunk) for r in names}, mask.device)
         return ran, digest
 

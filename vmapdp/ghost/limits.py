@@ -39,10 +39,19 @@ class Limits:
     auto_rounds: int = 2
     # a compiled "auto" step keeps a chunk eager without compiling it (on the CPU) where at least this
     # share of its eager run's time is in kernels Inductor calls as they are (convolutions, matrix
-    # products, sorts: ``clipped.kernel_share``): compiling could take at most the rest off, and on
+    # products, sorts: ``clipped.eager_profile``): compiling could take at most the rest off, and on
     # the CIFAR-10 CNN (73-90% there, on one thread) it took nothing off after 48 s of compiling;
     # MNIST CNN 25-54%, a tiny GPT-2 18-22%, the embedding model 5-8%, which compiling speeds up
     compile_kernel_share: float = 0.65
+    # ... and (with a warning) where its eager run dispatches more than this many ATen ops: compile
+    # time grows with the graph (dynamo's trace, Inductor's lowering and its C++ builds). Measured
+    # on a 2-core CPU (2026-11-28, batch 16, one chunk's ghost / vmap clipped sum): the embedding
+    # model 260 / 157 ops (6 s cold); MNIST CNN 499 / 318 (16 s); a 2-layer GPT-2 1,648 / 1,057
+    # (34 / 25 s); the IMDb LSTM (a 256-step time loop) 11,414 / 12,536: ghost 362 s cold (trace
+    # 59 s, Inductor 300 s, 277 C++ builds) and still 240 s warm (another job was running; most of
+    # it Inductor's Python, which its caches did not save), after which its step ran 3.5x faster
+    # than eager (52 against 182 ms)
+    compile_max_ops: int = 5000
     # a compiled step on CUDA replays each chunk's graph as a CUDA graph (Inductor's
     # "reduce-overhead"): the eager step is bound by launching its ~10k small kernels
     cuda_graphs: bool = True
