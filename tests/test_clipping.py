@@ -350,3 +350,22 @@ def test_tree_leaves_of_a_dict_of_tensors_are_optrees_in_insertion_order():
         assert [id(x) for x in leaves(tree)] == [id(x) for x in want]
         assert [(p, id(x)) for p, x in leaves_with_paths(tree)] == [(path_str(p), id(x)) for p, x in zip(paths, want)]
     assert [id(x) for x in leaves({"b": t[0], "a": t[1]})] == [id(t[0]), id(t[1])]  # insertion, not sorted
+
+
+def test_acc_dtype_is_torchs_promotion_with_float32_for_every_dtype():
+    """_tree.acc_dtype looks its answer up (torch.promote_types is a dispatched op, asked per param
+    per step): the table must be torch's promotion for every dtype, and refuse what torch refuses."""
+    from vmapdp._tree import acc_dtype
+
+    dtypes = {getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+    refused = 0
+    for d in dtypes:
+        try:
+            want = torch.promote_types(d, torch.float32)
+        except RuntimeError:
+            refused += 1
+            with pytest.raises(RuntimeError):
+                acc_dtype(d)
+            continue
+        assert acc_dtype(d) == want, d
+    assert acc_dtype(torch.bfloat16) == torch.float32 and acc_dtype(torch.float64) == torch.float64 and refused > 0

@@ -59,7 +59,7 @@ book-keeping sum of a float32 model is accumulated in float64, where that cross-
 ``<= ~B**2 2**-30 C`` (see ``engine._sum_dtype``); one-term uses (an MLP's layers) too, since a
 float32 weighted side underflows (absolute rounding) when the sample's values are subnormal. The cross-talk
 bound needs each sample's mass bounded, ``w_i M_i <= C / (2 (T + 2) eps32)``: the float32 margin
-is kept as a floor of the safe norm (``engine._bound``), which only samples whose terms cancel
+is kept as a floor of the safe norm (``engine._floor``), which only samples whose terms cancel
 reach; benign samples get the float64 margin, so the clipped sum of long sequences stays accurate
 (relative error ~4e-7 against float64 at T = 8 to 512, where the float32 margin gave 2e-6 to 1.4e-3). ``tol`` is then
 that of ``clip_and_sum``'s float32 sum (``~ 2 B**2 eps`` worst case; < 1e-4 at B = 8 in

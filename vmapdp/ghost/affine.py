@@ -43,7 +43,7 @@ DIRECT = UseKind(
     # its one term per sample is the per-sample grad itself: mass = its norm. A param with one
     # direct use needs no margin (norm and sum share the numbers: _sq_norms' margin is 0); beside
     # other uses (its grads summed apart from theirs, which they may cancel) the mass gives the
-    # margin and engine._bound's float32 floor, as for any use
+    # margin and engine._floor's float32 floor, as for any use
     lambda use: sq_norms(use.u).sqrt().to(use.u.dtype),
     joinable=False,
 )

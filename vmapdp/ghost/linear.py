@@ -26,6 +26,7 @@ from vmapdp.ghost.uses import (
     gram_margin,
     pow2_normalized,
     rounding_margin,
+    row_slice,
     slices,
     times_pow2,
 )
@@ -74,7 +75,7 @@ def pair_sq_norms(
     sqs, masses = [], []
     per = u.new_empty(b, du, dv) if keep_grads and not ghost else None
     for s, e in slices(b, 2 * t * (t + du + dv) if ghost else du * dv):  # (float64 copies in the Gram case)
-        us, vs = u[s:e], v[s:e]
+        us, vs = row_slice(u, s, e), row_slice(v, s, e)
         if ghost:
             # float64: the T^2 terms can cancel, and in float32 an adversarial sample can make the
             # computed norm far smaller than the true one (a large shared component in x, output
@@ -89,7 +90,7 @@ def pair_sq_norms(
                 # is accumulated in ``dtype`` (float64) with ``dtype``'s margin, and float32 grads'
                 # rounding (~T eps32 mass: cancelling terms) would exceed that margin
                 us, vs = us.to(dtype), vs.to(dtype)
-            g = outer_sum(us, vs, None if per is None else per[s:e])
+            g = outer_sum(us, vs, None if per is None else row_slice(per, s, e))
             sqs.append(sq_norms(g).to(g.dtype))
             if per is None:
                 masses.append(pair_mass(us, vs))

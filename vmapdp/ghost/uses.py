@@ -16,7 +16,7 @@ from torch import Tensor
 
 from vmapdp.ghost import limits
 
-__all__ = ["Use", "UseKind", "Site", "Rule", "rounding_margin", "from_grams", "gram_margin", "gram_cheaper", "slices", "rows_per_slice", "pow2_normalized", "times_pow2", "float64_factors"]
+__all__ = ["Use", "UseKind", "Site", "Rule", "rounding_margin", "from_grams", "gram_margin", "gram_cheaper", "slices", "rows_per_slice", "row_slice", "pow2_normalized", "times_pow2", "float64_factors"]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Use:
 
     def rows(self, s: int, e: int) -> "Use":
         """The use restricted to samples ``s:e``."""
-        return Use(self.kind, self.u[s:e], self.v[s:e], self.shape, self.extra, self.index)
+        return Use(self.kind, row_slice(self.u, s, e), row_slice(self.v, s, e), self.shape, self.extra, self.index)
 
     def to(self, dtype: torch.dtype) -> "Use":
         """The use with its floating tensors in ``dtype`` (indices stay as they are). A norm of
@@ -120,6 +120,12 @@ def slices(b: int, per_sample: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, b)) for s in range(0, b, step)]
 
 
+def row_slice(x: Tensor, s: int, e: int) -> Tensor:
+    """``x[s:e]``, or ``x`` itself when that is all of it (a slice is a dispatched op: one per
+    param per step saved where one slice holds the whole batch)."""
+    return x if s == 0 and e == x.shape[0] else x[s:e]
+
+
 def cat_rows(xs: Any) -> Tensor:
     return torch.cat(list(xs)) if len(xs) > 1 else xs[0]
 
@@ -137,7 +143,7 @@ def rounding_margin(t: int, dtype: torch.dtype) -> float:
     contribution is within ``C`` however the rounding falls (an adversary can make the terms
     cancel); benign samples see a relative change of ``~ T^1.5 eps``, with ``eps`` that of the
     clipped sum's dtype (float64 for sequences, whose float32 margin is only a floor: see
-    ``engine._bound``).
+    ``engine._floor``).
     """
     return 2.0 * (t + 2) * eps_of(dtype)
 
