@@ -64,12 +64,13 @@ def grad_norms(grads: Any) -> Tensor:
     if not leaves:
         raise ValueError("grad_norms(grads): grads has no tensor leaves.")
     _check_floating("grad_norms(grads)", grads)
-    sq = None
-    for g in leaves:  # (blocks in float32 or wider, their squares in float64: _tree.sq_norms; no squared copy of the grads)
-        sq = sq_norms(g) if sq is None else sq + sq_norms(g)
+    # (blocks in float32 or wider, their squares in float64: _tree.sq_norms; no squared copy of the
+    # grads; the leaves' squares stacked and added at once, and promote_types, a dispatched op,
+    # asked only of dtypes that differ: GPT-2 small's 148 leaves, 296 ops fewer)
+    sq = torch.stack([sq_norms(g) for g in leaves]).sum(0) if len(leaves) > 1 else sq_norms(leaves[0])
     out = acc_dtype(leaves[0].dtype)
-    for g in leaves[1:]:
-        out = torch.promote_types(out, acc_dtype(g.dtype))
+    for dtype in {acc_dtype(g.dtype) for g in leaves[1:]} - {out}:
+        out = torch.promote_types(out, dtype)
     return sq.sqrt().to(out)
 
 
