@@ -207,6 +207,29 @@ def test_compiled_auto_runs_a_chunk_too_big_to_compile_eagerly_and_says_so(monke
     assert graphs() == before
 
 
+def test_a_cpu_chunk_compiles_with_inductor_without_its_layout_optimization(monkeypatch, problem):
+    """On the CPU, Inductor's layout optimization (conv inputs made channels-last) made ghost's
+    grouped per-sample conv backward reorder its result twice: the compiled step turns it off
+    (Inductor only; CUDA graphs keep their mode). The compile itself is not run here."""
+    params, buffers, loss_fn, capacity, batches = problem
+    seen = []
+
+    def recording(fn, **kwargs):
+        seen.append(kwargs)
+        return fn  # (eager: only the arguments matter)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    with unreleased():
+        run(make(loss_fn, capacity, compile=True, method="ghost"), params, buffers, batches[:1])
+        run(make(loss_fn, capacity, compile="aot_eager", method="ghost"), params, buffers, batches[:1])
+    assert seen == [
+        dict(fullgraph=True, dynamic=False, backend="inductor", options={"layout_optimization": False}),
+        dict(fullgraph=True, dynamic=False, backend="aot_eager"),
+    ]
+    assert train._compile_kwargs("inductor", True, "cuda") == {"mode": "reduce-overhead"}
+    assert train._compile_kwargs("inductor", False, "cuda") == {}
+
+
 def test_eager_profile_counts_the_aten_ops_a_compile_would_trace():
     x = torch.randn(8)
     assert clipped.eager_profile(lambda: (x.exp() * 2).sum(), torch.device("cpu")) == (0.0, 3)  # exp, mul, sum
