@@ -1126,3 +1126,35 @@ def test_a_param_in_a_tuple_subclass_gets_its_per_sample_grads_or_a_refusal(monk
     monkeypatch.setattr(ghost_plan, "_arg_map", lambda fn, tree: tree)  # a swap that misses the param
     with pytest.raises(vmapdp.UnsupportedModuleError, match="container it cannot rebuild"):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, x)
+
+
+def test_the_stacked_safe_bounds_are_each_params_norm_plus_margin_or_its_floor():
+    """engine._bounds reduces all params' bounds at once: each param's safe norm must still be
+    max(sqrt(its squared norm cast to the model's dtype, clamped at 0) + its margin, its floor),
+    the whole the root of their squares, and the squared norms' sum that of the casts. Random
+    parts of mixed dtypes, negative squared norms (a float64 Gram sum rounds below 0), parts with
+    and without a floor; against that formula param by param (the order of the additions may
+    differ: float64 to 1e-13, float32 to 1e-6)."""
+    from vmapdp.ghost.engine import _bounds
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        dtype = (torch.float32, torch.float64)[trial % 2]
+        parts = []
+        for k in range(1 + trial % 5):
+            sq = torch.randn(6, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.randint(-6, 7, (), generator=gen))
+            margin = torch.rand(6, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.randint(-4, 2, (), generator=gen))
+            floor = None if (trial + k) % 3 else torch.rand(6, generator=gen, dtype=torch.float64) * 10.0 ** float(torch.randint(-3, 4, (), generator=gen))
+            parts.append((sq.to((torch.float32, torch.float64)[k % 2]), margin.to((torch.float64, torch.float32)[k % 2]), floor))
+        want_sq = torch.zeros(6, dtype=dtype)
+        want_safe_sq = torch.zeros(6, dtype=torch.float64)
+        for sq, margin, floor in parts:
+            sq = sq.to(dtype).clamp_min(0.0)
+            safe = sq.double().sqrt() + margin.double()
+            if floor is not None:
+                safe = torch.maximum(safe, floor)
+            want_sq, want_safe_sq = want_sq + sq, want_safe_sq + safe.square()
+        got_sq, got_safe = _bounds(parts, dtype)
+        assert got_sq.dtype == dtype and got_safe.dtype == torch.float64
+        torch.testing.assert_close(got_sq, want_sq, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0.0)
+        torch.testing.assert_close(got_safe, want_safe_sq.sqrt(), rtol=1e-13, atol=0.0)
