@@ -130,8 +130,7 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
         def run():
             box["state"], _ = step(box["state"], (x, y), mask, buffers)
 
-        run.chosen_methods = step.chosen_methods  # what "auto" picked (filled by the first call)
-        run.chosen_runs = step.chosen_runs  # ... and whether it ran compiled ("ghost") or not ("ghost eager")
+        run.chosen_runs = step.chosen_runs  # what "auto" ran, compiled ("ghost") or not ("ghost eager"); filled by the first call
         return run
 
     # Opacus: the engine's own DP step on a fixed batch (no data loader in the timed region)
@@ -216,7 +215,7 @@ def bench(name: str, batch_size: int, args: argparse.Namespace, device: torch.de
     if args.profile is not None:
         profile_steps(fns, device, args.profile or None, f"{name}_{batch_size}")
     row: dict[str, Any] = {"model": spec.title, "params": spec.expected_params, "batch": batch_size, "ms": {}, "first_call_s": first, "peak_mib": {}}
-    row["auto_chose"] = {m: sorted(set((fn.chosen_runs or fn.chosen_methods).values())) for m, fn in fns.items() if "auto" in m}
+    row["auto_chose"] = {m: sorted(set(fn.chosen_runs.values())) for m, fn in fns.items() if "auto" in m}
     for m, t in timings.items():
         row["ms"][m] = t["ms"]
     if args.memory:
