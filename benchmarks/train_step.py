@@ -84,10 +84,14 @@ HEADERS = {
 LR, CLIP, SIGMA = 0.05, 1.0, 1.0
 
 
-def build_step(method: str, name: str, batch_size: int, device: torch.device, *, seq_len: int, chunk: int | None = None) -> Callable[[], Any]:
+def build_step(
+    method: str, name: str, batch_size: int, device: torch.device, *, seq_len: int, chunk: int | None = None, seed: int | None = None
+) -> Callable[[], Any]:
     """A zero-argument function that runs one training step of ``method`` on a fixed batch.
 
     ``chunk``: vmapdp's ``physical_batch_size`` (``norm_chunk_size`` for the two-pass method).
+    ``seed``: the vmapdp state's noise seed (default: from the method's name; two steps of one
+    process need two seeds, as ``vmapdp.noise.spent`` refuses a noise key released twice).
     """
     import vmapdp
 
@@ -124,7 +128,7 @@ def build_step(method: str, name: str, batch_size: int, device: torch.device, *,
             physical_batch_size=chunk if how != "two_pass" else None,
             **({"norm_chunk_size": chunk} if how == "two_pass" and chunk else {}),
         )
-        box = {"state": vmapdp.init_train_state(params, sgd, seed=zlib.crc32(method.encode()))}  # its own noise: one key is released once (vmapdp.noise.spent)
+        box = {"state": vmapdp.init_train_state(params, sgd, seed=zlib.crc32(method.encode()) if seed is None else seed)}  # its own noise: one key is released once (vmapdp.noise.spent)
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
 
         def run():

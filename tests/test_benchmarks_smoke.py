@@ -175,3 +175,34 @@ def test_fsdp_benchmark_smoke_run(tmp_path):
     assert all(r["transient"] > 0 for r in rows.values())
     assert set(rows["sharded"]["phases"]) == {"step", "gather", "clip", "reduce", "update"} and rows["ddp"]["phases"] is None
     assert set(rows["sharded-use"]["phases"]) == {"step", "gather", "clip", "reduce", "update"}
+
+
+def test_float64_price_runs_both_sums_and_restores_the_shipped_dtype(capsys):
+    from vmapdp.ghost import engine
+
+    shipped = engine._sum_dtype
+    price = _load("float64_price")
+    (row,) = price.main(["--models", "mnist", "--batch-sizes", "4", "--repeats", "1", "--method", "vmapdp_ghost"])
+    assert engine._sum_dtype is shipped and engine._sum_dtype(torch.float32) == torch.float64
+    assert set(row["ms"]) == {"torch", "float64", "float32"} and all(v > 0 for v in row["ms"].values())
+    assert "| mnist | 4 | vmapdp_ghost |" in capsys.readouterr().out
+
+
+def test_float64_price_restores_the_shipped_dtype_when_a_step_fails(monkeypatch):
+    from vmapdp.ghost import engine
+
+    shipped = engine._sum_dtype
+    price = _load("float64_price")
+
+    built = []
+
+    def build_step(method, *args, **kwargs):  # the float32 variant's build fails, after its dtype is set
+        built.append(method)
+        if len(built) == 3:
+            raise RuntimeError("boom")
+        return lambda: None
+
+    monkeypatch.setattr(price.train_step, "build_step", build_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        price.measure("mnist", 4, 1, "vmapdp_ghost")
+    assert engine._sum_dtype is shipped
