@@ -1158,3 +1158,25 @@ def test_the_stacked_safe_bounds_are_each_params_norm_plus_margin_or_its_floor()
         assert got_sq.dtype == dtype and got_safe.dtype == torch.float64
         torch.testing.assert_close(got_sq, want_sq, rtol=1e-6 if dtype == torch.float32 else 1e-13, atol=0.0)
         torch.testing.assert_close(got_safe, want_safe_sq.sqrt(), rtol=1e-13, atol=0.0)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CASES])
+def test_book_keeping_sums_a_slice_of_the_batch_at_a_time_when_their_copies_are_large(name, monkeypatch):
+    """With ``slice_elements`` at 1 every use's book-keeping sum is made one sample at a time (an
+    LM head's float64 copy of its output grads is bounded so; pairs are added into the first
+    sample's sum in place): the same clipped sum as the reference, masked NaN rows contributing
+    nothing."""
+    from vmapdp.ghost import engine
+
+    params, buffers, batch, loss_fn = _case(name, dtype=torch.float32)
+    ref = _reference(loss_fn, params, buffers, batch, MASK)
+    batch = tuple(t.index_fill(0, torch.tensor([2]), float("nan")) if t.is_floating_point() else t for t in batch)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, slice_elements=1, keep_elements=0, keep_ratio=0.0))
+    rows_summed = []
+    sides = engine._weighted_sides
+    monkeypatch.setattr(engine, "_weighted_sides", lambda use, *a: rows_summed.append(use.u.shape[0]) or sides(use, *a))
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch, mask=MASK)
+    _assert_close(summed, norms, *ref, rtol=1e-4)
+    assert all(torch.isfinite(v).all() for v in summed.values())
+    if rows_summed:  # (models whose every param is kept or uncovered make no book-keeping sum)
+        assert set(rows_summed) == {1}, rows_summed

@@ -62,11 +62,39 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
 
     Rows where ``keep`` is False (not None) are zeroed first: they may hold NaN, and ``0 * NaN``
     is NaN. A bilinear use's weights scale the smaller of its two sides.
+
+    The copies this makes (the sides cast to ``dtype`` and scaled) hold at most
+    ``Limits.slice_elements`` elements: a larger use is summed a slice of the batch at a time into
+    one total (an LM head's output grads ``[B, T, vocab]``: their float64 copy was the peak of a
+    GPT-2 step, 1.6 GB at batch 32 x 128). The same terms are added in ``dtype``, in another order:
+    the rounding bound of :func:`_sum_dtype` holds for any order.
     """
+    b = use.u.shape[0]
+    per_sample = math.prod(use.u.shape[1:]) + (0 if use.kind.indices else math.prod(use.v.shape[1:]))
+    spans = slices(b, per_sample)
+    if len(spans) == 1:
+        return _weighted_rows(use, w, keep, dtype)
+    total = None
+    for s, e in spans:
+        part = use.rows(s, e), row_slice(w, s, e), None if keep is None else row_slice(keep, s, e)
+        if total is not None and use.kind.weighted_add is not None:
+            use.kind.weighted_add(total, *_weighted_sides(*part, dtype))
+        else:
+            total = _weighted_rows(*part, dtype) if total is None else total.add_(_weighted_rows(*part, dtype))
+    return total
+
+
+def _weighted_rows(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
+    return use.kind.weighted(*_weighted_sides(use, w, keep, dtype))
+
+
+def _weighted_sides(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> tuple[Use, Tensor, Tensor]:
+    """``(use, u, v)`` for ``UseKind.weighted``: both sides in ``dtype``, rows not kept zeroed, the
+    weights on the smaller side of a bilinear use (else on ``u``)."""
     scale_v = use.kind.bilinear and use.v.numel() < use.u.numel()  # (an LM head's inputs are 65x smaller than its output grads)
     u = _prepared(use.u, keep, dtype, None if scale_v else w)
     v = use.v if use.kind.indices else _prepared(use.v, keep, dtype, w if scale_v else None)
-    return use.kind.weighted(use, u, v)
+    return use, u, v
 
 
 def _prepared(x: Tensor, keep: Tensor | None, dtype: torch.dtype, w: Tensor | None) -> Tensor:

@@ -138,5 +138,11 @@ def _weighted(use: Use, uw: Tensor, v: Tensor) -> Tensor:
     return (uw.reshape(-1, uw.shape[-1]).T @ v.reshape(-1, v.shape[-1])).reshape(use.shape)
 
 
-PAIR = UseKind("pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v), bilinear=True)
+def _weighted_add(total: Tensor, use: Use, uw: Tensor, v: Tensor) -> None:
+    total.view(uw.shape[-1], v.shape[-1]).addmm_(uw.reshape(-1, uw.shape[-1]).T, v.reshape(-1, v.shape[-1]))
+
+
+PAIR = UseKind(
+    "pair", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, lambda use: pair_mass(use.u, use.v), bilinear=True, weighted_add=_weighted_add
+)
 LINEAR = Rule(parse_linear, linear_uses, transposable=True)

@@ -70,6 +70,9 @@ class UseKind(NamedTuple):
     indices: bool = False  # v holds indices (tokens): never cast, zeroed or counted as held
     joinable: bool = True  # a param's uses of this kind join along T into one (see engine.merged)
     bilinear: bool = False  # ``weighted`` is bilinear in (u, v): the weights may scale the smaller of the two
+    # (total, use, u * w, v) -> None: adds ``weighted``'s sum into ``total`` (a previous slice's) in
+    # place, with no temporary of the param's size; None: ``weighted`` then an add
+    weighted_add: Callable[[Tensor, Use, Tensor, Tensor], None] | None = None
 
 
 class Site(NamedTuple):
