@@ -1180,3 +1180,15 @@ def test_book_keeping_sums_a_slice_of_the_batch_at_a_time_when_their_copies_are_
     assert all(torch.isfinite(v).all() for v in summed.values())
     if rows_summed:  # (models whose every param is kept or uncovered make no book-keeping sum)
         assert set(rows_summed) == {1}, rows_summed
+
+
+def test_sliced_book_keeping_sums_compile_with_fullgraph(monkeypatch):
+    """The sliced book-keeping sum (a pair added in place into the first slice's sum) compiles
+    without graph breaks and gives the eager sum."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, slice_elements=1, keep_elements=0, keep_ratio=0.0))
+    params, buffers, batch, loss_fn = _case("embedding_repeated_tokens", b=4, dtype=torch.float32)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    fn.prepare(params, buffers, batch)
+    compiled = torch.compile(lambda p, b, x: fn(p, b, x, mask=MASK[:4]), fullgraph=True, dynamic=False)
+    got, want = compiled(params, buffers, batch), fn(params, buffers, batch, mask=MASK[:4])
+    _assert_close(got[0], got[1], want[0], want[1], rtol=1e-5)
