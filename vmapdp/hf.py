@@ -334,18 +334,24 @@ def sample_loss(
             if mask is not None and mask.dim() == 1:
                 labels = torch.where(mask != 0, labels, _IGNORE)
             if task == "causal_lm":  # the next token, predicted from a real one (left padding: not from the last pad)
-                target, pred = labels[1:], logits[0, :-1]
-                valid = target != _IGNORE
                 if virtual:  # predicted from the last real position before it: a left-padded sample's first
                     # token from the prompt's last virtual one across the padding, as without the padding
+                    target = labels[1:]
                     index = torch.arange(mask.shape[0], device=mask.device)
                     src = torch.cummax(torch.where(mask != 0, index, -1), 0).values[:-1]
-                    pred = logits[0].index_select(0, src.clamp(min=0))
-                    valid = valid & (src >= 0)
-                elif mask is not None and mask.dim() == 1:
-                    valid = valid & (mask[:-1] != 0)
+                    pred = logits.squeeze(0).index_select(0, src.clamp(min=0))
+                    valid = (target != _IGNORE) & (src >= 0)
+                else:
+                    # the targets shifted (the last position predicts nothing), not the logits: a slice
+                    # or a select of the logits would cost a copy of their size in the backward (785 MB
+                    # each for GPT-2 small at 32 x 128), a squeeze costs none
+                    target = torch.cat([labels[1:], labels.new_full((1,), _IGNORE)])
+                    pred = logits.squeeze(0)
+                    valid = target != _IGNORE
+                    if mask is not None and mask.dim() == 1:
+                        valid = valid & (mask != 0)
             else:  # each position's own label
-                target, pred = labels, logits[0]
+                target, pred = labels, logits.squeeze(0)
                 valid = target != _IGNORE
             per_token = F.cross_entropy(pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred,
                                         torch.where(valid, target, 0), reduction="none")
