@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import platform
 import sys
@@ -30,18 +29,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 
-
-def _load(name: str, file: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train_step = _load("vmapdp_benchmarks_train_step", "train_step.py")
+sys.path.insert(0, str(HERE))
+import train_step  # noqa: E402  (build_step: the same models, batches and steps as its table)
 
 # the compiled step where vmapdp's default compiles the model (train_step.py's table), eager elsewhere
 DEFAULT_METHOD = {"mnist": "vmapdp_ghost_compiled", "embedding": "vmapdp_ghost_compiled", "cifar10": "vmapdp_ghost", "lstm": "vmapdp_ghost"}
