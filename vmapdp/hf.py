@@ -356,7 +356,7 @@ def sample_loss(
             per_token = F.cross_entropy(pred.float() if pred.dtype in (torch.float16, torch.bfloat16) else pred,
                                         torch.where(valid, target, 0), reduction="none")
             count = valid.sum().clamp(min=1)
-            return (per_token * valid).sum() / count
+            return torch.where(valid, per_token, 0.0).sum() / count  # (not a product: a position predicting nothing adds 0 even where its logits are not finite)
         y = sample[key]
         if regression:
             return F.mse_loss(logits.reshape(-1), y.reshape(-1).to(logits.dtype))

@@ -64,7 +64,7 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
     is NaN. A bilinear use's weights scale the smaller of its two sides.
 
     The copies this makes (the sides cast to ``dtype`` and scaled) hold at most
-    ``Limits.slice_elements`` elements: a larger use is summed a slice of the batch at a time into
+    ``Limits.slice_elements`` elements (or one sample's, where that is more): a larger use is summed a slice of the batch at a time into
     one total (an LM head's output grads ``[B, T, vocab]``: their float64 copy was the peak of a
     GPT-2 step, 1.6 GB at batch 32 x 128). The same terms are added in ``dtype``, in another order:
     the rounding bound of :func:`_sum_dtype` holds for any order.
@@ -72,7 +72,7 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
     b = use.u.shape[0]
     per_sample = math.prod(use.u.shape[1:]) + (0 if use.kind.indices else math.prod(use.v.shape[1:]))
     spans = slices(b, per_sample)
-    if len(spans) == 1:
+    if len(spans) <= 1:  # (none for an empty batch)
         return _weighted_rows(use, w, keep, dtype)
     total = None
     for s, e in spans:

@@ -70,7 +70,7 @@ class UseKind(NamedTuple):
     indices: bool = False  # v holds indices (tokens): never cast, zeroed or counted as held
     joinable: bool = True  # a param's uses of this kind join along T into one (see engine.merged)
     bilinear: bool = False  # ``weighted`` is bilinear in (u, v): the weights may scale the smaller of the two
-    # (total, use, u * w, v) -> None: adds ``weighted``'s sum into ``total`` (a previous slice's) in
+    # (total, use, u, v) -> None, the weights on one side as for ``weighted``: adds its sum into ``total`` (a previous slice's) in
     # place, with no temporary of the param's size; None: ``weighted`` then an add
     weighted_add: Callable[[Tensor, Use, Tensor, Tensor], None] | None = None
 
