@@ -74,13 +74,11 @@ def _weighted(use: Use, w: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
     spans = slices(b, per_sample)
     if len(spans) <= 1:  # (none for an empty batch)
         return _weighted_rows(use, w, keep, dtype)
-    total = None
-    for s, e in spans:
-        part = use.rows(s, e), row_slice(w, s, e), None if keep is None else row_slice(keep, s, e)
-        if total is not None and use.kind.weighted_add is not None:
-            use.kind.weighted_add(total, *_weighted_sides(*part, dtype))
-        else:
-            total = _weighted_rows(*part, dtype) if total is None else total.add_(_weighted_rows(*part, dtype))
+    parts = [(use.rows(s, e), row_slice(w, s, e), None if keep is None else row_slice(keep, s, e)) for s, e in spans]
+    total = _weighted_rows(*parts[0], dtype)  # (a fresh tensor: the later slices are added into it)
+    add = use.kind.weighted_add or (lambda total, *sides: total.add_(use.kind.weighted(*sides)))
+    for part in parts[1:]:
+        add(total, *_weighted_sides(*part, dtype))
     return total
 
 
