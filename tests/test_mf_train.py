@@ -204,8 +204,9 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="make_train_step"):
         correlated_noise(BANDED, steps=8).privatize({"b": torch.zeros(1)}, (), b"k")
     # a state without the buffers, and a step past the run: refused, nothing released
-    _, step = make(BANDED, sampler(), opt)
-    idx, mask = sampler().sample()
+    s0 = sampler()
+    _, step = make(BANDED, s0, opt)
+    idx, mask = s0.sample()
     with pytest.raises(ValueError, match="init_train_state"):
         step(vmapdp.init_train_state(PARAMS, opt, seed=1), gather((X, Y), idx), mask)
     other = vmapdp.init_train_state(PARAMS, opt, seed=1, privatizer=correlated_noise(BandedToeplitz((1.0, 0.5, 0.2)), steps=STEPS))
@@ -477,3 +478,17 @@ def test_a_correlated_noise_state_is_refused_by_a_step_without_its_privatizer():
     idx, mask = s.sample()
     with pytest.raises(ValueError, match=r"carries a privatizer's noise state .* pass the privatizer the state was made with.*Nothing was released"):
         plain(state, gather((X, Y), idx), mask)
+
+
+def test_a_batch_not_drawn_from_the_steps_own_sampler_is_refused():
+    """Correlated noise is charged for the separation of each example's participations that its
+    sampler guarantees: a batch drawn elsewhere while that sampler has drawn nothing (full
+    batches at every step, say) is refused before anything is released."""
+    opt = recording_sgd([])
+    s = sampler()
+    priv, step = make(BANDED, s, opt)
+    state = vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=priv)
+    full = torch.ones(N_DATA, dtype=torch.bool)
+    with pytest.raises(ValueError, match="has drawn no batch"):
+        step(state, (X, Y), full)
+    assert state.step == 0 and len(state.ledger.events) == 0

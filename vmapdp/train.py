@@ -403,7 +403,7 @@ def _check_rows(n: int, size: int) -> None:
         raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
 
 
-def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool) -> None:
+def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool, bound: bool = False) -> None:
     """Refuse a step whose state and sampler are not in step.
 
     A sampler with a position (groups, epochs: ``steps_drawn``) must have drawn exactly
@@ -418,10 +418,22 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     correlated noise, inside one band). Poisson samplers are memoryless and have no position.
     With ``distributed``, only rank 0 checks (a secure sampler's batches are drawn there). A
     sampler that has drawn nothing is not checked: the step was given it for its events only, and
-    its batches come from another object (made alike)."""
+    its batches come from another object (made alike), except where the noise is ``bound``
+    (correlated noise): its accounting rests on the separation of each example's participations,
+    which only the sampler's own batches are known to have (found by review: an undrawn cyclic
+    sampler and full batches at every step were charged epsilon 1.9 for a far larger one)."""
     drawn = getattr(sampler, "steps_drawn", None)
-    if not drawn or (distributed and _dist.rank() != 0):
+    if drawn is None or (distributed and _dist.rank() != 0):
         return
+    if not drawn and not bound:
+        return
+    if not drawn and step == 0:
+        raise ValueError(
+            f"{call}: correlated noise is charged for the participations its sampler ({type(sampler).__name__}) allows "
+            "(each example at most once in any band of steps), but that sampler has drawn no batch: this batch came from "
+            "elsewhere, with no such guarantee. Draw each step's batch from the sampler given to make_train_step. "
+            "Nothing was released."
+        )
     if drawn > step + 1 and getattr(sampler, "positional", True):  # (a fixed-size sampler has no position: a spare batch is harmless)
         raise ValueError(
             f"{call}: the state is at step {step} but its sampler has drawn {drawn} batches: {drawn - step - 1} drawn batch(es) "
@@ -784,7 +796,8 @@ def make_train_step(
     grad_noise = noise_multiplier if adaptive_clipping is None else adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
     default_std = grad_noise * l2_sensitivity if noise_multiplier > 0 else 0.0  # the default Gaussian privatizer's
     noise_config = ""
-    if privatizer is not None and getattr(privatizer, "bind", None) is not None:  # it decides its noise and the ledger's event
+    bound_noise = privatizer is not None and getattr(privatizer, "bind", None) is not None
+    if bound_noise:  # it decides its noise and the ledger's event
         if adaptive_clipping is not None:
             raise ValueError(
                 f"{call}: a privatizer that decides its own noise and ledger event (correlated noise) cannot run with adaptive_clipping: "
@@ -950,7 +963,7 @@ def make_train_step(
             shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)
-            _check_sampler_position(scall, sampler, state.step, distributed)
+            _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise)
             if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
