@@ -954,8 +954,10 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         with pytest.raises(ValueError, match="no published analysis covers the pair"):  # still refused, sharded or not
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS), sharding=sharding,
                                    privatizer=priv, adaptive_clipping=ADAPTIVE)
-        mf_step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=make_sampler("banded", STEPS),
+        mf_sampler = make_sampler("banded", STEPS)
+        mf_step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=mf_sampler,
                                          sharding=sharding, privatizer=priv, compile=False, method="ghost")
+        mf_sampler.sample()  # the step's batch is drawn from its own sampler (an undrawn one is refused first)
         unsharded = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv)._replace(params=sharding.shard(params))
         opt_state = opt.init(unsharded.params)
         with pytest.raises(ValueError, match=r"the buffer of .* privatizer=, sharding=\) for a sharded step"):
