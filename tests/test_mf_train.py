@@ -492,3 +492,21 @@ def test_a_batch_not_drawn_from_the_steps_own_sampler_is_refused():
     with pytest.raises(ValueError, match="has drawn no batch"):
         step(state, (X, Y), full)
     assert state.step == 0 and len(state.ledger.events) == 0
+
+
+def test_a_noise_state_of_another_step_is_refused_by_the_step_and_by_load(tmp_path):
+    """The buffers of correlated noise belong to one point of the run: a noise state reset to
+    ``init`` mid-run (its ``t`` 0 at state step 4), or a checkpoint whose noise state was saved
+    at another step, would release ``C^{-1} z`` rows that are not the mechanism's while the
+    ledger charges it. Both are refused, naming the fix, before anything is released or loaded."""
+    half, _, s = run(BANDED, STEPS // 2)
+    priv, step = make(BANDED, s, recording_sgd([]))
+    reset = half._replace(noise_state=priv.init(PARAMS))
+    idx, mask = s.sample()
+    with pytest.raises(ValueError, match=r"has noised 0 steps but the state is at step 4.*init_train_state\(\.\.\., privatizer=\).*Nothing was released"):
+        step(reset, gather((X, Y), idx), mask)
+    step(half, gather((X, Y), idx), mask)  # the consistent state takes the same batch
+    path = tmp_path / "mixed.pt"
+    vmapdp.save_state(path, half._replace(noise_state={**half.noise_state, "t": torch.tensor(3)}), sampler=s)
+    with pytest.raises(ValueError, match="has noised 3 steps but the state is at step 4.*inconsistent; nothing was loaded"):
+        vmapdp.load_state(path)

@@ -40,6 +40,7 @@ import optree
 import torch
 
 from vmapdp.accounting import Ledger
+from vmapdp.noise.privatizers import check_noise_position
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
 
@@ -362,6 +363,7 @@ def state_from_payload(
     if clip_norm is not None and not (isinstance(clip_norm, torch.Tensor) and clip_norm.dim() == 0 and clip_norm.is_floating_point()):
         raise ValueError(f"{call}: malformed 'clip_norm' ({type(clip_norm).__name__}); expected a 0-dim float tensor or None. Nothing was loaded.")
     state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm)
+    check_noise_position(call, noise_state, payload["step"], fix="The checkpoint is inconsistent; nothing was loaded.")
     if like is not None:
         check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen

@@ -58,6 +58,7 @@ from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_s
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
+from vmapdp.noise.privatizers import check_noise_position
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
 
@@ -974,6 +975,11 @@ def make_train_step(
                     "but this step has none (the default Gaussian noise): pass the privatizer the state was made with "
                     "(make_train_step(..., privatizer=...)). Nothing was released."
                 )
+            check_noise_position(
+                scall, state.noise_state, state.step,
+                fix="Make the noise state with the run (init_train_state(..., privatizer=)) and carry it from step to step, "
+                "or resume a checkpoint whole (load_state). Nothing was released.",
+            )
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))

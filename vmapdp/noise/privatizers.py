@@ -23,16 +23,44 @@ correlated across steps has no per-step guarantee of that kind, so its privatize
 hook (:func:`vmapdp.mf.correlated_noise`): ``make_train_step`` calls it once with its
 configuration and gets back the privatizer to run, the event each step records, and the
 mechanism's description (bound into the noise key).
+
+A stateful privatizer's state that is a dict with a ``"t"`` entry (an int tensor) counts the
+steps it has noised (:func:`vmapdp.mf.correlated_noise`'s does): the step and
+``load_state`` refuse a state whose ``t`` is not its ``step`` (:func:`check_noise_position`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import torch
+
 from vmapdp import _checks
 from vmapdp.noise.gaussian import add_noise
 
-__all__ = ["Privatizer", "gaussian_privatizer"]
+__all__ = ["Privatizer", "check_noise_position", "gaussian_privatizer"]
+
+
+def check_noise_position(call: str, noise_state: Any, step: int, *, fix: str) -> None:
+    """Refuse a noise state that has noised another number of steps than its train state's ``step``.
+
+    Correlated noise releases ``(C^{-1} z)_t`` from buffers of the steps before: buffers of
+    another position (a noise state reset or carried over from another point of the run, or a
+    checkpoint whose fields were put together from two saves) would release noise that is not
+    the mechanism's, while the ledger charges the mechanism (found by review). States without a
+    ``"t"`` entry (the default Gaussian's ``()``, a privatizer of yours) are not checked.
+    """
+    if not (isinstance(noise_state, dict) and "t" in noise_state):
+        return
+    t = noise_state["t"]
+    if not (isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool):
+        raise ValueError(f"{call}: the noise state's step count 't' must be a 0-dim int tensor, got {t!r}. {fix}")
+    if int(t) != step:
+        raise ValueError(
+            f"{call}: the noise state has noised {int(t)} steps but the state is at step {step}: its buffers belong to "
+            f"another point of the run, and continuing them would release noise that is not the mechanism the ledger "
+            f"charges. {fix}"
+        )
 
 
 class Privatizer(NamedTuple):
