@@ -594,3 +594,19 @@ def test_a_float64_sample_whose_positions_differ_in_scale_is_still_clipped(op, m
     norm, released = _float64_release(op, x, z, c, monkeypatch)
     assert norm == pytest.approx(8.8e-9, rel=1e-9)
     assert released <= c * (1 + TOL)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_neighbour_difference_is_at_most_C_when_book_keeping_sums_are_sliced(name, monkeypatch):
+    """Ghost with every book-keeping sum made one sample at a time (``slice_elements=1``, pairs
+    added in place into the first slice's sum) and nothing kept, so every covered param's sum is
+    a sliced book-keeping sum: one sample's removal still moves the release by at most ``C``."""
+    monkeypatch.setattr(limits, "LIMITS", replace(zoo_limits(name), slice_elements=1, keep_elements=0, keep_ratio=0.0))
+    loss_fn, params, buffers, batch = setup(name, None)  # (float32: the sums are float64 in every precision)
+    c = SMALL_C.get(name, C)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="ghost")
+    diffs = neighbour_differences(fn, params, buffers, batch, c)
+    assert max(diffs) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
+    if ZOO[name][1] is not _tokens:
+        assert diffs[1] == 0.0  # the NaN sample is dropped: it changes nothing, exactly
+    assert max(diffs) > 0.5

@@ -16,16 +16,20 @@ its DP-SGD meaning and the events below reduce exactly to events the accountants
   at most ``max_participations`` steps per example, at least ``min_separation`` apart, over a run
   of ``steps`` steps, without amplification by sampling. ``sens = max over such patterns of
   ||sum of C's columns||`` (:func:`vmapdp.mf.sensitivity`), and the whole run is ONE Gaussian
-  mechanism with ``mu = 1 / noise_multiplier`` under add/remove (Denisov et al. 2022: adaptive
-  inputs to a lower-triangular ``C`` cost no more than fixed ones; the sampler's randomness does
-  not depend on the data, so the mixture over it is at most as distinguishable as its worst
-  pattern). Charged in full on the run's first step (as an epoch is on the step that opens it)
+  mechanism with ``mu = 1 / noise_multiplier`` under add/remove (adaptive inputs to a
+  lower-triangular ``C`` cost no more than fixed ones: Denisov et al. 2022 for one participation,
+  Choquette-Choo, McMahan, Rush and Thakurta 2023 for the multiple participations of a
+  ``(k, b)``-pattern, with the sensitivity taken over all such patterns as here; the sampler's
+  randomness does not depend on the data, so the mixture over it is at most as distinguishable
+  as its worst pattern). Charged in full on the run's first step (as an epoch is on the step that opens it)
   and accounted as one full-batch Gaussian step, ``PoissonGaussianEvent(noise_multiplier,
   sample_rate=1)``, per run of ``steps`` steps.
 
 References:
   Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu. "(Amplified) Banded Matrix
   Factorization: A unified approach to private training." NeurIPS 2023.
+  Choquette-Choo, McMahan, Rush, Thakurta. "Multi-Epoch Matrix Factorization Mechanisms for
+  Private Machine Learning." ICML 2023.
   Denisov, McMahan, Rush, Smith, Thakurta. "Improved Differential Privacy for SGD via Optimal
   Private Linear Operators on Adaptive Streams." NeurIPS 2022.
   Dvijotham, McMahan, Pillutla, Steinke, Thakurta. "Efficient and Near-Optimal Noise Generation
