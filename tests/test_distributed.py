@@ -163,6 +163,21 @@ def _worker(rank, world, init_file, out_dir):
         odd = cst._replace(noise_state={**cst.noise_state, "buffers": {k: v + (vdist.rank() == 1) for k, v in bufs.items()}})
         indices, mask = next(batches)
         res["noise_state_error"] = _expect_error(lambda: corr(odd, gather(data, indices), mask, buffers))
+        # correlated noise on a rank whose (keyed) sampler never drew: rank 1 feeds every example while
+        # rank 0 draws; it was charged as cyclic sampling (only rank 0 checked; found by review)
+        csampler2 = CyclicPoissonSampler(N, Q, cycle=2, steps=4, key=SAMPLER_KEY)
+        corr2 = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sampler=csampler2,
+                                       compile=False, distributed=True, method="ghost", privatizer=priv)
+        cst2 = vmapdp.init_train_state(params, opt, seed=7, privatizer=priv)
+        if vdist.rank() == 0:
+            indices, mask = csampler2.sample()
+        else:
+            indices, mask = torch.arange(N), torch.ones(N, dtype=torch.bool)
+        try:
+            corr2(cst2, gather(data, indices), mask, buffers)
+            res["undrawn_rank_error"] = None
+        except (ValueError, RuntimeError) as err:
+            res["undrawn_rank_error"] = f"{type(err).__name__}: {err}"
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -264,6 +279,15 @@ def test_ranks_with_different_noise_states_fail_together(ranks):
     for r in ranks:
         assert r["corr_step"] == 1
         assert r["noise_state_error"] is not None and "noise state" in r["noise_state_error"] and "disagree" in r["noise_state_error"], r["noise_state_error"]
+
+
+def test_a_rank_whose_keyed_sampler_drew_nothing_is_refused_with_correlated_noise(ranks):
+    """Every rank draws its own batches from a keyed sampler, so every rank's sampler is checked
+    (a secure one only on rank 0, which draws for all): rank 1 stepping every example while its
+    sampler drew nothing raises its own refusal; rank 0 is told a rank failed; nothing released."""
+    r0, r1 = ranks
+    assert r1["undrawn_rank_error"] is not None and "has drawn no batch" in r1["undrawn_rank_error"], r1["undrawn_rank_error"]
+    assert r0["undrawn_rank_error"] is not None and "another rank failed" in r0["undrawn_rank_error"], r0["undrawn_rank_error"]
 
 
 def test_ranks_with_different_samplers_fail_together(ranks):

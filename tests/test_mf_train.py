@@ -506,7 +506,78 @@ def test_a_noise_state_of_another_step_is_refused_by_the_step_and_by_load(tmp_pa
     with pytest.raises(ValueError, match=r"has noised 0 steps but the state is at step 4.*init_train_state\(\.\.\., privatizer=\).*Nothing was released"):
         step(reset, gather((X, Y), idx), mask)
     step(half, gather((X, Y), idx), mask)  # the consistent state takes the same batch
+    s2 = sampler()
+    [s2.sample() for _ in range(5)]
+    _, step2 = make(BANDED, s2, recording_sgd([]))
+    idx, mask = s2.sample()
+    with pytest.raises(ValueError, match=r"has noised 3 steps but the state is at step 5 \(runs of 8 steps"):  # (one step behind)
+        step2(half._replace(noise_state={**half.noise_state, "t": torch.tensor(3)}, step=5), gather((X, Y), idx), mask)
     path = tmp_path / "mixed.pt"
-    vmapdp.save_state(path, half._replace(noise_state={**half.noise_state, "t": torch.tensor(3)}), sampler=s)
-    with pytest.raises(ValueError, match="has noised 3 steps but the state is at step 4.*inconsistent; nothing was loaded"):
-        vmapdp.load_state(path)
+    vmapdp.save_state(path, half._replace(noise_state={**half.noise_state, "t": torch.tensor(5)}), sampler=s)
+    with pytest.raises(ValueError, match="has noised 5 steps but the state is at step 4.*inconsistent; nothing was loaded"):
+        vmapdp.load_state(path, sampler=sampler())
+
+
+def test_a_fresh_noise_state_starts_the_next_run_at_a_multiple_of_steps_only():
+    """After a whole run of ``steps``, a fresh noise state (t = 0) continues the same TrainState as
+    the next run, which the ledger charges as one more run (BLT: one more Gaussian mechanism);
+    the spent state itself is refused as past its run."""
+    s = sampler()
+    full, _, _ = run(BLT, STEPS, s=s)
+    priv, step = make(BLT, s, recording_sgd([]))
+    idx, mask = s.sample()  # (a sampler draws past its steps when asked; iterating it stops there)
+    with pytest.raises(ValueError, match=r"step 9 is past steps=8.*fresh noise state"):
+        step(full, gather((X, Y), idx), mask)
+    nxt, _ = step(full._replace(noise_state=priv.init(PARAMS)), gather((X, Y), idx), mask)
+    assert int(nxt.noise_state["t"]) == 1 and nxt.step == STEPS + 1
+    assert nxt.ledger.events[-1].charged_runs == 2
+
+
+def test_a_privatizer_of_yours_may_keep_a_step_count_of_its_own():
+    """Only correlated noise's state layout is checked: a privatizer of yours whose state holds a
+    't' (here a float, counting from 1) runs and is saved and loaded as it likes."""
+    def init(params):
+        return {"t": torch.tensor(1.0)}
+
+    def privatize(summed, state, key):
+        return vmapdp.noise.add_noise(summed, NM * CLIP, key=key), {"t": state["t"] + 1}
+
+    mine = vmapdp.noise.Privatizer(init, privatize, config="mine")
+    s = PoissonSampler(N_DATA, Q, steps=2, key=b"k")
+    step = vmapdp.make_train_step(zero_loss, optim.sgd(0.1), l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, expected_batch_size=1.0,
+                                  compile=False, method="vmap", privatizer=mine)
+    state = vmapdp.init_train_state(PARAMS, optim.sgd(0.1), seed=SEED, privatizer=mine)
+    idx, mask = s.sample()
+    state, _ = step(state, gather((X, Y), idx), mask)
+    assert float(state.noise_state["t"]) == 2.0
+
+
+def test_a_fresh_sampler_under_another_key_fast_forwarded_to_the_state_is_refused(tmp_path):
+    """Found by review: a run saved without its sampler, resumed with a fresh cyclic sampler under
+    another key and drawn to the state's position, passed the position check while its groups
+    (so where an example takes part) differ from the ones the ledger charged. The sampler's
+    stream_id is recorded in the state (and its checkpoints) and another one is refused; the
+    same key, or the run's own sampler restored, continues."""
+    half, _, s = run(BANDED, STEPS // 2)
+    assert half.sampler_id == s.stream_id != ""
+    other = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, key=b"another-key")
+    same = sampler()
+    for fresh in (other, same):
+        [fresh.sample() for _ in range(STEPS // 2)]
+    _, step = make(BANDED, other, recording_sgd([]))
+    idx, mask = other.sample()
+    with pytest.raises(ValueError, match=r"is not the sampler the state's 4 steps were drawn by.*load_state\(\.\.\., sampler=\).*Nothing was released"):
+        step(half, gather((X, Y), idx), mask)
+    _, step = make(BANDED, same, recording_sgd([]))
+    idx, mask = same.sample()
+    assert step(half, gather((X, Y), idx), mask)[0].step == STEPS // 2 + 1
+    # through a checkpoint: the id is saved; a secure sampler's own token is restored with its state
+    secure = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, secure=True)
+    state, _, _ = run(BANDED, 2, s=secure, secure=True, state=vmapdp.init_train_state(PARAMS, recording_sgd([]), seed=None, privatizer=correlated_noise(BANDED, steps=STEPS), secure=True))
+    path = tmp_path / "secure.pt"
+    vmapdp.save_state(path, state, sampler=secure)
+    like = vmapdp.init_train_state(PARAMS, recording_sgd([]), seed=None, privatizer=correlated_noise(BANDED, steps=STEPS), secure=True)
+    restored = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, secure=True)
+    assert restored.stream_id != secure.stream_id
+    loaded = vmapdp.load_state(path, sampler=restored, like=like, saved_after_last_step=True)
+    assert loaded.sampler_id == restored.stream_id == secure.stream_id

@@ -107,6 +107,7 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
         "methods": [list(m) for m in state.methods],
         "noise_state": state.noise_state,
         "clip_norm": state.clip_norm,
+        "sampler_id": state.sampler_id,
     }
 
 
@@ -362,8 +363,11 @@ def state_from_payload(
     clip_norm = payload.get("clip_norm")  # adaptive clipping's threshold (absent from older checkpoints)
     if clip_norm is not None and not (isinstance(clip_norm, torch.Tensor) and clip_norm.dim() == 0 and clip_norm.is_floating_point()):
         raise ValueError(f"{call}: malformed 'clip_norm' ({type(clip_norm).__name__}); expected a 0-dim float tensor or None. Nothing was loaded.")
-    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm)
-    check_noise_position(call, noise_state, payload["step"], fix="The checkpoint is inconsistent; nothing was loaded.")
+    sampler_id = payload.get("sampler_id", "")  # (absent from checkpoints saved before it was recorded)
+    if not isinstance(sampler_id, str):
+        raise ValueError(f"{call}: malformed 'sampler_id' ({type(sampler_id).__name__}); expected a str. Nothing was loaded.")
+    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm, sampler_id)
+    check_noise_position(call, noise_state, payload["step"], period=None, fix="The checkpoint is inconsistent; nothing was loaded.")
     if like is not None:
         check_like(call, state, like)
         state = state._replace(budgets=functools.reduce(merge_budgets, like.budgets, state.budgets))  # budgets never loosen

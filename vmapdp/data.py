@@ -270,6 +270,13 @@ class _KeyedSampler:
         if generator is None and not secure:
             key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         self.key: bytes | None = key if generator is None and not secure else None
+        # what tells this sampling process from another made alike (stream_id): the key itself, the
+        # generator's state at construction, or a fresh token for a secure sampler; restored by load_state_dict
+        self._source_id = (
+            b"" if self.key is not None
+            else hashlib.sha256(generator.get_state().numpy().tobytes()).digest() if generator is not None
+            else secrets.token_bytes(16)
+        )
         self._draws = 0
         self._step = 0  # steps yielded so far
 
@@ -306,6 +313,20 @@ class _KeyedSampler:
     positional = True  # a step's event depends on its position (an epoch's first step, a group)
 
     @property
+    def stream_id(self) -> str:
+        """A digest naming this sampling process: the kind, its arguments and its source (the
+        key; the generator's state at construction; a secure sampler's own random token). Two
+        samplers made alike with the same ``key=`` or generator seed have the same id; a sampler
+        made without ``key=`` (a random key) or with ``secure=True`` has its own, which
+        :meth:`load_state_dict` restores. ``make_train_step`` records it in
+        ``TrainState.sampler_id`` and refuses a later step whose sampler has another (a fresh
+        sampler fast-forwarded to the state's step would repeat groups or epoch positions
+        differently from the ones the ledger charged). Not secret (a one-way digest of the key)."""
+        source = self.key if self.key is not None else self._source_id
+        label = repr((type(self).__name__, sorted(self._params().items()))).encode()
+        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
+
+    @property
     def steps_drawn(self) -> int:
         """The batches drawn so far (restored by :meth:`load_state_dict`): ``make_train_step``
         wants this sampler exactly one batch past the state (a fresh sampler on a resumed run
@@ -324,6 +345,7 @@ class _KeyedSampler:
             "secure": self.secure,
             "draws": self._draws,
             "step": self._step,
+            "source_id": None if self.key is not None else self._source_id,
             **self._extra_state(),
         }
 
@@ -351,6 +373,8 @@ class _KeyedSampler:
         elif source == "generator":
             self.generator.set_state(state["generator"])
         self._draws, self._step = int(state["draws"]), int(state["step"])
+        if source != "key" and isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
+            self._source_id = state["source_id"]
         self._load_extra(state)
 
 

@@ -294,7 +294,7 @@ def privatized_on_rank0(privatizer: Privatizer) -> Privatizer:
         out = privatizer.privatize(summed, state, key) if rank() == 0 else (summed, state)
         return broadcast_tree(out, src=0)
 
-    return Privatizer(privatizer.init, privatize)
+    return privatizer._replace(privatize=privatize, bind=None)  # (its config and period kept)
 
 
 def local_capacity(capacity: int, world_size: int | None = None) -> int:

@@ -83,6 +83,7 @@ class TrainState(NamedTuple):
     methods: tuple[tuple[str, str], ...] = ()  # (chunk shape digest, method run): replayed on resume
     noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
     clip_norm: Any = None  # adaptive clipping's current threshold (0-dim float32 tensor); None: the step's l2_clip_norm
+    sampler_id: str = ""  # the stream_id of the sampler whose batches the steps took ("": none recorded yet)
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -404,7 +405,7 @@ def _check_rows(n: int, size: int) -> None:
         raise ValueError(f"step(state, batch, mask): the batch has {n} rows, not a multiple of physical_batch_size={size}; pad it with the sampler.")
 
 
-def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool, bound: bool = False) -> None:
+def _check_sampler_position(call: str, sampler: Any, step: int, distributed: bool, bound: bool = False, recorded: str = "") -> str:
     """Refuse a step whose state and sampler are not in step.
 
     A sampler with a position (groups, epochs: ``steps_drawn``) must have drawn exactly
@@ -417,17 +418,33 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     sampler on a resumed run starts again at group 0 (cyclic Poisson) or a new epoch, so an
     example can participate closer together than the ledger's events assume (for banded
     correlated noise, inside one band). Poisson samplers are memoryless and have no position.
-    With ``distributed``, only rank 0 checks (a secure sampler's batches are drawn there). A
-    sampler that has drawn nothing is not checked: the step was given it for its events only, and
-    its batches come from another object (made alike), except where the noise is ``bound``
+    With ``distributed``, a secure sampler is checked on rank 0 only (its batches are drawn there
+    and broadcast); a keyed one on every rank (each rank draws; found by review: rank 1's undrawn
+    sampler and full batches there were charged as cyclic sampling). A sampler that has drawn
+    nothing is not checked for its position: the step was given it for its events only, and its
+    batches come from another object (made alike), except where the noise is ``bound``
     (correlated noise): its accounting rests on the separation of each example's participations,
     which only the sampler's own batches are known to have (found by review: an undrawn cyclic
-    sampler and full batches at every step were charged epsilon 1.9 for a far larger one)."""
+    sampler and full batches at every step were charged epsilon 1.9 for a far larger one).
+
+    The sampler must also be the one the state's steps were drawn by (``stream_id`` against the
+    state's ``recorded`` ``sampler_id``): a fresh sampler under another key, fast-forwarded to
+    the state's step, would pass the position check but put an example's participations
+    elsewhere than the ledger's events assume (found by review). Returns the id to record."""
     drawn = getattr(sampler, "steps_drawn", None)
-    if drawn is None or (distributed and _dist.rank() != 0):
-        return
+    if drawn is None or (distributed and _dist.rank() != 0 and getattr(sampler, "secure", False)):
+        return recorded
+    ident = getattr(sampler, "stream_id", None) if getattr(sampler, "positional", True) else None  # (a fixed-size sampler's draws are alike)
+    if ident is not None and recorded and ident != recorded:
+        raise ValueError(
+            f"{call}: this {type(sampler).__name__} is not the sampler the state's {step} steps were drawn by (another key=, "
+            "generator seed or secure sampler, or other arguments): its groups or epoch positions differ from the ones the ledger "
+            "charged, even drawn to the same position. Resume the run's own sampler with the state (save_state(..., sampler=) and "
+            "load_state(..., sampler=)), or make it with the same key=. Nothing was released."
+        )
+    recorded = ident if ident is not None else recorded
     if not drawn and not bound:
-        return
+        return recorded
     if not drawn and step == 0:
         raise ValueError(
             f"{call}: correlated noise is charged for the participations its sampler ({type(sampler).__name__}) allows "
@@ -451,6 +468,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "or epoch positions the ledger has already charged: resume it with the state (save_state(..., sampler=) and "
             "load_state(..., sampler=)). Nothing was released."
         )
+    return recorded
 
 
 def _shape_digest(key: tuple) -> str:
@@ -964,7 +982,7 @@ def make_train_step(
             shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)
-            _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise)
+            sampler_id = _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise, recorded=state.sampler_id)
             if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
@@ -975,11 +993,12 @@ def make_train_step(
                     "but this step has none (the default Gaussian noise): pass the privatizer the state was made with "
                     "(make_train_step(..., privatizer=...)). Nothing was released."
                 )
-            check_noise_position(
-                scall, state.noise_state, state.step,
-                fix="Make the noise state with the run (init_train_state(..., privatizer=)) and carry it from step to step, "
-                "or resume a checkpoint whole (load_state). Nothing was released.",
-            )
+            if bound_noise:
+                check_noise_position(
+                    scall, state.noise_state, state.step, period=privatizer.period or None,
+                    fix="Make the noise state with the run (init_train_state(..., privatizer=)) and carry it from step to step, "
+                    "or resume a checkpoint whole (load_state). Nothing was released.",
+                )
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
@@ -1036,7 +1055,7 @@ def make_train_step(
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         del noisy
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip)
+        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip, sampler_id)
         if run is not None:
             _spent.SPENT.record(run, state.step, fingerprint)
         if fixed_shapes and not first_shapes:  # (a first call that raised records nothing)

@@ -115,7 +115,7 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
             raise ValueError(f"{where}: correlated noise needs noise_multiplier > 0, got {noise_multiplier!r}; for a non-private run drop privatizer=.")
         event = mf_event(where, strategy, noise_multiplier=noise_multiplier, sampler=sampler, steps=steps)
         std = noise_multiplier * l2_sensitivity * noise_sensitivity(strategy, event, steps)
-        return Privatizer(init, _privatize(strategy, steps, std, secure, offsets), bound_again), (lambda: event), describe(strategy, steps)
+        return Privatizer(init, _privatize(strategy, steps, std, secure, offsets), bound_again, period=steps), (lambda: event), describe(strategy, steps)
 
     return Privatizer(init, unbound, bind)
 
@@ -146,7 +146,9 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
         if t >= steps:
             raise ValueError(
                 f"{call}: step {t + 1} is past steps={steps}, the run the correlated noise (and its accounting) was built for; "
-                "nothing was released. Build correlated_noise(strategy, steps=...) for the whole run."
+                "nothing was released. Build correlated_noise(strategy, steps=...) for the whole run, or start the next run of "
+                "that length from a fresh noise state (state._replace(noise_state=privatizer.init(state.params))), which the "
+                "ledger charges as a run of its own."
             )
         if not (isinstance(summed, dict) and set(summed) == set(state["buffers"])):
             raise ValueError(f"{call}: the sum's leaves are not the state's buffers {sorted(state['buffers'])}; make the state from the same params.")

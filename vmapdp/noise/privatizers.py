@@ -24,9 +24,8 @@ hook (:func:`vmapdp.mf.correlated_noise`): ``make_train_step`` calls it once wit
 configuration and gets back the privatizer to run, the event each step records, and the
 mechanism's description (bound into the noise key).
 
-A stateful privatizer's state that is a dict with a ``"t"`` entry (an int tensor) counts the
-steps it has noised (:func:`vmapdp.mf.correlated_noise`'s does): the step and
-``load_state`` refuse a state whose ``t`` is not its ``step`` (:func:`check_noise_position`).
+Correlated noise's state counts the steps it has noised (``t``); the step and ``load_state``
+refuse one that does not fit the train state's step (:func:`check_noise_position`).
 """
 
 from __future__ import annotations
@@ -41,23 +40,32 @@ from vmapdp.noise.gaussian import add_noise
 __all__ = ["Privatizer", "check_noise_position", "gaussian_privatizer"]
 
 
-def check_noise_position(call: str, noise_state: Any, step: int, *, fix: str) -> None:
-    """Refuse a noise state that has noised another number of steps than its train state's ``step``.
+def check_noise_position(call: str, noise_state: Any, step: int, *, period: int | None, fix: str) -> None:
+    """Refuse a correlated-noise state whose step count ``t`` does not fit its train state's ``step``.
 
     Correlated noise releases ``(C^{-1} z)_t`` from buffers of the steps before: buffers of
     another position (a noise state reset or carried over from another point of the run, or a
     checkpoint whose fields were put together from two saves) would release noise that is not
-    the mechanism's, while the ledger charges the mechanism (found by review). States without a
-    ``"t"`` entry (the default Gaussian's ``()``, a privatizer of yours) are not checked.
+    the mechanism's, while the ledger charges the mechanism (found by review). With ``period``
+    (the run length ``steps`` the noise was built for) the state must be ``t`` steps into the
+    run that started at a multiple of ``period``: ``step - t`` a multiple of ``period``, ``0 <= t
+    <= period`` (a fresh state, ``t = 0``, at a multiple starts the next run, which the ledger
+    charges as a run of its own). ``period=None`` (``load_state``, which does not know the run
+    length) checks ``0 <= t <= step`` only; the step checks the rest before anything is released.
+    Only :func:`vmapdp.mf.correlated_noise`'s layout (``t``, ``strategy``, ``buffers``) is
+    checked: a privatizer of yours keeps its own state as it likes.
     """
-    if not (isinstance(noise_state, dict) and "t" in noise_state):
+    if not (isinstance(noise_state, dict) and set(noise_state) == {"t", "strategy", "buffers"}):
         return
     t = noise_state["t"]
     if not (isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool):
         raise ValueError(f"{call}: the noise state's step count 't' must be a 0-dim int tensor, got {t!r}. {fix}")
-    if int(t) != step:
+    t = int(t)
+    fits = 0 <= t <= step if period is None else 0 <= t <= period and t <= step and (step - t) % period == 0
+    if not fits:
+        runs = "" if period is None else f" (runs of {period} steps: t must be the state's step minus a multiple of {period})"
         raise ValueError(
-            f"{call}: the noise state has noised {int(t)} steps but the state is at step {step}: its buffers belong to "
+            f"{call}: the noise state has noised {t} steps but the state is at step {step}{runs}: its buffers belong to "
             f"another point of the run, and continuing them would release noise that is not the mechanism the ledger "
             f"charges. {fix}"
         )
@@ -86,6 +94,8 @@ class Privatizer(NamedTuple):
     # its std): two steps with other privatizers never draw the same noise (found by review: std
     # 2.0 and 3.0 from one state gave noise in the ratio 1.5, the same draws). Give yours one.
     config: str = ""
+    # a bound correlated noise's run length: its state's step count t restarts every ``period`` steps (0: none)
+    period: int = 0
 
 
 def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None) -> Privatizer:
