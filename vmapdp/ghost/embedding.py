@@ -112,9 +112,15 @@ def _weighted(use: Use, uw: Tensor, tok: Tensor) -> Tensor:
     return uw.new_zeros(use.extra, uw.shape[-1]).index_add(0, tok.reshape(-1), flat).reshape(use.shape)
 
 
+def _weighted_add(total: Tensor, use: Use, uw: Tensor, tok: Tensor) -> None:
+    """A later slice's rows added into ``total`` in place (engine._weighted's sliced sum): no
+    table-sized temporary per slice."""
+    total.view(use.extra, uw.shape[-1]).index_add_(0, tok.reshape(-1), uw.reshape(-1, uw.shape[-1]))
+
+
 def _mass(use: Use) -> Tensor:
     return torch.linalg.vector_norm(use.u, dim=2).sum(1)  # (a token's one-hot has norm 1)
 
 
-EMBEDDING = UseKind("embedding", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, _mass, indices=True)
+EMBEDDING = UseKind("embedding", lambda use: use.u.shape[1], _sq_norms, _per_sample, _weighted, _mass, indices=True, weighted_add=_weighted_add)
 EMBEDDING_RULE = Rule(parse_embedding, embedding_uses)
