@@ -78,6 +78,7 @@ HEADERS = {
 }
 LR, CLIP, SIGMA = 1e-3, 1.0, 1.0
 VMAPDP_METHOD = "auto"  # make_train_step(method=) of the vmapdp rows (--vmapdp-method)
+NORM_CHUNK_SIZE: int | None = None  # make_train_step(norm_chunk_size=) with two_pass (--norm-chunk-size)
 SIZES = {
     "cpu": {"hidden": 128, "layers": 2, "heads": 4, "vocab": 512, "positions": 64, "seq": 64, "batch": 16, "rank": 8},
     "gpt2-small": {"hidden": 768, "layers": 12, "heads": 12, "vocab": 50257, "positions": 1024, "seq": 128, "batch": 32, "rank": 8},
@@ -156,6 +157,7 @@ def build_step(method: str, name: str, variant: str, batch_size: int, device: to
         step = vmapdp.make_train_step(
             loss_fn, sgd, l2_clip_norm=CLIP, noise_multiplier=SIGMA, expected_batch_size=float(batch_size),
             sample_rate=0.01, compile=method == "vmapdp_compiled", method=VMAPDP_METHOD,
+            **({"norm_chunk_size": NORM_CHUNK_SIZE} if VMAPDP_METHOD == "two_pass" and NORM_CHUNK_SIZE else {}),
         )
         box = {"state": vmapdp.init_train_state(params, sgd, seed=zlib.crc32(method.encode()))}  # its own noise: one key is released once (vmapdp.noise.spent)
         mask = torch.ones(batch_size, dtype=torch.bool, device=device)
@@ -212,7 +214,7 @@ def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, devi
         "import sys, json, warnings, torch; warnings.simplefilter('ignore'); sys.path.insert(0, {here!r});"
         "import hf as b;\n"
         "try:\n    import opacus\nexcept ImportError:\n    pass\n"
-        "b.VMAPDP_METHOD = {vm!r}; dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
+        "b.VMAPDP_METHOD = {vm!r}; b.NORM_CHUNK_SIZE = {ncs!r}; dev = torch.device({dev!r}); run = b.build_step({m!r}, {name!r}, {v!r}, {bs}, dev, {cfg!r});"
         "[run() for _ in range({warm})]; ok = b._reset_peak();"
         "[run() for _ in range({n})];"
         "chosen = sorted(set(getattr(run, 'chosen', {{}}).values())) or None;"
@@ -220,7 +222,7 @@ def _peak_memory_mib(method: str, name: str, variant: str, batch_size: int, devi
     )
     out, chosen = {}, None
     for m in ("none", method) if device.type != "cuda" else (method,):
-        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg, vm=VMAPDP_METHOD,
+        src = code.format(here=str(HERE), dev=str(device), m="torch" if m == "none" else m, name=name, v=variant, bs=batch_size, cfg=cfg, vm=VMAPDP_METHOD, ncs=NORM_CHUNK_SIZE,
                           warm=0 if m == "none" else 1, n=0 if m == "none" else 2)
         proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -313,12 +315,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--memory", action="store_true", help="also measure peak memory per method (a fresh process each)")
     p.add_argument("--smoke", action="store_true", help="the suite's run: a tiny config, batch 4, 2 repeats, nothing compiled")
     p.add_argument("--vmapdp-method", default="auto", choices=["auto", "ghost", "vmap", "two_pass"], help="make_train_step(method=) of the vmapdp rows")
+    p.add_argument("--norm-chunk-size", type=int, default=None, help="with --vmapdp-method two_pass: per-sample grads this many samples at a time")
     p.add_argument("--out", default=None, help="write the rows (and the set-up) to this JSON file")
     p.add_argument("--profile", nargs="?", const="", default=None, metavar="DIR", help="after timing, profile one step of each method (tables into DIR, or printed)")
     args = p.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
-    global VMAPDP_METHOD
-    VMAPDP_METHOD = args.vmapdp_method
+    global VMAPDP_METHOD, NORM_CHUNK_SIZE
+    VMAPDP_METHOD, NORM_CHUNK_SIZE = args.vmapdp_method, args.norm_chunk_size
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {','.join(METHODS)}")

@@ -78,6 +78,34 @@ def test_same_seed_same_batches_and_state_resume():
     assert torch.equal(i[m], first[1])
 
 
+def test_stream_id_names_the_sampling_process():
+    """Alike with the same key or seed: one id; another key, arguments or a secure sampler's own
+    token: another; restored by load_state_dict. A generator-driven sampler is named by its
+    generator's state at its first draw (found by review: seeding the generator after the sampler
+    was built kept the id of the unseeded state)."""
+    from vmapdp.data import CyclicPoissonSampler
+
+    def cyc(**kw):
+        return CyclicPoissonSampler(40, 0.5, cycle=4, **kw)
+
+    assert cyc(key=b"a").stream_id == cyc(key=b"a").stream_id != cyc(key=b"b").stream_id
+    assert cyc(key=b"a").stream_id != CyclicPoissonSampler(40, 0.5, cycle=2, key=b"a").stream_id
+    a, b = cyc(secure=True), cyc(secure=True)
+    assert a.stream_id != b.stream_id
+    b.load_state_dict(a.state_dict())
+    assert b.stream_id == a.stream_id
+    g = torch.Generator()
+    late = cyc(generator=g)
+    g.manual_seed(5)
+    late.sample()
+    early = cyc(generator=torch.Generator().manual_seed(5))
+    assert late.stream_id == early.stream_id  # the state the draws came from
+    assert late.stream_id != cyc(generator=torch.Generator().manual_seed(6)).stream_id
+    fresh = cyc(generator=torch.Generator().manual_seed(0))
+    fresh.load_state_dict(late.state_dict())
+    assert fresh.stream_id == late.stream_id
+
+
 def test_default_capacity_bounds_overflow():
     for n, q in [(60_000, 256 / 60_000), (1438, 128 / 1438), (100, 0.5)]:
         cap = default_capacity(n, q, 1e-6)

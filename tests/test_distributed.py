@@ -178,6 +178,13 @@ def _worker(rank, world, init_file, out_dir):
             res["undrawn_rank_error"] = None
         except (ValueError, RuntimeError) as err:
             res["undrawn_rank_error"] = f"{type(err).__name__}: {err}"
+        # ranks that draw their own batches (shard() by hand, not sharded()) from cyclic samplers under
+        # other keys: an example in other groups on each rank; the sampler's id joins the same-state check
+        ownc = CyclicPoissonSampler(N, Q, cycle=2, steps=4, key=f"cyclic-rank-{vdist.rank()}")
+        cyc = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q / 2, sampler=ownc,
+                                     compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*ownc.sample(), ownc.capacity)
+        res["sampler_key_error"] = _expect_error(lambda: cyc(st, gather(data, indices), mask, buffers))
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -250,7 +257,7 @@ def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
 
 def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
-        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before)" in r["seed_error"]
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id)" in r["seed_error"]
         assert "same seed" in r["seed_error"]
 
 
@@ -288,6 +295,14 @@ def test_a_rank_whose_keyed_sampler_drew_nothing_is_refused_with_correlated_nois
     r0, r1 = ranks
     assert r1["undrawn_rank_error"] is not None and "has drawn no batch" in r1["undrawn_rank_error"], r1["undrawn_rank_error"]
     assert r0["undrawn_rank_error"] is not None and "another rank failed" in r0["undrawn_rank_error"], r0["undrawn_rank_error"]
+
+
+def test_ranks_drawing_under_other_sampler_keys_fail_together(ranks):
+    """Found by review: ranks that shard their own draws by hand (``shard``, which does not compare
+    the samplers as ``sharded`` does) under other keys stepped on; the sampler's stream_id is in
+    the step's same-state check."""
+    for r in ranks:
+        assert r["sampler_key_error"] is not None and "disagree" in r["sampler_key_error"] and "stream_id" in r["sampler_key_error"], r["sampler_key_error"]
 
 
 def test_ranks_with_different_samplers_fail_together(ranks):

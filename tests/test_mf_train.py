@@ -480,6 +480,21 @@ def test_a_correlated_noise_state_is_refused_by_a_step_without_its_privatizer():
         plain(state, gather((X, Y), idx), mask)
 
 
+def test_a_correlated_noise_state_is_refused_by_any_other_privatizer():
+    """Found by review: an explicit gaussian_privatizer (not bound) passed a banded state's buffers
+    through; correlated steps resumed 6 steps later (a multiple of the run) had their step count
+    6 behind the sampler's groups, participations 2 rows apart under a band of 3 (1.323 against
+    the 1.204 charged)."""
+    s = sampler()
+    priv, _ = make(BANDED, s, optim.sgd(0.5))
+    state = vmapdp.init_train_state(PARAMS, optim.sgd(0.5), seed=SEED, privatizer=priv)
+    plain = vmapdp.make_train_step(zero_loss, optim.sgd(0.5), l2_clip_norm=CLIP, noise_multiplier=NM, sampler=s, physical_batch_size=s.capacity,
+                                   compile=False, privatizer=vmapdp.noise.gaussian_privatizer(NM * CLIP))
+    idx, mask = s.sample()
+    with pytest.raises(ValueError, match=r"carries correlated noise's state .* privatizer=correlated_noise\(\.\.\.\).*Nothing was released"):
+        plain(state, gather((X, Y), idx), mask)
+
+
 def test_a_batch_not_drawn_from_the_steps_own_sampler_is_refused():
     """Correlated noise is charged for the separation of each example's participations that its
     sampler guarantees: a batch drawn elsewhere while that sampler has drawn nothing (full

@@ -271,12 +271,9 @@ class _KeyedSampler:
             key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         self.key: bytes | None = key if generator is None and not secure else None
         # what tells this sampling process from another made alike (stream_id): the key itself, the
-        # generator's state at construction, or a fresh token for a secure sampler; restored by load_state_dict
-        self._source_id = (
-            b"" if self.key is not None
-            else hashlib.sha256(generator.get_state().numpy().tobytes()).digest() if generator is not None
-            else secrets.token_bytes(16)
-        )
+        # generator's state at the sampler's first draw (None until then), or a fresh token for a secure
+        # sampler; restored by load_state_dict
+        self._source_id: bytes | None = b"" if self.key is not None else None if generator is not None else secrets.token_bytes(16)
         self._draws = 0
         self._step = 0  # steps yielded so far
 
@@ -287,7 +284,12 @@ class _KeyedSampler:
             label = self._LABEL + self.key + b":" + str(self._draws).encode()
             self._draws += 1
             return _shake_u53(label, n)
+        if self._source_id is None:
+            self._source_id = self._generator_digest()
         return torch.randint(0, 1 << 53, (n,), generator=self.generator, dtype=torch.int64)
+
+    def _generator_digest(self) -> bytes:
+        return hashlib.sha256(self.generator.get_state().numpy().tobytes()).digest()
 
     def _permutation(self, n: int) -> Tensor:
         """A uniformly random permutation of range(n): sort by 53-bit keys (ties, probability
@@ -321,8 +323,16 @@ class _KeyedSampler:
         :meth:`load_state_dict` restores. ``make_train_step`` records it in
         ``TrainState.sampler_id`` and refuses a later step whose sampler has another (a fresh
         sampler fast-forwarded to the state's step would repeat groups or epoch positions
-        differently from the ones the ledger charged). Not secret (a one-way digest of the key)."""
+        differently from the ones the ledger charged). A generator-driven sampler (for tests) is
+        named by its generator's state at its first draw: draws that others make from the same
+        generator in between are not seen.
+
+        As secret as the key: a digest of it, so a guessable key (a small seed) can be found from
+        the id by trying them. ``TrainState`` keeps it beside the noise seed, which is secret too,
+        and never prints it."""
         source = self.key if self.key is not None else self._source_id
+        if source is None:  # (a generator-driven sampler before its first draw)
+            source = self._generator_digest()
         label = repr((type(self).__name__, sorted(self._params().items()))).encode()
         return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
 
@@ -373,8 +383,8 @@ class _KeyedSampler:
         elif source == "generator":
             self.generator.set_state(state["generator"])
         self._draws, self._step = int(state["draws"]), int(state["step"])
-        if source != "key" and isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
-            self._source_id = state["source_id"]
+        if source != "key" and (isinstance(state.get("source_id"), bytes) or (source == "generator" and "source_id" in state)):
+            self._source_id = state["source_id"]  # (absent from states saved before stream_id; None: a generator not drawn from yet)
         self._load_extra(state)
 
 

@@ -58,7 +58,7 @@ from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_s
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
-from vmapdp.noise.privatizers import check_noise_position
+from vmapdp.noise.privatizers import check_noise_position, is_correlated_state
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
 
@@ -83,7 +83,7 @@ class TrainState(NamedTuple):
     methods: tuple[tuple[str, str], ...] = ()  # (chunk shape digest, method run): replayed on resume
     noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
     clip_norm: Any = None  # adaptive clipping's current threshold (0-dim float32 tensor); None: the step's l2_clip_norm
-    sampler_id: str = ""  # the stream_id of the sampler whose batches the steps took ("": none recorded yet)
+    sampler_id: str = ""  # the stream_id of the sampler whose batches the steps took ("": none recorded yet); secret like the seed
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -993,6 +993,15 @@ def make_train_step(
                     "but this step has none (the default Gaussian noise): pass the privatizer the state was made with "
                     "(make_train_step(..., privatizer=...)). Nothing was released."
                 )
+            if not bound_noise and is_correlated_state(state.noise_state):
+                # (an explicit gaussian_privatizer, say: it passes the buffers through unchanged, and later correlated
+                # steps would continue them at another point of the sampler's groups; found by review)
+                raise ValueError(
+                    f"{scall}: the state carries correlated noise's state (its step count and buffers) but this step's "
+                    "privatizer is not that correlated noise: it would pass the buffers through, and later correlated steps "
+                    "would continue them out of step with the sampler's groups. Step it with make_train_step(..., "
+                    "privatizer=correlated_noise(...)), the one it was made with. Nothing was released."
+                )
             if bound_noise:
                 check_noise_position(
                     scall, state.noise_state, state.step, period=privatizer.period or None,
@@ -1020,7 +1029,12 @@ def make_train_step(
                 raise
             failed = err  # (the other ranks would wait in the step's first collective until the group's timeout)
         # the same-state check, before the step's first collective (ranks that disagree would gather or choose differently)
-        same = None if failed else (state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip), repeat)
+        # (and the sampler's id where every rank draws its own batches: ranks under other keys would
+        # put an example in other groups on each rank; found by review)
+        same = None if failed else (
+            state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip), repeat,
+            None if getattr(sampler, "secure", False) else sampler_id,
+        )
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
             sharding.check_step(scall, same, error=failed)

@@ -37,7 +37,13 @@ import torch
 from vmapdp import _checks
 from vmapdp.noise.gaussian import add_noise
 
-__all__ = ["Privatizer", "check_noise_position", "gaussian_privatizer"]
+__all__ = ["Privatizer", "check_noise_position", "gaussian_privatizer", "is_correlated_state"]
+
+
+def is_correlated_state(noise_state: Any) -> bool:
+    """Whether ``noise_state`` has :func:`vmapdp.mf.correlated_noise`'s layout (``t``,
+    ``strategy``, ``buffers``): only that privatizer may step it."""
+    return isinstance(noise_state, dict) and set(noise_state) == {"t", "strategy", "buffers"}
 
 
 def check_noise_position(call: str, noise_state: Any, step: int, *, period: int | None, fix: str) -> None:
@@ -50,12 +56,13 @@ def check_noise_position(call: str, noise_state: Any, step: int, *, period: int 
     (the run length ``steps`` the noise was built for) the state must be ``t`` steps into the
     run that started at a multiple of ``period``: ``step - t`` a multiple of ``period``, ``0 <= t
     <= period`` (a fresh state, ``t = 0``, at a multiple starts the next run, which the ledger
-    charges as a run of its own). ``period=None`` (``load_state``, which does not know the run
+    charges as a run of its own; any other privatizer is refused a state of this layout, so the
+    count cannot be left behind by steps of other noise). ``period=None`` (``load_state``, which does not know the run
     length) checks ``0 <= t <= step`` only; the step checks the rest before anything is released.
     Only :func:`vmapdp.mf.correlated_noise`'s layout (``t``, ``strategy``, ``buffers``) is
     checked: a privatizer of yours keeps its own state as it likes.
     """
-    if not (isinstance(noise_state, dict) and set(noise_state) == {"t", "strategy", "buffers"}):
+    if not is_correlated_state(noise_state):
         return
     t = noise_state["t"]
     if not (isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool):
