@@ -104,6 +104,11 @@ def test_stream_id_names_the_sampling_process():
     fresh = cyc(generator=torch.Generator().manual_seed(0))
     fresh.load_state_dict(late.state_dict())
     assert fresh.stream_id == late.stream_id
+    shared = torch.Generator().manual_seed(1)
+    events_only = cyc(generator=shared)  # (never drawn: its id, once read, is kept while others draw from the generator)
+    named = events_only.stream_id
+    torch.rand(3, generator=shared)
+    assert events_only.stream_id == named
 
 
 def test_default_capacity_bounds_overflow():

@@ -337,6 +337,18 @@ def test_shard_deals_every_sampled_example_to_exactly_one_rank(world, capacity):
     assert overflowed == (capacity is not None)
 
 
+def test_the_ranks_compare_the_sampler_id_only_of_a_keyed_positional_sampler():
+    """Found by review: a secure sampler's id is recorded on rank 0 only, so a later step with
+    no sampler, a sampler without a position or a secure one must not compare the state's id."""
+    from vmapdp.data import FixedSizeSampler
+    from vmapdp.train import _compared_sampler_id
+
+    keyed = CyclicPoissonSampler(N, Q, cycle=2, key=SAMPLER_KEY)
+    assert _compared_sampler_id(keyed, "recorded") == "recorded"
+    for other in (None, CyclicPoissonSampler(N, Q, cycle=2, secure=True), FixedSizeSampler(N, 4, key=SAMPLER_KEY), object()):
+        assert _compared_sampler_id(other, "recorded") is None
+
+
 def test_shard_and_helpers_without_a_process_group():
     assert not vdist.is_initialized() and vdist.rank() == 0 and vdist.world_size() == 1
     sampler = PoissonSampler(50, 0.2, 3, key=b"k")

@@ -317,22 +317,22 @@ class _KeyedSampler:
     @property
     def stream_id(self) -> str:
         """A digest naming this sampling process: the kind, its arguments and its source (the
-        key; the generator's state at construction; a secure sampler's own random token). Two
+        key; the generator's state at its first draw; a secure sampler's own random token). Two
         samplers made alike with the same ``key=`` or generator seed have the same id; a sampler
         made without ``key=`` (a random key) or with ``secure=True`` has its own, which
         :meth:`load_state_dict` restores. ``make_train_step`` records it in
         ``TrainState.sampler_id`` and refuses a later step whose sampler has another (a fresh
         sampler fast-forwarded to the state's step would repeat groups or epoch positions
         differently from the ones the ledger charged). A generator-driven sampler (for tests) is
-        named by its generator's state at its first draw: draws that others make from the same
-        generator in between are not seen.
+        named by its generator's state at its first draw (or where its id is read first, then
+        kept): draws that others make from the same generator later are not seen.
 
         As secret as the key: a digest of it, so a guessable key (a small seed) can be found from
         the id by trying them. ``TrainState`` keeps it beside the noise seed, which is secret too,
         and never prints it."""
         source = self.key if self.key is not None else self._source_id
-        if source is None:  # (a generator-driven sampler before its first draw)
-            source = self._generator_digest()
+        if source is None:  # (a generator-driven sampler before its first draw: named now, and kept)
+            source = self._source_id = self._generator_digest()
         label = repr((type(self).__name__, sorted(self._params().items()))).encode()
         return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
 
@@ -383,8 +383,10 @@ class _KeyedSampler:
         elif source == "generator":
             self.generator.set_state(state["generator"])
         self._draws, self._step = int(state["draws"]), int(state["step"])
-        if source != "key" and (isinstance(state.get("source_id"), bytes) or (source == "generator" and "source_id" in state)):
-            self._source_id = state["source_id"]  # (absent from states saved before stream_id; None: a generator not drawn from yet)
+        if source == "generator":  # (None: not drawn from yet, or a state saved before stream_id: named at the next draw)
+            self._source_id = state.get("source_id")
+        elif source == "secure" and isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
+            self._source_id = state["source_id"]
         self._load_extra(state)
 
 

@@ -471,6 +471,15 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
+def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
+    """The sampler id the ranks' same-state check compares: the step's own keyed positional
+    sampler's (every rank draws from its own); None for a secure one (rank 0 draws), one without
+    a position, or no sampler: the state's recorded id may differ across ranks there (a secure
+    sampler's is recorded on rank 0 only; found by review)."""
+    positional = getattr(sampler, "steps_drawn", None) is not None and getattr(sampler, "positional", True)
+    return recorded if positional and not getattr(sampler, "secure", False) else None
+
+
 def _shape_digest(key: tuple) -> str:
     """A stable, serialisable name for a ``shape_key`` (kept in ``TrainState.methods``)."""
     return hashlib.sha256(b"vmapdp-shape:" + repr(key).encode()).hexdigest()[:32]
@@ -1033,7 +1042,7 @@ def make_train_step(
         # put an example in other groups on each rank; found by review)
         same = None if failed else (
             state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip), repeat,
-            None if getattr(sampler, "secure", False) else sampler_id,
+            _compared_sampler_id(sampler, sampler_id),
         )
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)

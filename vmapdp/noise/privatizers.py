@@ -60,7 +60,8 @@ def check_noise_position(call: str, noise_state: Any, step: int, *, period: int 
     count cannot be left behind by steps of other noise). ``period=None`` (``load_state``, which does not know the run
     length) checks ``0 <= t <= step`` only; the step checks the rest before anything is released.
     Only :func:`vmapdp.mf.correlated_noise`'s layout (``t``, ``strategy``, ``buffers``) is
-    checked: a privatizer of yours keeps its own state as it likes.
+    checked: a privatizer of yours keeps its own state as it likes, in another layout (a state
+    of this layout is refused by every privatizer but the bound correlated noise).
     """
     if not is_correlated_state(noise_state):
         return
