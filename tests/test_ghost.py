@@ -564,6 +564,31 @@ def test_two_pass_runs_random_layers_once_per_sample():
     _assert_close(sums[1][0], sums[1][1], sums[0][0], sums[0][1], rtol=1e-12)
 
 
+def test_two_pass_takes_as_many_samples_at_a_time_as_its_limit_allows(monkeypatch):
+    """Without norm_chunk_size, two_pass forms the per-sample grads of as many samples at a time
+    as keep them under ``Limits.two_pass_elements`` (at least one): here 3 samples' worth, so
+    chunks of 3; the sums are those of an explicit norm_chunk_size=3 (found: GPT-2 small's whole
+    batch of per-sample grads, 16 GB, was killed by the OOM killer)."""
+    params, buffers, batch, loss_fn = _case("linear")
+    elements = sum(p.numel() for p in params.values())
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=3 * elements + 1))
+    assert clipped.two_pass_chunk(params) == 3
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=1))
+    assert clipped.two_pass_chunk(params) == 1  # (at least one sample)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=3 * elements + 1))
+    seen = []
+    default = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass")
+    real = default._grads_fn
+    object.__setattr__(default, "_grads_fn", lambda p, *rest: (seen.append(_leaves(rest[-1], namespace="torch")[0].shape[0]), real(p, *rest))[1])
+    got = default(params, buffers, batch, mask=MASK)
+    b = MASK.numel()
+    assert seen == [min(3, b - s) for s in range(0, b, 3)]
+    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=3)(params, buffers, batch, mask=MASK)
+    for k in got[0]:
+        assert torch.equal(got[0][k], want[0][k])
+    assert torch.equal(got[1], want[1])
+
+
 def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():
     """One forward: the norm and the sum see the same dropout draw, so each contribution is <= C."""
     torch.manual_seed(0)

@@ -251,9 +251,11 @@ def clipped_grad_sum(
       book-keeping (see this module's docstring): one forward and one backward, no per-sample
       gradients for linear, conv and embedding weights. Memory: non-private training's plus every
       covered layer's output gradients (measured in benchmarks/memory.py).
-    * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time;
-      each chunk is clipped and added to the sum before the next is computed. Peak memory
-      ``norm_chunk_size x (params + one sample's activations)``, for any model, dropout included.
+    * ``"two_pass"``: per-sample grads by the vmap engine, ``norm_chunk_size`` samples at a time
+      (default: as many as keep them under ``Limits.two_pass_elements``, 2 GiB in float32, at
+      least one; :func:`two_pass_chunk`); each chunk is clipped and added to the sum before the
+      next is computed. Peak memory ``norm_chunk_size x (params + one sample's activations)``, for
+      any model, dropout included.
       The sum is of the very per-sample grads whose norms were clipped, as with ``"vmap"``. (It
       used to take the sum from one batched backward of ``sum_i w_i loss_i``: that backward's
       rounding is relative to the whole batch, so in bfloat16 one benign sample moved the update
@@ -293,6 +295,13 @@ def _sunk(result: tuple[dict[str, Tensor], Tensor, Tensor], sink: Callable[[str,
     """``result`` with each sum given to ``sink`` (None: as it is)."""
     summed, norms, losses = result
     return (summed if sink is None else {k: sink(k, v) for k, v in summed.items()}), norms, losses
+
+
+def two_pass_chunk(params: Mapping[str, Tensor]) -> int:
+    """``"two_pass"``'s default chunk: as many samples as keep their per-sample grads (one copy of
+    ``params`` each) under ``Limits.two_pass_elements``, at least one."""
+    elements = sum(p.numel() for p in params.values())
+    return max(1, limits.LIMITS.two_pass_elements // max(elements, 1))
 
 
 @dataclass(frozen=True, eq=False)
@@ -413,7 +422,7 @@ class ClippedGradSum:
         # losses, whose rounding is relative to the whole batch, and ops such as
         # scale_grad_by_freq coupled the samples in it.)
         b = batch_size(batch, call=_CALL)
-        size = self.norm_chunk_size or b
+        size = self.norm_chunk_size or two_pass_chunk(params)
         real = torch.ones(b, dtype=torch.bool) if mask is None else mask
         norms, losses, summed = [], [], None
         for s in range(0, b, size):

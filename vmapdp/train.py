@@ -681,7 +681,8 @@ def make_train_step(
             each chunk shape ran (named or chosen) is recorded in the new state
             (``state.methods``): a step on a state that has a choice for the shape replays it
             without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
-        norm_chunk_size: for ``method="two_pass"``: per-sample norms this many rows at a time.
+        norm_chunk_size: for ``method="two_pass"``: per-sample grads this many rows at a time
+            (default: as many as keep them under ``Limits.two_pass_elements``, 2 GiB in float32).
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`. ``nonfinite="raise"`` is a debugging
             switch, not private: whether a step raises (and the row it names) depends on who is
             in the batch. The default ``"zero"`` drops such a sample (counted in ``metrics``).

@@ -37,6 +37,11 @@ class Limits:
     auto_vmap_elements: int = 1 << 26
     # ... and times each candidate this many times after one warm-up call, keeping the best
     auto_rounds: int = 2
+    # "two_pass" without a norm_chunk_size takes as many samples at a time as keep their per-sample
+    # grads under this many elements (2 GiB in float32), at least one: GPT-2 small (124M trainable)
+    # 4 at a time, measured on a 2-core CPU (2026-11-28, full fine-tuning, 32 x 128) at 1.23x the
+    # non-private step's time and 0.76x its memory; the whole batch at once held 16 GB and was killed
+    two_pass_elements: int = 1 << 29
     # a compiled "auto" step keeps a chunk eager without compiling it (on the CPU) where at least this
     # share of its eager run's time is in kernels Inductor calls as they are (convolutions, matrix
     # products, sorts: ``clipped.eager_profile``): compiling could take at most the rest off, and on
