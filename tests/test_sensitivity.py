@@ -610,3 +610,21 @@ def test_neighbour_difference_is_at_most_C_when_book_keeping_sums_are_sliced(nam
     if ZOO[name][1] is not _tokens:
         assert diffs[1] == 0.0  # the NaN sample is dropped: it changes nothing, exactly
     assert max(diffs) > 0.5
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_neighbour_difference_is_at_most_C_when_two_pass_takes_its_default_chunks(name, precision, monkeypatch):
+    """two_pass's default chunk (as many samples as fit ``Limits.two_pass_elements``: the path a
+    large model takes) made 2 samples here: each chunk clipped and summed, the chunk sums added;
+    one sample's removal still moves the release by at most ``C``."""
+    loss_fn, params, buffers, batch = setup(name, precision)
+    elements = sum(p.numel() for p in params.values())
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=2 * elements))
+    c = SMALL_C.get(name, C)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="two_pass")
+    diffs = neighbour_differences(fn, params, buffers, batch, c)
+    assert max(diffs) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
+    if ZOO[name][1] is not _tokens:
+        assert diffs[1] == 0.0  # the NaN sample is dropped: it changes nothing, exactly
+    assert max(diffs) > 0.5
