@@ -589,6 +589,29 @@ def test_two_pass_takes_as_many_samples_at_a_time_as_its_limit_allows(monkeypatc
     assert torch.equal(got[1], want[1])
 
 
+def test_per_sample_grads_past_the_free_memory_are_refused_before_anything_runs(monkeypatch):
+    """vmap's whole batch, or two_pass's chunk, of per-sample grads larger than the device's free
+    memory is refused with the figures and the fix (the OOM killer gave no message at all); the
+    same calls run where the memory fits or cannot be read."""
+    free = clipped.available_bytes(torch.device("cpu"))  # (Linux: /proc/meminfo's MemAvailable and SwapFree)
+    assert isinstance(free, int) and 2**20 < free < 2**50
+    assert clipped.available_bytes(torch.device("meta")) is None
+    params, buffers, batch, loss_fn = _case("linear")
+    per_sample = sum(p.numel() * p.element_size() for p in params.values())
+    b = MASK.numel()
+    monkeypatch.setattr(clipped, "available_bytes", lambda device: 2 * per_sample)  # two samples' worth
+    with pytest.raises(MemoryError, match=rf"method='vmap' would form the per-sample grads of {b} samples at once.*method='ghost'.*Nothing was computed"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, buffers, batch, mask=MASK)
+    with pytest.raises(MemoryError, match=r"method='two_pass' would form the per-sample grads of 3 samples.*norm_chunk_size=1 or smaller"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=3)(params, buffers, batch, mask=MASK)
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch, mask=MASK)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=3 * sum(p.numel() for p in params.values())))
+    with pytest.raises(MemoryError, match="two_pass.*3 samples"):  # (its default chunk, from the limit)
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass")(params, buffers, batch, mask=MASK)
+    monkeypatch.setattr(clipped, "available_bytes", lambda device: None)  # (unknown: not checked)
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, buffers, batch, mask=MASK)
+
+
 def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():
     """One forward: the norm and the sum see the same dropout draw, so each contribution is <= C."""
     torch.manual_seed(0)

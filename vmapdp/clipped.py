@@ -304,6 +304,53 @@ def two_pass_chunk(params: Mapping[str, Tensor]) -> int:
     return max(1, limits.LIMITS.two_pass_elements // max(elements, 1))
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory that can still be allocated on ``device``: on CUDA the driver's free memory plus
+    what PyTorch's allocator holds unused; on Linux (CPU) ``MemAvailable`` plus free swap from
+    ``/proc/meminfo``; None where neither can be read (then nothing is checked)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2] and line.split()[1].isdigit()}
+    except OSError:
+        return None
+    if "MemAvailable" not in info:
+        return None
+    return info["MemAvailable"] + info.get("SwapFree", 0)
+
+
+def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Mapping[str, Tensor]) -> None:
+    """Refuse, before anything runs, per-sample grads that cannot fit the device's free memory.
+
+    ``"vmap"`` forms the per-sample grads of all ``rows`` of its batch at once, ``"two_pass"`` of
+    ``rows`` samples at a time (its chunk): ``rows`` copies of the params, whatever else the step
+    needs. Past the free memory (``available_bytes``) the step could only fail, on Linux by the
+    OOM killer with no message at all (found: GPT-2 small's batch of 32 under ``"two_pass"``
+    without a chunk, 16 GB). Nothing is checked where the free memory cannot be read."""
+    if rows <= 1 or not params:
+        return
+    per_sample = sum(p.numel() * p.element_size() for p in params.values())
+    device = next(iter(params.values())).device
+    needed = rows * per_sample
+    free = available_bytes(device)
+    if free is None or needed <= free:
+        return
+    fix = (
+        f"pass norm_chunk_size={max(1, free // max(per_sample, 1) // 2)} or smaller (or leave it None: as many as fit Limits.two_pass_elements)"
+        if method == "two_pass"
+        else "use method='ghost' (no per-sample grads of covered layers), method='two_pass' (per-sample grads a chunk at a time), or a smaller physical_batch_size"
+    )
+    raise MemoryError(
+        f"{call}: method={method!r} would form the per-sample grads of {rows} samples at once, {rows} x "
+        f"{per_sample / 2**20:.1f} MiB = {needed / 2**30:.2f} GiB, but {device} has {free / 2**30:.2f} GiB free: {fix}. "
+        "Nothing was computed or released."
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class ClippedGradSum:
     """``fn(params, *shared, batch, mask=None) -> (summed, norms, losses)``: see :func:`clipped_grad_sum`.
@@ -370,10 +417,13 @@ class ClippedGradSum:
         _checks.params_dict(_CALL, params, require_dict=False)
         if mask is not None:
             check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
+        eager = not torch.compiler.is_compiling()
+        if eager and self.method in ("vmap", "two_pass"):  # (host-side: read before tracing, never inside a graph)
+            rows = batch_size(batch, call=_CALL)
+            check_per_sample_grads_fit(_CALL, self.method, rows if self.method == "vmap" else min(rows, self.norm_chunk_size or two_pass_chunk(params)), params)
         if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
-        eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if self.method == "two_pass":
                 return _sunk(self._by_two_pass(params, shared, batch, mask), sink)
