@@ -604,12 +604,28 @@ def test_per_sample_grads_past_the_free_memory_are_refused_before_anything_runs(
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, buffers, batch, mask=MASK)
     with pytest.raises(MemoryError, match=r"method='two_pass' would form the per-sample grads of 3 samples.*norm_chunk_size=1 or smaller"):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=3)(params, buffers, batch, mask=MASK)
-    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch, mask=MASK)
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch)  # (no masked row)
     monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=3 * sum(p.numel() for p in params.values())))
     with pytest.raises(MemoryError, match="two_pass.*3 samples"):  # (its default chunk, from the limit)
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass")(params, buffers, batch, mask=MASK)
+    # a masked row makes clipping copy the grads once: twice the figure (found by review)
+    monkeypatch.setattr(clipped, "available_bytes", lambda device: 3 * per_sample)
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch)
+    with pytest.raises(MemoryError, match=r"x 2: a masked row copies them"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch, mask=~torch.eye(b, dtype=torch.bool)[0])
+    # auto's race drops a refused vmap and runs ghost, as it drops one that ran out of memory (found by review)
+    monkeypatch.setattr(clipped, "available_bytes", lambda device: 2 * per_sample)
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="auto")
+    fn(params, buffers, batch, mask=MASK)
+    assert set(fn.chosen_methods.values()) == {"ghost"}
     monkeypatch.setattr(clipped, "available_bytes", lambda device: None)  # (unknown: not checked)
     vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="vmap")(params, buffers, batch, mask=MASK)
+    # params as any pytree of tensors, as every method takes them (found by review: .values() broke a tuple)
+    names = sorted(params)
+    tuple_loss = lambda p, b, sample: loss_fn(dict(zip(names, p)), b, sample)  # noqa: E731
+    got = vmapdp.clipped_grad_sum(tuple_loss, l2_clip_norm=C, method="vmap")(tuple(params[k] for k in names), buffers, batch, mask=MASK)
+    assert clipped.two_pass_chunk(tuple(params[k] for k in names)) == clipped.two_pass_chunk(params)
+    assert len(got[0]) == len(names)
 
 
 def test_ghost_with_dropout_clips_each_sample_by_its_own_mask():

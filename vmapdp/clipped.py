@@ -73,7 +73,8 @@ def _seconds(run: Callable[[], Any], device: torch.device) -> float:
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in str(err)
+    # (MemoryError: check_per_sample_grads_fit's refusal, before anything ran)
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(err)
 
 
 def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
@@ -97,7 +98,7 @@ def race(runs: dict[str, Callable[[], Any]], device: torch.device) -> str:
         for name in list(runs):
             try:
                 runs[name]()
-            except RuntimeError as err:
+            except (RuntimeError, MemoryError) as err:
                 if not _out_of_memory(err) or len(runs) == 1:
                     raise
                 del runs[name]
@@ -297,10 +298,10 @@ def _sunk(result: tuple[dict[str, Tensor], Tensor, Tensor], sink: Callable[[str,
     return (summed if sink is None else {k: sink(k, v) for k, v in summed.items()}), norms, losses
 
 
-def two_pass_chunk(params: Mapping[str, Tensor]) -> int:
+def two_pass_chunk(params: Any) -> int:
     """``"two_pass"``'s default chunk: as many samples as keep their per-sample grads (one copy of
     ``params`` each) under ``Limits.two_pass_elements``, at least one."""
-    elements = sum(p.numel() for p in params.values())
+    elements = sum(p.numel() for p in optree.tree_leaves(params, namespace="torch"))
     return max(1, limits.LIMITS.two_pass_elements // max(elements, 1))
 
 
@@ -323,19 +324,21 @@ def available_bytes(device: torch.device) -> int | None:
     return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
-def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Mapping[str, Tensor]) -> None:
+def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Any, *, copied: bool = False) -> None:
     """Refuse, before anything runs, per-sample grads that cannot fit the device's free memory.
 
     ``"vmap"`` forms the per-sample grads of all ``rows`` of its batch at once, ``"two_pass"`` of
     ``rows`` samples at a time (its chunk): ``rows`` copies of the params, whatever else the step
     needs. Past the free memory (``available_bytes``) the step could only fail, on Linux by the
     OOM killer with no message at all (found: GPT-2 small's batch of 32 under ``"two_pass"``
-    without a chunk, 16 GB). Nothing is checked where the free memory cannot be read."""
-    if rows <= 1 or not params:
+    without a chunk, 16 GB). ``copied``: a masked row makes clipping copy them once (zeroed rows),
+    so twice that. Nothing is checked where the free memory cannot be read."""
+    leaves = optree.tree_leaves(params, namespace="torch")
+    if rows <= 1 or not leaves:
         return
-    per_sample = sum(p.numel() * p.element_size() for p in params.values())
-    device = next(iter(params.values())).device
-    needed = rows * per_sample
+    per_sample = sum(p.numel() * p.element_size() for p in leaves)
+    device = leaves[0].device
+    needed = rows * per_sample * (2 if copied else 1)
     free = available_bytes(device)
     if free is None or needed <= free:
         return
@@ -346,7 +349,7 @@ def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Mappin
     )
     raise MemoryError(
         f"{call}: method={method!r} would form the per-sample grads of {rows} samples at once, {rows} x "
-        f"{per_sample / 2**20:.1f} MiB = {needed / 2**30:.2f} GiB, but {device} has {free / 2**30:.2f} GiB free: {fix}. "
+        f"{per_sample / 2**20:.1f} MiB{' (x 2: a masked row copies them)' if copied else ''} = {needed / 2**30:.2f} GiB, but {device} has {free / 2**30:.2f} GiB free: {fix}. "
         "Nothing was computed or released."
     )
 
@@ -420,7 +423,10 @@ class ClippedGradSum:
         eager = not torch.compiler.is_compiling()
         if eager and self.method in ("vmap", "two_pass"):  # (host-side: read before tracing, never inside a graph)
             rows = batch_size(batch, call=_CALL)
-            check_per_sample_grads_fit(_CALL, self.method, rows if self.method == "vmap" else min(rows, self.norm_chunk_size or two_pass_chunk(params)), params)
+            copied = mask is not None and not bool(mask.all())
+            check_per_sample_grads_fit(
+                _CALL, self.method, rows if self.method == "vmap" else min(rows, self.norm_chunk_size or two_pass_chunk(params)), params, copied=copied
+            )
         if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)

@@ -871,7 +871,11 @@ def make_train_step(
     scattered = sharding is not None and sharding.unshard == "use"
     sink = sharding.reduce_scatter_one if scattered else None
     # ... and each chunk (two_pass: each norm chunk) makes its own gathers and reduce-scatters: the ranks must chunk alike
-    chunking = (("physical_batch_size", physical_batch_size), ("norm_chunk_size", norm_chunk_size)) if scattered else None
+    # (two_pass's default chunk follows Limits.two_pass_elements, which a rank may have tuned: compared too; found by review)
+    chunking = (
+        (("physical_batch_size", physical_batch_size), ("norm_chunk_size", norm_chunk_size), ("two_pass_elements", ghost_limits.LIMITS.two_pass_elements))
+        if scattered else None
+    )
     chunk_fn = functools.partial(_chunk_function, l2_clip_norm=l2_clip_norm, adaptive=adaptive_clipping is not None, sink=sink)
     chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
     # "auto"'s choices per chunk shape: the method (raced eagerly), then, when compiling, whether the compiled
