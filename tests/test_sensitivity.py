@@ -603,13 +603,7 @@ def test_neighbour_difference_is_at_most_C_when_book_keeping_sums_are_sliced(nam
     a sliced book-keeping sum: one sample's removal still moves the release by at most ``C``."""
     monkeypatch.setattr(limits, "LIMITS", replace(zoo_limits(name), slice_elements=1, keep_elements=0, keep_ratio=0.0))
     loss_fn, params, buffers, batch = setup(name, None)  # (float32: the sums are float64 in every precision)
-    c = SMALL_C.get(name, C)
-    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="ghost")
-    diffs = neighbour_differences(fn, params, buffers, batch, c)
-    assert max(diffs) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
-    if ZOO[name][1] is not _tokens:
-        assert diffs[1] == 0.0  # the NaN sample is dropped: it changes nothing, exactly
-    assert max(diffs) > 0.5
+    _assert_zoo_bound(name, "ghost", loss_fn, params, buffers, batch)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["float32", "bfloat16"])
@@ -621,8 +615,14 @@ def test_neighbour_difference_is_at_most_C_when_two_pass_takes_its_default_chunk
     loss_fn, params, buffers, batch = setup(name, precision)
     elements = sum(p.numel() for p in params.values())
     monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, two_pass_elements=2 * elements))
+    _assert_zoo_bound(name, "two_pass", loss_fn, params, buffers, batch)
+
+
+def _assert_zoo_bound(name, method, loss_fn, params, buffers, batch):
+    """A zoo case's neighbour differences under ``method``: all at most ``C``, the NaN sample's
+    exactly 0, and clipping active (the largest over 0.5 C)."""
     c = SMALL_C.get(name, C)
-    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="two_pass")
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method=method)
     diffs = neighbour_differences(fn, params, buffers, batch, c)
     assert max(diffs) <= 1 + TOL, [f"{d:.6f}" for d in diffs]
     if ZOO[name][1] is not _tokens:
