@@ -420,16 +420,10 @@ class ClippedGradSum:
         _checks.params_dict(_CALL, params, require_dict=False)
         if mask is not None:
             check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
-        eager = not torch.compiler.is_compiling()
-        if eager and self.method in ("vmap", "two_pass"):  # (host-side: read before tracing, never inside a graph)
-            rows = batch_size(batch, call=_CALL)
-            copied = mask is not None and not bool(mask.all())
-            check_per_sample_grads_fit(
-                _CALL, self.method, rows if self.method == "vmap" else min(rows, self.norm_chunk_size or two_pass_chunk(params)), params, copied=copied
-            )
         if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
+        eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if self.method == "two_pass":
                 return _sunk(self._by_two_pass(params, shared, batch, mask), sink)
@@ -466,7 +460,14 @@ class ClippedGradSum:
     def _weights(self, norms: Tensor) -> Tensor:
         return clip_factors(norms, self.l2_clip_norm, rule=self.rule, stability=self.stability)
 
+    def _fits(self, method: str, rows: int, params, mask) -> None:
+        """``check_per_sample_grads_fit`` where per-sample grads are formed (every route: the named
+        method, ``auto``'s race), host-side: never while tracing."""
+        if not torch.compiler.is_compiling():
+            check_per_sample_grads_fit(_CALL, method, rows, params, copied=mask is not None and not bool(mask.all()))
+
     def _by_vmap(self, params, shared, batch, mask):
+        self._fits("vmap", batch_size(batch, call=_CALL), params, mask)
         grads, losses = self._grads_fn(params, *shared, batch, mask=mask)
         summed, norms = clip_and_sum(grads, self.l2_clip_norm, mask=mask, rule=self.rule, stability=self.stability, nonfinite=self.nonfinite)
         return summed, norms, losses
@@ -479,6 +480,7 @@ class ClippedGradSum:
         # scale_grad_by_freq coupled the samples in it.)
         b = batch_size(batch, call=_CALL)
         size = self.norm_chunk_size or two_pass_chunk(params)
+        self._fits("two_pass", min(b, size), params, mask)
         real = torch.ones(b, dtype=torch.bool) if mask is None else mask
         norms, losses, summed = [], [], None
         for s in range(0, b, size):
