@@ -41,7 +41,7 @@ from vmapdp.mf.accounting import mf_event, noise_sensitivity
 from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
 from vmapdp.mf.streaming import next_noise, state_rows
 from vmapdp.noise.gaussian import _keyed_normals
-from vmapdp.noise.privatizers import Privatizer
+from vmapdp.noise.privatizers import Privatizer, is_correlated_state
 
 __all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
 
@@ -131,7 +131,7 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
     def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
         if secure != (key is None):
             raise ValueError(f"{call}: secure={secure} " + ("takes no key (its noise comes from the OS CSPRNG)." if secure else "needs the step's noise key, got None."))
-        if not (isinstance(state, dict) and set(state) == {"t", "strategy", "buffers"} and isinstance(state["buffers"], dict)):
+        if not (is_correlated_state(state) and isinstance(state["buffers"], dict)):
             raise ValueError(
                 f"{call}: the state's noise_state is not this privatizer's (got {type(state).__name__}); make the state with "
                 "init_train_state(..., privatizer=) and the same correlated_noise(...) as the step."
