@@ -434,7 +434,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     drawn = getattr(sampler, "steps_drawn", None)
     if drawn is None or (distributed and _dist.rank() != 0 and getattr(sampler, "secure", False)):
         return recorded
-    ident = getattr(sampler, "stream_id", None) if getattr(sampler, "positional", True) else None  # (a fixed-size sampler's draws are alike)
+    ident = getattr(sampler, "stream_id", None) if _positional(sampler) else None  # (a fixed-size sampler's draws are alike)
     if ident is not None and recorded and ident != recorded:
         raise ValueError(
             f"{call}: this {type(sampler).__name__} is not the sampler the state's {step} steps were drawn by (another key=, "
@@ -452,7 +452,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "elsewhere, with no such guarantee. Draw each step's batch from the sampler given to make_train_step. "
             "Nothing was released."
         )
-    if drawn > step + 1 and getattr(sampler, "positional", True):  # (a fixed-size sampler has no position: a spare batch is harmless)
+    if drawn > step + 1 and _positional(sampler):  # (a fixed-size sampler has no position: a spare batch is harmless)
         raise ValueError(
             f"{call}: the state is at step {step} but its sampler has drawn {drawn} batches: {drawn - step - 1} drawn batch(es) "
             "never became a step (a step that raised after its batch was drawn, or batches drawn ahead). The ledger records "
@@ -476,8 +476,13 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     sampler's (every rank draws from its own); None for a secure one (rank 0 draws), one without
     a position, or no sampler: the state's recorded id may differ across ranks there (a secure
     sampler's is recorded on rank 0 only; found by review)."""
-    positional = getattr(sampler, "steps_drawn", None) is not None and getattr(sampler, "positional", True)
-    return recorded if positional and not getattr(sampler, "secure", False) else None
+    return recorded if _positional(sampler) and not getattr(sampler, "secure", False) else None
+
+
+def _positional(sampler: Any) -> bool:
+    """Whether ``sampler`` has a position its steps must follow (groups, epochs: ``steps_drawn``;
+    not a fixed-size sampler's, whose draws are alike, nor a Poisson one's, memoryless)."""
+    return getattr(sampler, "steps_drawn", None) is not None and getattr(sampler, "positional", True)
 
 
 def _shape_digest(key: tuple) -> str:
