@@ -324,7 +324,7 @@ def available_bytes(device: torch.device) -> int | None:
     return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
-def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Any, *, copied: bool = False) -> None:
+def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Any, *, copied: bool | Callable[[], bool] = False) -> None:
     """Refuse, before anything runs, per-sample grads that cannot fit the device's free memory.
 
     ``"vmap"`` forms the per-sample grads of all ``rows`` of its batch at once, ``"two_pass"`` of
@@ -332,15 +332,19 @@ def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Any, *
     needs. Past the free memory (``available_bytes``) the step could only fail, on Linux by the
     OOM killer with no message at all (found: GPT-2 small's batch of 32 under ``"two_pass"``
     without a chunk, 16 GB). ``copied``: a masked row makes clipping copy them once (zeroed rows),
-    so twice that. Nothing is checked where the free memory cannot be read."""
+    so twice that (a callable: asked only where it decides, since reading a mask on an
+    accelerator waits for it). Nothing is checked where the free memory cannot be read."""
     leaves = optree.tree_leaves(params, namespace="torch")
     if rows <= 1 or not leaves:
         return
     per_sample = sum(p.numel() * p.element_size() for p in leaves)
     device = leaves[0].device
-    needed = rows * per_sample * (2 if copied else 1)
     free = available_bytes(device)
-    if free is None or needed <= free:
+    if free is None or 2 * rows * per_sample <= free:
+        return
+    copied = copied() if callable(copied) else copied
+    needed = rows * per_sample * (2 if copied else 1)
+    if needed <= free:
         return
     fix = (
         f"pass norm_chunk_size={max(1, free // max(per_sample, 1) // 2)} or smaller (or leave it None: as many as fit Limits.two_pass_elements)"
@@ -464,7 +468,7 @@ class ClippedGradSum:
         """``check_per_sample_grads_fit`` where per-sample grads are formed (every route: the named
         method, ``auto``'s race), host-side: never while tracing."""
         if not torch.compiler.is_compiling():
-            check_per_sample_grads_fit(_CALL, method, rows, params, copied=mask is not None and not bool(mask.all()))
+            check_per_sample_grads_fit(_CALL, method, rows, params, copied=lambda: mask is not None and not bool(mask.all()))
 
     def _by_vmap(self, params, shared, batch, mask):
         self._fits("vmap", batch_size(batch, call=_CALL), params, mask)
