@@ -497,7 +497,30 @@ def test_auto_races_only_the_methods_that_apply(monkeypatch):
     assert timed == [] and list(fn.chosen_methods.values()) == ["vmap"]
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(matmul_loss)({"w": w}, x), C)
     _assert_close(summed, norms, *ref, 1e-12)
-    assert clipped.auto_candidates(None, {"w": w}, 10**9) == ["vmap"]  # (the only method left)
+    assert clipped.auto_candidates(None, {"w": w}, 10) == ["vmap"]  # (the only method left)
+
+
+def test_auto_races_two_pass_where_vmap_would_not_fit_and_its_chunk_is_smaller_than_the_batch(monkeypatch):
+    """A model too large for vmap's whole batch (GPT-2 small: 32 x 124M per-sample elements) gets
+    ``two_pass`` in the race, its default chunk or the one named; where that chunk holds the whole
+    batch (vmap's memory, over the budget) it is not raced. The winner's very numbers are returned."""
+    params, buffers, batch, loss_fn = _case("linear")
+    elements = sum(v.numel() for v in params.values())
+    plan = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C).prepare(params, buffers, batch)
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, auto_vmap_elements=6 * elements - 1, two_pass_elements=2 * elements))
+    assert clipped.auto_candidates(plan, params, 6) == ["ghost", "two_pass"]
+    assert clipped.auto_candidates(plan, params, 2) == ["ghost", "vmap"]  # (within the budget)
+    assert clipped.auto_candidates(None, params, 6) == ["two_pass"]  # (no ghost: chunks, not the whole batch)
+    assert clipped.auto_candidates(plan, params, 6, norm_chunk_size=6) == ["ghost"]  # (the whole batch at once)
+    assert clipped.auto_candidates(None, params, 6, norm_chunk_size=6) == ["vmap"]
+    timed = _fake_clock(monkeypatch, {"ghost": 2.0, "two_pass": 1.0})
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C)
+    got = fn(params, buffers, batch, mask=MASK)
+    assert sorted(timed) == ["ghost"] * limits.LIMITS.auto_rounds + ["two_pass"] * limits.LIMITS.auto_rounds
+    assert list(fn.chosen_methods.values()) == ["two_pass"]
+    want = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="two_pass", norm_chunk_size=2)(params, buffers, batch, mask=MASK)
+    for a, b in zip(_tree(got), _tree(want)):
+        assert torch.equal(a, b)
 
 
 def test_data_dependent_control_flow_is_refused():

@@ -672,8 +672,9 @@ def make_train_step(
             chunk of whatever size the batch has.
         method: how each chunk's clipped sum is computed: ``"auto"`` (default), ``"vmap"``,
             ``"ghost"`` or ``"two_pass"``; all exact, they differ in speed and memory (see
-            :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times ghost and vmap eagerly on the first
-            chunk of each shape and keeps the faster (``step.chosen_methods``); with ``compile``
+            :func:`vmapdp.clipped_grad_sum`). ``"auto"`` times the methods that apply
+            (``vmapdp.clipped.auto_candidates``: ghost, and vmap or, for a model too large for it,
+            two_pass) eagerly on the first chunk of each shape and keeps the fastest (``step.chosen_methods``); with ``compile``
             only that winner is compiled, then timed against its own eager run, and the chunk
             runs eagerly where that is faster (``step.chosen_runs``: ``"<method>"`` or
             ``"<method> eager"``): an "auto" step runs compiled only where that timed faster. On
@@ -686,7 +687,7 @@ def make_train_step(
             each chunk shape ran (named or chosen) is recorded in the new state
             (``state.methods``): a step on a state that has a choice for the shape replays it
             without racing, so a resumed run (``load_state``) is bit for bit the uninterrupted one.
-        norm_chunk_size: for ``method="two_pass"``: per-sample grads this many rows at a time
+        norm_chunk_size: for ``method="two_pass"`` (and "auto"'s two_pass): per-sample grads this many rows at a time
             (default: as many as keep them under ``Limits.two_pass_elements``, 2 GiB in float32).
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`. ``nonfinite="raise"`` is a debugging
             switch, not private: whether a step raises (and the row it names) depends on who is
@@ -812,7 +813,7 @@ def make_train_step(
     backend = _checks.compile_backend(call, compile)
     compile = backend is not None
     _budget_accountant(call, accountant)
-    # "auto" races ghost and vmap on the first chunk of each shape, each as it will run (compiled or not)
+    # "auto" races the methods that apply on the first chunk of each shape (auto_candidates; two_pass's made when raced)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
     sum_loss, sum_clip = loss_fn, l2_clip_norm
     if adaptive_clipping is not None:  # clip(g, C) = C * clip(g / C, 1), and g / C is the gradient of loss / C
@@ -952,7 +953,7 @@ def make_train_step(
         elif name is None:
             # the race runs each candidate eagerly: only the winner is ever compiled
             plan = sum_fns["ghost"].prepare(params, *shared, chunk)
-            names = auto_candidates(plan, params, batch_size(chunk, call=call))
+            names = auto_candidates(plan, params, batch_size(chunk, call=call), norm_chunk_size)
             runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
             name = chooser.choose(key, names, runs, mask.device)
         ran = compiled_or_eager.get(key)
