@@ -142,6 +142,19 @@ def _worker(rank, world, init_file, out_dir):
         except (ValueError, RuntimeError) as err:
             res["one_rank_error"] = f"{type(err).__name__}: {err}"
         res["after_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        # per-sample grads past one rank's free memory (vmap's batch): that rank's refusal is raised on
+        # every rank at the same-state check, not left to the others waiting in the reduction
+        named_vmap = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                            compile=False, distributed=True, method="vmap")
+        real_available = clipped.available_bytes
+        clipped.available_bytes = (lambda device: 1) if vdist.rank() == 1 else real_available
+        try:
+            named_vmap(st, rows, torch.ones(4, dtype=torch.bool), buffers)
+            res["memory_error"] = None
+        except (ValueError, RuntimeError, MemoryError) as err:
+            res["memory_error"] = f"{type(err).__name__}: {err}"
+        finally:
+            clipped.available_bytes = real_available
         # same seed and step, another ledger on rank 1 (a state restored from another run's checkpoint):
         # the ranks would release one update and report different budgets for it
         odd = st._replace(ledger=st.ledger.append(PoissonSampler(N, Q, 1, key=SAMPLER_KEY).event(1.1))) if vdist.rank() == 1 else st
@@ -295,6 +308,12 @@ def test_a_rank_whose_keyed_sampler_drew_nothing_is_refused_with_correlated_nois
     r0, r1 = ranks
     assert r1["undrawn_rank_error"] is not None and "has drawn no batch" in r1["undrawn_rank_error"], r1["undrawn_rank_error"]
     assert r0["undrawn_rank_error"] is not None and "another rank failed" in r0["undrawn_rank_error"], r0["undrawn_rank_error"]
+
+
+def test_a_rank_whose_per_sample_grads_would_not_fit_fails_every_rank_at_the_check(ranks):
+    r0, r1 = ranks
+    assert r1["memory_error"] is not None and "MemoryError" in r1["memory_error"] and "method='vmap'" in r1["memory_error"], r1["memory_error"]
+    assert r0["memory_error"] is not None and "another rank failed" in r0["memory_error"], r0["memory_error"]
 
 
 def test_ranks_drawing_under_other_sampler_keys_fail_together(ranks):

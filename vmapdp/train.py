@@ -54,7 +54,7 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, clipped_grad_sum, eager_profile, shape_key
+from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, shape_key, two_pass_chunk
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
@@ -1031,6 +1031,12 @@ def make_train_step(
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
+            if method in ("vmap", "two_pass") and sharding is None:
+                # per-sample grads past this rank's free memory: refused here, so that the other ranks are told at
+                # the check instead of waiting in the reduction (the chunk's own check, later, is per chunk)
+                rows = min(n, physical_batch_size or n)
+                rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if method == "two_pass" else rows
+                check_per_sample_grads_fit(scall, method, rows, state.params, copied=lambda: not bool(mask.all()))
             if sharding is not None:  # this rank's shards (step_params would refuse them after the check, in the first gather)
                 sharding.check_local(scall, state.params)
             clip = None
