@@ -623,12 +623,32 @@ def test_two_callers_privatizers_never_draw_the_same_noise_from_one_state():
     noises = []
     for std in (2.0, 3.0):
         step = make(loss_fn, lr=1.0, ebs=1.0, privatizer=gaussian_privatizer(std), physical_batch_size=12)
-        zero = make(loss_fn, lr=1.0, ebs=1.0, privatizer=gaussian_privatizer(0.0), physical_batch_size=12)
+        zero = no_noise_step(loss_fn, lr=1.0, ebs=1.0, physical_batch_size=12)
         noisy, _ = step(state, data, mask, buffers)
         clean, _ = zero(state, data, mask, buffers)
         noises.append(torch.cat([(clean.params[k] - noisy.params[k]).flatten() / std for k in params]))
     assert not torch.allclose(noises[0], noises[1], rtol=1e-3, atol=1e-4)  # (the same draws before)
     assert gaussian_privatizer(2.0).config != gaussian_privatizer(3.0).config
+
+
+def test_a_gaussian_privatizer_below_the_charged_noise_is_refused():
+    """Found by review: ``gaussian_privatizer(0.0)`` with ``noise_multiplier=1`` released the bare
+    sum while the ledger charged sigma 1; with adaptive clipping the non-adaptive default's std
+    (``noise_multiplier * C``) was applied in units of the threshold, 20x too little at C = 0.05.
+    A privatizer whose std is known is refused below the std its ledger event charges; at it or
+    above it steps (more noise is as private)."""
+    from vmapdp.noise import gaussian_privatizer
+
+    _, params, buffers, data, loss_fn = problem(n=12)
+    for std in (0.0, 0.7 * 1.5 * (1 - 1e-9)):
+        with pytest.raises(ValueError, match=r"privatizer adds Gaussian noise of std .* ledger charges .* = 1.0499.*Nothing was released"):
+            make(loss_fn, noise=1.5, clip=0.7, privatizer=gaussian_privatizer(std))
+    make(loss_fn, noise=1.5, clip=0.7, privatizer=gaussian_privatizer(0.7 * 1.5))
+    make(loss_fn, noise=1.5, clip=0.7, privatizer=gaussian_privatizer(2.0))
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=10.0)
+    with pytest.raises(ValueError, match=r"in units of the clip threshold"):
+        make(loss_fn, noise=1.0, clip=0.05, privatizer=gaussian_privatizer(1.0 * 0.05), adaptive_clipping=adaptive)
+    make(loss_fn, noise=1.0, clip=0.05, privatizer=gaussian_privatizer(adaptive.gradient_noise_multiplier(1.0)), adaptive_clipping=adaptive)
 
 
 def test_a_batch_whose_per_sample_shapes_change_is_refused_unless_asked():

@@ -844,6 +844,15 @@ def make_train_step(
         )
     else:
         event = _ledger_event(call, noise_multiplier, sample_rate, sampler)
+        known_std = getattr(privatizer, "std", None)
+        if known_std is not None and known_std < default_std * (1 - 1e-12):
+            units = " (with adaptive_clipping the privatizer noises the sum in units of the clip threshold C_t: its std is the gradient's noise multiplier)" if adaptive_clipping is not None else ""
+            raise ValueError(
+                f"{call}: the privatizer adds Gaussian noise of std {known_std!r}, but the ledger charges every step as noise of "
+                f"std noise_multiplier x sensitivity = {default_std!r}{units}: the release would be less private than the "
+                "epsilon reported. Leave privatizer= out (the default is that noise), or give gaussian_privatizer(std) at "
+                "least that std. Nothing was released."
+            )
         if privatizer is not None:  # one of the caller's: what it releases joins the key (Privatizer.config), unless it is the default's
             if getattr(privatizer, "config", "") != gaussian_privatizer(default_std, secure=secure).config:
                 noise_config = f"privatizer={getattr(privatizer, 'config', '')}"

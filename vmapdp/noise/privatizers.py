@@ -104,6 +104,10 @@ class Privatizer(NamedTuple):
     config: str = ""
     # a bound correlated noise's run length: its state's step count t restarts every ``period`` steps (0: none)
     period: int = 0
+    # the std of the independent Gaussian noise it adds to each coordinate (``gaussian_privatizer``'s), or None
+    # where not known: make_train_step refuses one below the std its ledger event charges (found by review:
+    # gaussian_privatizer(0.0) with noise_multiplier=1 released the bare sum, charged as sigma 1)
+    std: float | None = None
 
 
 def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None) -> Privatizer:
@@ -136,4 +140,4 @@ def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None
             return add_noise(summed, std, secure=True), state
         return add_noise(summed, std, key=key, offsets=offsets), state
 
-    return Privatizer(init, privatize, config=f"gaussian(std={float(std)!r}, secure={secure})")
+    return Privatizer(init, privatize, config=f"gaussian(std={float(std)!r}, secure={secure})", std=float(std))
