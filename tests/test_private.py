@@ -130,6 +130,39 @@ def test_secure_trainer_saves_and_resumes(tmp_path):
         vmapdp.load_state(tmp_path / "s.pt", sampler=seeded, saved_after_last_step=True)
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Rows with random noise added on every read (data augmentation from torch's global generator)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.5 * torch.randn(x.shape), y
+
+
+def test_a_step_repeated_from_a_checkpoint_reads_the_same_augmented_batch(tmp_path):
+    """Found by review: a dataset's random augmentation drew from torch's global generator, so a
+    step repeated from a checkpoint (after a crash, in a fresh process) added the same noise to
+    another batch's clipped sum: the two releases differed by a noise-free vector. The reads of a
+    step now draw from ``step_seed(state, "data")``: the repeat is the first release bit for bit
+    (without that, the repeat here raises NoiseKeyReused)."""
+    trainer = _mp(_Augmented(data()), seed=4)
+    trainer.save(str(tmp_path / "c.pt"))
+    torch.manual_seed(1)
+    next(trainer.train_epoch())
+    first = {k: v.clone() for k, v in trainer.state.params.items()}
+    resumed = _mp(_Augmented(data()), seed=4)  # (as a fresh process would: a trainer of its own)
+    resumed.load(str(tmp_path / "c.pt"))
+    torch.manual_seed(2)
+    next(resumed.train_epoch())
+    for k in first:
+        assert torch.equal(first[k], resumed.state.params[k]), k
+
+
 def _mp(data_, **kw):
     m = model()
     args = dict(batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, compile=False, method="vmap")

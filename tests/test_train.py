@@ -631,6 +631,43 @@ def test_two_callers_privatizers_never_draw_the_same_noise_from_one_state():
     assert gaussian_privatizer(2.0).config != gaussian_privatizer(3.0).config
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_random_layers_draw_from_the_state_so_a_repeated_step_is_bit_for_bit(method):
+    """Found by review: dropout drew from torch's global generator, so a step repeated after a
+    resume (a fresh process: the in-process registry cannot see the first release) added the
+    same noise to another clipped sum, and the two releases differed by a noise-free vector.
+    A step's random layers now draw from ``step_seed(state)``: the same state gives the same
+    release whatever the global generator holds (without that, the repeat here raises
+    NoiseKeyReused), the caller's generator is left as it was, and later steps draw afresh."""
+    from vmapdp.train import step_seed
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 5)
+
+    def loss_fn(p, sample):
+        x, y = sample
+        return F.cross_entropy(F.linear(F.dropout(x, 0.5, training=True)[None], p["w"]), y[None])
+
+    _, _, _, (x, y), _ = problem(n=8)
+    mask = torch.ones(8, dtype=torch.bool)
+    step = make(loss_fn, noise=100.0, method=method, randomness="different")
+    state = vmapdp.init_train_state({"w": w}, optim.sgd(0.5), seed=3)
+    torch.manual_seed(1)
+    a, _ = step(state, (x, y), mask)
+    torch.manual_seed(2)
+    before = torch.get_rng_state()
+    b, _ = step(state, (x, y), mask)  # the same step again: the same dropout masks, the same release
+    assert torch.equal(a.params["w"], b.params["w"])
+    assert torch.equal(torch.get_rng_state(), before)  # (forked: the caller's generator did not move)
+    assert step_seed(state) != step_seed(a) and step_seed(state, rank=1) != step_seed(state) != step_seed(state, "data")
+    assert step_seed(vmapdp.init_train_state({"w": w}, optim.sgd(0.5), secure=True)) is None
+    clean = no_noise_step(loss_fn, method=method, randomness="different")
+    with unreleased():  # dropout is on: the masks differ from step to step (the sums differ)
+        s1, _ = clean(state, (x, y), mask)
+        s2, _ = clean(s1._replace(params=state.params), (x, y), mask)
+    assert not torch.equal(s1.params["w"], s2.params["w"])
+
+
 def test_a_gaussian_privatizer_below_the_charged_noise_is_refused():
     """Found by review: ``gaussian_privatizer(0.0)`` with ``noise_multiplier=1`` released the bare
     sum while the ledger charged sigma 1; with adaptive clipping the non-adaptive default's std

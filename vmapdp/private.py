@@ -27,7 +27,7 @@ from vmapdp.ghost import METHODS
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
 from vmapdp.functional import functionalize
-from vmapdp.train import TrainState, init_train_state, make_train_step
+from vmapdp.train import TrainState, init_train_state, make_train_step, seeded_randomness, step_seed
 from vmapdp.validation import VMAP_SLOW, VMAP_UNSUPPORTED, validate
 
 __all__ = ["make_private", "PrivateTrainer"]
@@ -118,7 +118,11 @@ class PrivateTrainer:
         """Run one epoch of Poisson-sampled DP-SGD steps; yields each step's (non-private) metrics."""
         device = next(iter(self.state.params.values())).device  # (a model on a GPU, its data on the host: each batch is moved)
         for indices, mask in self.sampler:
-            batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, self._batch(indices), namespace="torch")
+            # a dataset's random augmentation draws from the state's seed: a step resumed from a checkpoint reads the
+            # same batch bit for bit (its noise is the same: a different batch would cancel it; found by review)
+            with seeded_randomness(step_seed(self.state, "data"), device):
+                rows = self._batch(indices)
+            batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, rows, namespace="torch")
             self.state, metrics = self._step(self.state, batch, mask.to(device), self._buffers)
             self._write_back()
             yield metrics
