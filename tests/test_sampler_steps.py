@@ -217,3 +217,46 @@ def test_a_fixed_size_sampler_has_no_position_and_may_draw_a_spare_batch():
     indices, mask = sampler.sample()
     state, _ = step(state, gather(data, indices), mask, buffers)
     assert state.ledger.events[-1] == FixedSizeGaussianEvent(noise_multiplier=NOISE, batch_size=6, num_samples=N, count=1)
+
+
+@pytest.mark.parametrize("kind", ["poisson", "truncated", "fixed"])
+def test_a_run_resumed_with_another_or_a_restarted_keyed_sampler_is_refused(tmp_path, kind):
+    """Found by review: a checkpoint saved without its (keyed Poisson) sampler resumed with a
+    fresh one, which drew another batch for the repeated step under the same noise key (the two
+    releases differed by the noise-free difference of two clipped sums). A keyed sampler's
+    ``stream_id`` is recorded for every scheme now (not only positional ones), and a keyed Poisson
+    sampler must have drawn at least the state's batches: another key is refused, so is the same
+    key restarted; the same key fast-forwarded to the state draws the run's own batches and steps."""
+    params, buffers, data, loss_fn = problem()
+
+    def sampler(key):
+        if kind == "fixed":
+            return FixedSizeSampler(N, 6, steps=4, key=key)
+        if kind == "truncated":
+            return TruncatedPoissonSampler(N, 0.25, steps=4, key=key, max_batch_size=12)
+        return PoissonSampler(N, 0.25, steps=4, key=key, capacity=12)
+
+    def step_for(s):
+        return vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=s, physical_batch_size=s.capacity, compile=False)
+
+    first = sampler(b"run-key")
+    step = step_for(first)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    for _ in range(2):
+        indices, mask = first.sample()
+        state, _ = step(state, gather(data, indices), mask, buffers)
+    assert state.sampler_id == first.stream_id != sampler(b"other").stream_id
+    vmapdp.save_state(tmp_path / "c.pt", state)  # (without its sampler)
+    loaded = vmapdp.load_state(tmp_path / "c.pt")
+    other = sampler(b"other")
+    indices, mask = other.sample()
+    with pytest.raises(ValueError, match=r"is not the sampler the state's 2 steps were drawn by.*Nothing was released"):
+        step_for(other)(loaded, gather(data, indices), mask, buffers)
+    restarted = sampler(b"run-key")
+    indices, mask = restarted.sample()
+    with pytest.raises(ValueError, match=r"the state is at step 2 but its sampler has drawn only 1 batches.*Nothing was released"):
+        step_for(restarted)(loaded, gather(data, indices), mask, buffers)
+    forwarded = sampler(b"run-key")
+    for _ in range(3):
+        indices, mask = forwarded.sample()
+    assert step_for(forwarded)(loaded, gather(data, indices), mask, buffers)[0].step == 3

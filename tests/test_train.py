@@ -398,7 +398,9 @@ def test_every_budget_a_state_was_given_is_enforced_by_any_later_step():
     batch, mask = (x[:8], y[:8]), torch.ones(8, dtype=torch.bool)
     eps = [accounting.epsilon(noise_multiplier=1.0, sample_rate=0.2, steps=t, delta=1e-5) for t in (1, 2, 3)]
     tight = (eps[1] + eps[2]) / 2  # two steps fit, the third does not
-    budgeted, unbudgeted, loose = make(loss_fn, budget=(tight, 1e-5)), make(loss_fn), make(loss_fn, budget=(100.0, 1e-5))
+    # (a named method: two "auto" steps race apart, and the state re-stepped below by another step object would
+    # release step 0 again in other rounding if its race chose the other method: NoiseKeyReused, a flaky test)
+    budgeted, unbudgeted, loose = (make(loss_fn, method="ghost", **kw) for kw in ({"budget": (tight, 1e-5)}, {}, {"budget": (100.0, 1e-5)}))
     state = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0)
     state, _ = budgeted(state, batch, mask, buffers)
     assert state.budgets == ((tight, 1e-5, "pld"),)
@@ -412,7 +414,7 @@ def test_every_budget_a_state_was_given_is_enforced_by_any_later_step():
     born = vmapdp.init_train_state(params, optim.sgd(0.5), seed=0, budget=(eps[0] * 1.01, 1e-5))
     born, _ = unbudgeted(born, batch, mask, buffers)
     with pytest.raises(PrivacyBudgetExceeded, match=r"step 2 would spend .*the budget recorded in the state"):
-        make(loss_fn, budget=(100.0, 1e-3))(born, batch, mask, buffers)
+        make(loss_fn, method="ghost", budget=(100.0, 1e-3))(born, batch, mask, buffers)
     with pytest.raises(ValueError, match=r"budget delta=2.0 must be in \(0, 1\)"):
         vmapdp.init_train_state(params, optim.sgd(0.5), budget=(1.0, 2.0))
 

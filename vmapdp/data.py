@@ -174,6 +174,31 @@ class PoissonSampler:
         """One step: ``(indices, mask)`` padded to a multiple of ``capacity``."""
         return _pad(self._draw(), self.capacity, chunks=True)
 
+    # its event does not depend on its position (memoryless), but a keyed sampler's batches do
+    positional = False
+
+    @property
+    def steps_drawn(self) -> int | None:
+        """The batches a keyed sampler has drawn (restored by :meth:`load_state_dict`); None for
+        a secure or generator-driven one. ``make_train_step`` wants at least ``step + 1``: a
+        keyed sampler restarted on a resumed run (a fresh one, or a checkpoint saved without it)
+        would draw other batches for the steps it repeats, under the same noise keys, and the
+        two releases of a repeated step would differ by a noise-free vector (found by review)."""
+        return self._draws if self.key is not None else None
+
+    @property
+    def stream_id(self) -> str | None:
+        """A keyed sampler's identity (as :attr:`CyclicPoissonSampler.stream_id`: the key's digest
+        and the arguments that decide its batches); None for a secure or generator-driven one.
+        As secret as the key."""
+        if self.key is None:
+            return None
+        label = repr((type(self).__name__, sorted(self._id_params().items()))).encode()
+        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(self.key).digest() + label).hexdigest()[:32]
+
+    def _id_params(self) -> dict[str, Any]:
+        return {"num_samples": self.num_samples, "sample_rate": self.sample_rate}
+
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for _ in range(self.steps):
             yield self.sample()
@@ -617,6 +642,9 @@ class TruncatedPoissonSampler(PoissonSampler):
                 keys = torch.randint(0, 1 << 53, (idx.numel(),), generator=self.generator, dtype=torch.int64)
             idx = torch.sort(idx[torch.sort(keys, stable=True).indices[: self.max_batch_size]]).values
         return _pad(idx, self.capacity, chunks=False)
+
+    def _id_params(self) -> dict[str, Any]:
+        return {**super()._id_params(), "max_batch_size": self.max_batch_size}
 
     def event(self, noise_multiplier: float):
         """The accounting event of one step at ``noise_multiplier``."""

@@ -458,7 +458,11 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     by review). One that has drawn fewer restarted: a fresh
     sampler on a resumed run starts again at group 0 (cyclic Poisson) or a new epoch, so an
     example can participate closer together than the ledger's events assume (for banded
-    correlated noise, inside one band). Poisson samplers are memoryless and have no position.
+    correlated noise, inside one band). A Poisson or fixed-size sampler's event has no position
+    (memoryless), but a keyed one's batches do: one that has drawn fewer than ``step + 1`` restarted
+    its stream, and a resumed run would draw other batches for the steps it repeats, under the same
+    noise keys (found by review: a checkpoint saved without its sampler resumed so, the two releases
+    of the repeated step a noise-free difference); one that has drawn more is harmless.
     With ``distributed``, a secure sampler is checked on rank 0 only (its batches are drawn there
     and broadcast); a keyed one on every rank (each rank draws; found by review: rank 1's undrawn
     sampler and full batches there were charged as cyclic sampling). A sampler that has drawn
@@ -471,16 +475,20 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     The sampler must also be the one the state's steps were drawn by (``stream_id`` against the
     state's ``recorded`` ``sampler_id``): a fresh sampler under another key, fast-forwarded to
     the state's step, would pass the position check but put an example's participations
-    elsewhere than the ledger's events assume (found by review). Returns the id to record."""
+    elsewhere than the ledger's events assume (found by review), and draw other batches for
+    repeated steps (any keyed sampler, Poisson and fixed-size too). Returns the id to record."""
     drawn = getattr(sampler, "steps_drawn", None)
     if drawn is None or (distributed and _dist.rank() != 0 and getattr(sampler, "secure", False)):
         return recorded
-    ident = getattr(sampler, "stream_id", None) if _positional(sampler) else None  # (a fixed-size sampler's draws are alike)
+    # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
+    # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
+    ident = getattr(sampler, "stream_id", None)
     if ident is not None and recorded and ident != recorded:
         raise ValueError(
             f"{call}: this {type(sampler).__name__} is not the sampler the state's {step} steps were drawn by (another key=, "
-            "generator seed or secure sampler, or other arguments): its groups or epoch positions differ from the ones the ledger "
-            "charged, even drawn to the same position. Resume the run's own sampler with the state (save_state(..., sampler=) and "
+            "generator seed or secure sampler, or other arguments): its batches, groups or epoch positions differ from the ones "
+            "the ledger charged (and a step repeated after a resume would add the same noise to another batch), even drawn to "
+            "the same position. Resume the run's own sampler with the state (save_state(..., sampler=) and "
             "load_state(..., sampler=)), or make it with the same key=. Nothing was released."
         )
     recorded = ident if ident is not None else recorded
