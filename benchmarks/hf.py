@@ -259,6 +259,8 @@ def bench(name: str, variant: str, batch_size: int, args: argparse.Namespace, de
             continue
         first[m] = time.perf_counter() - t0
         fns[m] = fn
+        if getattr(fn, "chosen", None) and m not in chosen:  # ("auto"'s choice in this process, where no memory run named it)
+            chosen[m] = ",".join(sorted(set(fn.chosen.values())))
     timings = psg_bench._measure_interleaved(fns, device, repeats=args.repeats, warmup=args.warmup, max_seconds=args.max_seconds) if fns else {}
     if args.profile is not None:
         train_step.profile_steps(fns, device, args.profile or None, f"{name}_{variant}_{batch_size}")

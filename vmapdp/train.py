@@ -646,12 +646,21 @@ def _compile_kwargs(backend: str, graphs: bool, device_type: str) -> dict[str, A
     batch as groups) then reorders its result twice inside oneDNN, 2.3 ms of an 11 ms MNIST CNN
     step at B=128. Without it (2026-11-28, 2-core CPU, the compiled ghost step, interleaved in
     one process against the non-private eager step's 10.6 / 32.7 ms): 18.0 -> 16.0 ms at B=128,
-    52.0 -> 39.1 ms at B=512, and a cold compile of 17 s instead of 27."""
+    52.0 -> 39.1 ms at B=512, and a cold compile of 17 s instead of 27.
+
+    Always Inductor's ``emulate_precision_casts``: its fused kernels otherwise keep bfloat16 /
+    float16 intermediates in float32 where eager rounds them, so ghost's norm and its clipped sum,
+    which read one output gradient through two kernels, saw it rounded differently, and a sample
+    with cancelling terms was released at 1.43 C (found by review: two embedding tables added, bf16,
+    compiled; eager and emulated 1.0000013 C)."""
+    if backend != "inductor":
+        return {}
+    options: dict[str, Any] = {"emulate_precision_casts": True}
     if graphs:
-        return {"mode": "reduce-overhead"}
-    if backend == "inductor" and device_type == "cpu":
-        return {"options": {"layout_optimization": False}}
-    return {}
+        options["triton.cudagraphs"] = True  # (mode="reduce-overhead", which cannot be given with options)
+    elif device_type == "cpu":
+        options["layout_optimization"] = False
+    return {"options": options}
 
 
 def _explain_compile_error(err: BaseException) -> BaseException | None:
