@@ -248,6 +248,21 @@ def test_dict_rows_and_an_explicit_collate_fn_train_like_tuple_rows():
         assert torch.equal(by_collate.state.params[k], v)
 
 
+def test_dict_rows_with_different_keys_are_refused_not_dropped():
+    """Found by review: collation took the first row's keys, so a key only some rows carry was
+    dropped silently whenever a row without it came first in the batch."""
+
+    class Uneven(_Rows):
+        def __getitem__(self, i):
+            row = super().__getitem__(i)
+            return {**row, "extra": torch.zeros(2)} if i % 2 else row
+
+    trainer = _mp(Uneven(True), seed=3)
+    with pytest.raises(ValueError, match=r"rows have different keys \(.*\): a batch of them would drop.*Nothing was released"):
+        trainer.fit(1)
+    assert trainer.state.step == 0
+
+
 def test_bad_rows_and_collate_are_clear_errors():
     class NoLabel(_Rows):
         def __getitem__(self, i):

@@ -417,8 +417,18 @@ def _row_form(call: str, data: Any) -> str | None:
 
 
 def _collate_mappings(rows: list) -> dict:
-    """``default_collate`` of Mapping rows (dicts, ``BatchEncoding``) as plain dicts."""
-    return torch.utils.data.default_collate([dict(r) for r in rows])
+    """``default_collate`` of Mapping rows (dicts, ``BatchEncoding``) as plain dicts, all with the
+    same keys: ``default_collate`` takes the first row's and would drop a key only later rows have
+    (found by review: a row's ``token_type_ids`` dropped whenever a row without it came first)."""
+    dicts = [dict(r) for r in rows]
+    for d in dicts[1:]:
+        if d.keys() != dicts[0].keys():
+            raise ValueError(
+                f"make_private: the dataset's rows have different keys ({sorted(dicts[0])} and {sorted(d)}): a batch of "
+                "them would drop the keys its first row lacks. Give every row the same keys (pad a field some rows "
+                "lack, e.g. token_type_ids of zeros). Nothing was released for this step."
+            )
+    return torch.utils.data.default_collate(dicts)
 
 
 def _logits(out: Any) -> Tensor:
