@@ -462,7 +462,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     (memoryless), but a keyed one's batches do: one that has drawn fewer than ``step + 1`` restarted
     its stream, and a resumed run would draw other batches for the steps it repeats, under the same
     noise keys (found by review: a checkpoint saved without its sampler resumed so, the two releases
-    of the repeated step a noise-free difference); one that has drawn more is harmless.
+    of the repeated step a noise-free difference); one that has drawn more is refused as well.
     With ``distributed``, a secure sampler is checked on rank 0 only (its batches are drawn there
     and broadcast); a keyed one on every rank (each rank draws; found by review: rank 1's undrawn
     sampler and full batches there were charged as cyclic sampling). A sampler that has drawn
@@ -501,11 +501,15 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "elsewhere, with no such guarantee. Draw each step's batch from the sampler given to make_train_step. "
             "Nothing was released."
         )
-    if drawn > step + 1 and _positional(sampler):  # (a fixed-size sampler has no position: a spare batch is harmless)
+    # (any sampler with a position in its stream, Poisson and fixed-size too: a spare batch is harmless to their events, but
+    # a run resumed from the checkpoint before it would draw the spare batch for the step that released another, under the
+    # same noise key; found by review: 1.94 C between the two releases)
+    if drawn > step + 1:
         raise ValueError(
             f"{call}: the state is at step {step} but its sampler has drawn {drawn} batches: {drawn - step - 1} drawn batch(es) "
             "never became a step (a step that raised after its batch was drawn, or batches drawn ahead). The ledger records "
-            "the event of the sampler's last batch and assumes consecutive positions, so it would charge too little. Draw exactly "
+            "the event of the sampler's last batch and assumes consecutive positions, so it would charge too little, and a run "
+            "resumed from an earlier checkpoint would repeat a released step with another batch under the same noise. Draw exactly "
             "one batch per step; after a failed step, resume the last checkpoint with its sampler (save_state(..., sampler=) "
             "and load_state(..., sampler=)). Nothing was released."
         )
