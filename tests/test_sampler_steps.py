@@ -265,3 +265,30 @@ def test_a_run_resumed_with_another_or_a_restarted_keyed_sampler_is_refused(tmp_
     for _ in range(3):
         indices, mask = forwarded.sample()
     assert step_for(forwarded)(loaded, gather(data, indices), mask, buffers)[0].step == 3
+
+
+def test_a_run_of_a_secure_poisson_sampler_resumed_with_a_fresh_one_is_refused(tmp_path):
+    """Found by review: a secure (or generator-driven) Poisson sampler had no stream_id, so a
+    checkpoint saved without it resumed with a fresh one, which drew another batch for the
+    repeated step under the same keyed noise (1.87 C between the two releases). It has its own
+    token now, kept by state_dict: the fresh sampler is refused, the restored one steps."""
+    params, buffers, data, loss_fn = problem()
+    first = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
+
+    def step_for(s):
+        return vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=s, physical_batch_size=12, compile=False)
+
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    indices, mask = first.sample()
+    state, _ = step_for(first)(state, gather(data, indices), mask, buffers)
+    assert state.sampler_id == first.stream_id != PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True).stream_id
+    vmapdp.save_state(tmp_path / "bare.pt", state)
+    fresh = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
+    indices, mask = fresh.sample()
+    with pytest.raises(ValueError, match=r"this PoissonSampler is not the sampler the state's 1 steps were drawn by.*Nothing was released"):
+        step_for(fresh)(vmapdp.load_state(tmp_path / "bare.pt"), gather(data, indices), mask, buffers)
+    vmapdp.save_state(tmp_path / "whole.pt", state, sampler=first)
+    restored = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
+    loaded = vmapdp.load_state(tmp_path / "whole.pt", sampler=restored, saved_after_last_step=True)
+    indices, mask = restored.sample()
+    assert step_for(restored)(loaded, gather(data, indices), mask, buffers)[0].step == 2

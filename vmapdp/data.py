@@ -149,6 +149,9 @@ class PoissonSampler:
             key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         self.key: bytes | None = key
         self._draws = 0  # steps drawn so far (the keyed stream's counter)
+        # what tells a secure or generator-driven sampler from another made alike (stream_id): a fresh token, or the
+        # generator's state at the first draw (None until then); kept in state_dict
+        self._source_id: bytes | None = secrets.token_bytes(16) if secure else None
 
     @property
     def expected_batch_size(self) -> float:
@@ -168,7 +171,12 @@ class PoissonSampler:
             label = b"vmapdp-poisson:" + self.key + b":" + str(self._draws).encode()
             self._draws += 1
             return (_shake_u53(label, n) < int(q * (1 << 53))).nonzero().flatten()
+        if self._source_id is None:
+            self._source_id = self._generator_digest()
         return (torch.rand(n, generator=self.generator, dtype=torch.float64) < q).nonzero().flatten()
+
+    def _generator_digest(self) -> bytes:
+        return hashlib.sha256(self.generator.get_state().numpy().tobytes()).digest()
 
     def sample(self) -> tuple[Tensor, Tensor]:
         """One step: ``(indices, mask)`` padded to a multiple of ``capacity``."""
@@ -187,14 +195,17 @@ class PoissonSampler:
         return self._draws if self.key is not None else None
 
     @property
-    def stream_id(self) -> str | None:
-        """A keyed sampler's identity (as :attr:`CyclicPoissonSampler.stream_id`: the key's digest
-        and the arguments that decide its batches); None for a secure or generator-driven one.
-        As secret as the key."""
-        if self.key is None:
-            return None
+    def stream_id(self) -> str:
+        """The sampler's identity (as :attr:`CyclicPoissonSampler.stream_id`): a digest of its key, a
+        secure sampler's own random token, or a generator's state at its first draw (named where
+        its id is read first, then kept), and of the arguments that decide its batches. A secure
+        sampler resumed from its ``state_dict`` keeps its token: a run resumed with a fresh secure
+        sampler (a checkpoint saved without it) is refused (found by review). As secret as the key."""
+        source = self.key if self.key is not None else self._source_id
+        if source is None:
+            source = self._source_id = self._generator_digest()
         label = repr((type(self).__name__, sorted(self._id_params().items()))).encode()
-        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(self.key).digest() + label).hexdigest()[:32]
+        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
 
     def _id_params(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "sample_rate": self.sample_rate}
@@ -219,6 +230,7 @@ class PoissonSampler:
             "draws": self._draws,
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
+            "source_id": None if self.key is not None else self._source_id,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -245,7 +257,9 @@ class PoissonSampler:
         if self.secure:
             if saved is not None:
                 raise ValueError("PoissonSampler.load_state_dict: this sampler is secure (OS CSPRNG) but the state comes from a seeded sampler.")
-            return  # a secure sampler has no state: it keeps drawing from the OS
+            if isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
+                self._source_id = state["source_id"]
+            return  # a secure sampler has no stream to restore: it keeps drawing from the OS
         if saved is None:
             raise ValueError(
                 "PoissonSampler.load_state_dict: the state comes from a secure sampler (no RNG state); "
@@ -254,6 +268,7 @@ class PoissonSampler:
         if self.generator is None:
             raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator().")
         self.generator.set_state(saved)
+        self._source_id = state.get("source_id")  # (None: not drawn from yet, or saved before stream_id: named at the next draw)
 
     def __repr__(self) -> str:
         return (

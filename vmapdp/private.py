@@ -117,13 +117,22 @@ class PrivateTrainer:
     def train_epoch(self) -> Iterator[dict[str, Tensor]]:
         """Run one epoch of Poisson-sampled DP-SGD steps; yields each step's (non-private) metrics."""
         device = next(iter(self.state.params.values())).device  # (a model on a GPU, its data on the host: each batch is moved)
-        for indices, mask in self.sampler:
-            # a dataset's random augmentation draws from the state's seed: a step resumed from a checkpoint reads the
-            # same batch bit for bit (its noise is the same: a different batch would cancel it; found by review)
-            with seeded_randomness(step_seed(self.state, "data"), device):
-                rows = self._batch(indices)
-            batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, rows, namespace="torch")
-            self.state, metrics = self._step(self.state, batch, mask.to(device), self._buffers)
+        for _ in range(len(self.sampler)):
+            # a step that raises (a budget, a refused batch) released nothing: the sampler goes back to where it was, so
+            # that its next batch is the one a run resumed from a checkpoint would draw for that step (a spare draw left
+            # behind is refused by the next step: it would make a resumed run repeat a step with another batch)
+            before = self.sampler.state_dict()
+            indices, mask = self.sampler.sample()
+            try:
+                # a dataset's random augmentation draws from the state's seed: a step resumed from a checkpoint reads the
+                # same batch bit for bit (its noise is the same: a different batch would cancel it; found by review)
+                with seeded_randomness(step_seed(self.state, "data"), device):
+                    rows = self._batch(indices)
+                batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, rows, namespace="torch")
+                self.state, metrics = self._step(self.state, batch, mask.to(device), self._buffers)
+            except BaseException:
+                self.sampler.load_state_dict(before)
+                raise
             self._write_back()
             yield metrics
 

@@ -478,7 +478,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     elsewhere than the ledger's events assume (found by review), and draw other batches for
     repeated steps (any keyed sampler, Poisson and fixed-size too). Returns the id to record."""
     drawn = getattr(sampler, "steps_drawn", None)
-    if drawn is None or (distributed and _dist.rank() != 0 and getattr(sampler, "secure", False)):
+    if distributed and _dist.rank() != 0 and getattr(sampler, "secure", False):
         return recorded
     # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
     # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
@@ -492,7 +492,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "load_state(..., sampler=)), or make it with the same key=. Nothing was released."
         )
     recorded = ident if ident is not None else recorded
-    if not drawn and not bound:
+    if drawn is None or (not drawn and not bound):  # (a secure or generator-driven Poisson sampler: its identity only)
         return recorded
     if not drawn and step == 0:
         raise ValueError(
