@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,7 +133,8 @@ def test_secure_trainer_saves_and_resumes(tmp_path):
 
 
 class _Augmented(torch.utils.data.Dataset):
-    """Rows with random noise added on every read (data augmentation from torch's global generator)."""
+    """Rows with random noise added on every read (data augmentation from torch's and Python's
+    global generators)."""
 
     def __init__(self, base):
         self.base = base
@@ -141,7 +144,7 @@ class _Augmented(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         x, y = self.base[i]
-        return x + 0.5 * torch.randn(x.shape), y
+        return x + 0.5 * torch.randn(x.shape) + random.uniform(-1.0, 1.0), y
 
 
 def test_a_step_repeated_from_a_checkpoint_reads_the_same_augmented_batch(tmp_path):
@@ -158,7 +161,10 @@ def test_a_step_repeated_from_a_checkpoint_reads_the_same_augmented_batch(tmp_pa
     resumed = _mp(_Augmented(data()), seed=4)  # (as a fresh process would: a trainer of its own)
     resumed.load(str(tmp_path / "c.pt"))
     torch.manual_seed(2)
+    random.seed(2)
+    python_state = random.getstate()
     next(resumed.train_epoch())
+    assert random.getstate() == python_state  # (the caller's generator is left as it was)
     for k in first:
         assert torch.equal(first[k], resumed.state.params[k]), k
 

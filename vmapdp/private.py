@@ -126,7 +126,7 @@ class PrivateTrainer:
             try:
                 # a dataset's random augmentation draws from the state's seed: a step resumed from a checkpoint reads the
                 # same batch bit for bit (its noise is the same: a different batch would cancel it; found by review)
-                with seeded_randomness(step_seed(self.state, "data"), device):
+                with seeded_randomness(step_seed(self.state, "data"), device, python=True):
                     rows = self._batch(indices)
                 batch = optree.tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, rows, namespace="torch")
                 self.state, metrics = self._step(self.state, batch, mask.to(device), self._buffers)

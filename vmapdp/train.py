@@ -350,20 +350,37 @@ def step_seed(state: "TrainState", label: str = "model", rank: int = 0) -> int |
 
 
 @contextlib.contextmanager
-def seeded_randomness(seed: int | None, device: torch.device | None = None):
-    """Run the block with torch's global generators (the CPU's, and ``device``'s where it is a
-    CUDA device) seeded with ``seed``, and restore them afterwards: draws in the block (dropout,
+def seeded_randomness(seed: int | None, device: torch.device | None = None, *, python: bool = False):
+    """Run the block with torch's global generators (the CPU's, and ``device``'s where it is an
+    accelerator) seeded with ``seed``, and restore them afterwards: draws in the block (dropout,
     augmentation) are a function of the seed and leave the caller's generators as they were.
+    ``python``: Python's ``random`` and NumPy's global generator too (where NumPy is imported), as
+    a dataset's augmentation may use them (found by review: an augmentation by ``random`` made a
+    resumed ``make_private`` step read another batch, 1.3 C between the two releases).
     ``seed=None``: the block runs as it is."""
     if seed is None:
         yield
         return
-    cuda = device is not None and device.type == "cuda"
-    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+    accel = device is not None and device.type not in ("cpu", "meta")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[device] if accel else [], device_type=device.type if accel else "cuda"))
         torch.random.default_generator.manual_seed(seed)
-        if cuda:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
+        if accel:
+            module = torch.get_device_module(device.type)
+            with module.device(device) if hasattr(module, "device") else contextlib.nullcontext():
+                module.manual_seed(seed)
+        if python:
+            import random
+            import sys
+
+            py_state = random.getstate()
+            stack.callback(random.setstate, py_state)
+            random.seed(seed)
+            np = sys.modules.get("numpy")
+            if np is not None:
+                np_state = np.random.get_state()
+                stack.callback(np.random.set_state, np_state)
+                np.random.seed(seed % 2**32)
         yield
 
 
