@@ -670,6 +670,34 @@ def test_random_layers_draw_from_the_state_so_a_repeated_step_is_bit_for_bit(met
     assert not torch.equal(s1.params["w"], s2.params["w"])
 
 
+def test_with_random_layers_the_batch_split_joins_the_noise_key_and_auto_does_not_race(monkeypatch):
+    """Found by review: random layers draw per chunk (and per rank, per method), so a step
+    repeated with another physical_batch_size released another value under the same key (3.27 C
+    between the two), and a repeat whose "auto" race chose another method likewise. With random
+    layers the split joins the noise key (the repeat here raised NoiseKeyReused), and "auto" runs
+    its first candidate untimed; without random layers neither changes (rounding only)."""
+    from vmapdp import clipped
+
+    timed = []
+    monkeypatch.setattr(clipped, "_elapsed", lambda name, run, device: (run(), timed.append(name), 1.0)[2])
+    torch.manual_seed(0)
+    w = torch.randn(3, 5)
+
+    def loss_fn(p, sample):
+        x, y = sample
+        return F.cross_entropy(F.linear(F.dropout(x, 0.5, training=True)[None], p["w"]), y[None])
+
+    _, _, _, (x, y), _ = problem(n=8)
+    mask = torch.ones(8, dtype=torch.bool)
+    state = vmapdp.init_train_state({"w": w}, optim.sgd(0.5), seed=3)
+    whole = make(loss_fn, randomness="different")
+    whole(state, (x, y), mask)
+    make(loss_fn, randomness="different", physical_batch_size=4)(state, (x, y), mask)  # another key: no NoiseKeyReused
+    assert timed == [] and list(whole.chosen_methods.values()) == ["ghost"]
+    config = dict(l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.2)
+    assert "layout" not in vmapdp.train.step_config(**config)
+
+
 def test_a_gaussian_privatizer_below_the_charged_noise_is_refused():
     """Found by review: ``gaussian_privatizer(0.0)`` with ``noise_multiplier=1`` released the bare
     sum while the ledger charged sigma 1; with adaptive clipping the non-adaptive default's std

@@ -270,12 +270,14 @@ def step_config(
     sampler: str = "",
     adaptive: str = "",
     noise: str = "",
+    layout: str = "",
 ) -> str:
     """The release-defining configuration of a step, canonically (floats in hex: exact); ``method``
     as asked for (``"auto"`` whatever it chooses); ``optimizer`` its :attr:`Optimizer.config`;
     ``sampler`` the batch scheme other than Poisson (:func:`scheme_description`; ``""`` for
     Poisson sampling, which ``sample_rate`` already says, and then left out); ``noise`` a bound
-    privatizer's mechanism (correlated noise; ``""`` for the default, left out)."""
+    privatizer's mechanism (correlated noise; ``""`` for the default, left out); ``layout`` how a
+    batch is split (chunks, ranks), bound where random layers draw per chunk (``""``: left out)."""
     fields = (
         ("l2_clip_norm", float(l2_clip_norm).hex()),
         ("noise_multiplier", float(noise_multiplier).hex()),
@@ -287,7 +289,7 @@ def step_config(
         ("method", method),
         ("precision", str(precision)),
         ("optimizer", optimizer),
-    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ()) + ((("noise", noise),) if noise else ())
+    ) + ((("sampler", sampler),) if sampler else ()) + ((("adaptive", adaptive),) if adaptive else ()) + ((("noise", noise),) if noise else ()) + ((("layout", layout),) if layout else ())
     return repr(fields)
 
 
@@ -772,7 +774,12 @@ def make_train_step(
             switch, not private: whether a step raises (and the row it names) depends on who is
             in the batch. The default ``"zero"`` drops such a sample (counted in ``metrics``).
         randomness: for random layers (dropout): ``"different"`` per sample; see
-            :func:`vmapdp.per_sample_grads`.
+            :func:`vmapdp.per_sample_grads`. Random layers draw from :func:`step_seed` (a
+            repeated step is bit for bit the first), but per chunk, per rank and per method: so
+            with them the batch's split (``physical_batch_size``, ``norm_chunk_size``, the world
+            size) joins the noise key, and ``"auto"`` does not race (a race's choice can differ
+            between processes): it runs the first of :func:`vmapdp.clipped.auto_candidates`
+            (ghost where it covers a param), compiled when ``compile``.
         compile: run each chunk's tensor work under ``torch.compile(fullgraph=True, dynamic=False)``:
             one graph per chunk shape and method (a run of Poisson steps padded to one capacity
             compiles once, whatever the masks and the adaptive clip norm). A named method is
@@ -949,6 +956,13 @@ def make_train_step(
         sampler=scheme_description(sampler),
         adaptive="" if adaptive_clipping is None else adaptive_clipping.config(),
         noise=noise_config,
+        # random layers (randomness != "error") draw per chunk and per rank, so the split of a batch changes what a step
+        # releases, not only its rounding: bound then, so that a run resumed with another split never repeats a key with
+        # another value (found by review: physical_batch_size None against 4, 3.27 C; 2 ranks against one, 2.19 C)
+        layout="" if randomness == "error" else repr((
+            ("physical_batch_size", physical_batch_size), ("norm_chunk_size", norm_chunk_size),
+            ("two_pass_elements", ghost_limits.LIMITS.two_pass_elements), ("world_size", _dist.world_size() if distributed else 1),
+        )),
     )
     stateless = privatizer is None  # the default Gaussian: no noise state (a state that has one belongs to another privatizer)
     if privatizer is None:
@@ -1042,9 +1056,14 @@ def make_train_step(
             # the race runs each candidate eagerly: only the winner is ever compiled
             plan = sum_fns["ghost"].prepare(params, *shared, chunk)
             names = auto_candidates(plan, params, batch_size(chunk, call=call), norm_chunk_size)
-            runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
-            name = chooser.choose(key, names, runs, mask.device)
+            if randomness != "error":  # random layers draw differently under each method: no race (see make_train_step)
+                name = chooser.replay(key, names[0])
+            else:
+                runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
+                name = chooser.choose(key, names, runs, mask.device)
         ran = compiled_or_eager.get(key)
+        if ran is None and randomness != "error":  # (as the step was made: compiled when compile)
+            ran = compiled_or_eager.replay(key, name)
         if ran is None:  # compiled: keep the compiled winner only where it beats the eager one
             names = [name, f"{name} eager"] if compile else [name]
             if backend == "inductor" and _not_compiled(functools.partial(runner(f"{name} eager"), params, mask, shared, chunk), mask.device, name):
