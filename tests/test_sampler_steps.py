@@ -267,28 +267,31 @@ def test_a_run_resumed_with_another_or_a_restarted_keyed_sampler_is_refused(tmp_
     assert step_for(forwarded)(loaded, gather(data, indices), mask, buffers)[0].step == 3
 
 
-def test_a_run_of_a_secure_poisson_sampler_resumed_with_a_fresh_one_is_refused(tmp_path):
-    """Found by review: a secure (or generator-driven) Poisson sampler had no stream_id, so a
-    checkpoint saved without it resumed with a fresh one, which drew another batch for the
-    repeated step under the same keyed noise (1.87 C between the two releases). It has its own
-    token now, kept by state_dict: the fresh sampler is refused, the restored one steps."""
+def test_a_state_stepped_with_a_secure_memoryless_sampler_loads_only_as_saved_after_its_last_step(tmp_path):
+    """Found by review: a secure Poisson sampler had no stream_id, so a checkpoint saved without it
+    loaded and resumed with a fresh one, which drew another batch for a repeated step under the
+    same keyed noise (1.87 C between the two releases). Its id now says "secure" (any secure
+    memoryless sampler continues it: fresh draws from the OS), and load_state wants
+    saved_after_last_step=True for such a state whether or not the sampler was saved with it; a
+    keyed sampler cannot continue it."""
     params, buffers, data, loss_fn = problem()
-    first = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
 
     def step_for(s):
         return vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=s, physical_batch_size=12, compile=False)
 
+    first = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
     state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
     indices, mask = first.sample()
     state, _ = step_for(first)(state, gather(data, indices), mask, buffers)
-    assert state.sampler_id == first.stream_id != PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True).stream_id
+    assert state.sampler_id == vmapdp.data.SECURE_SAMPLER_ID == FixedSizeSampler(N, 6, secure=True).stream_id
     vmapdp.save_state(tmp_path / "bare.pt", state)
+    with pytest.raises(ValueError, match=r"saved with a secure sampler .*saved_after_last_step=True.*Nothing was loaded"):
+        vmapdp.load_state(tmp_path / "bare.pt")
+    loaded = vmapdp.load_state(tmp_path / "bare.pt", saved_after_last_step=True)
     fresh = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
     indices, mask = fresh.sample()
-    with pytest.raises(ValueError, match=r"this PoissonSampler is not the sampler the state's 1 steps were drawn by.*Nothing was released"):
-        step_for(fresh)(vmapdp.load_state(tmp_path / "bare.pt"), gather(data, indices), mask, buffers)
-    vmapdp.save_state(tmp_path / "whole.pt", state, sampler=first)
-    restored = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
-    loaded = vmapdp.load_state(tmp_path / "whole.pt", sampler=restored, saved_after_last_step=True)
-    indices, mask = restored.sample()
-    assert step_for(restored)(loaded, gather(data, indices), mask, buffers)[0].step == 2
+    assert step_for(fresh)(loaded, gather(data, indices), mask, buffers)[0].step == 2
+    keyed = PoissonSampler(N, 0.25, steps=4, capacity=12, key=b"k")
+    indices, mask = keyed.sample()
+    with pytest.raises(ValueError, match=r"is not the sampler the state's 1 steps were drawn by"):
+        step_for(keyed)(loaded, gather(data, indices), mask, buffers)

@@ -40,6 +40,7 @@ import optree
 import torch
 
 from vmapdp.accounting import Ledger
+from vmapdp.data import SECURE_SAMPLER_ID
 from vmapdp.noise.privatizers import check_noise_position
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
@@ -378,7 +379,9 @@ def state_from_payload(
     # resumed run repeats: they would be new releases the ledger does not hold, and under keyed
     # noise new batches with the very noise of the lost releases (their difference is the
     # difference of the clipped sums, exactly; found by review)
-    secure_saved = _secure_sampler_state(saved)
+    # (a state stepped with a secure memoryless sampler says so in its sampler_id, saved with its sampler or not: a
+    # checkpoint saved without it resumed a repeated step with another batch; found by review)
+    secure_saved = _secure_sampler_state(saved) or state.sampler_id == SECURE_SAMPLER_ID
     # ... and secure noise (no seed) gives the repeated steps fresh noise: a second release of the same sums
     if (secure_saved or payload["noise_seed"] is None) and not ignore_sampler and not saved_after_last_step:
         what = "a secure sampler (the OS CSPRNG), which cannot redraw the batches" if secure_saved else "secure noise (the OS CSPRNG), which cannot redraw the noise"

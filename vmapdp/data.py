@@ -39,6 +39,10 @@ __all__ = [
 
 _U53 = (1 << 53) - 1
 
+# the stream_id of a secure memoryless sampler (Poisson, fixed-size): any secure one continues a run of another
+# (fresh draws from the OS), and a state stepped with one loads only with saved_after_last_step=True
+SECURE_SAMPLER_ID = "secure-memoryless"
+
 
 def _shake_u53(label: bytes, n: int) -> Tensor:
     """n independent uniform 53-bit integers (int64) from SHAKE-256 of ``label``."""
@@ -149,9 +153,9 @@ class PoissonSampler:
             key = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         self.key: bytes | None = key
         self._draws = 0  # steps drawn so far (the keyed stream's counter)
-        # what tells a secure or generator-driven sampler from another made alike (stream_id): a fresh token, or the
-        # generator's state at the first draw (None until then); kept in state_dict
-        self._source_id: bytes | None = secrets.token_bytes(16) if secure else None
+        # what tells a generator-driven sampler from another made alike (stream_id): the generator's state at its first
+        # draw (None until then); kept in state_dict
+        self._source_id: bytes | None = None
 
     @property
     def expected_batch_size(self) -> float:
@@ -196,11 +200,15 @@ class PoissonSampler:
 
     @property
     def stream_id(self) -> str:
-        """The sampler's identity (as :attr:`CyclicPoissonSampler.stream_id`): a digest of its key, a
-        secure sampler's own random token, or a generator's state at its first draw (named where
-        its id is read first, then kept), and of the arguments that decide its batches. A secure
-        sampler resumed from its ``state_dict`` keeps its token: a run resumed with a fresh secure
-        sampler (a checkpoint saved without it) is refused (found by review). As secret as the key."""
+        """The sampler's identity (as :attr:`CyclicPoissonSampler.stream_id`): a digest of its key
+        or of a generator's state at its first draw (named where its id is read first, then kept),
+        and of the arguments that decide its batches; ``SECURE_SAMPLER_ID`` for a secure one (every
+        secure Poisson sampler is the same process: fresh draws from the OS). A state stepped with a
+        secure sampler is loaded only with ``saved_after_last_step=True``, whether or not the sampler
+        was saved with it (found by review: a checkpoint saved without it resumed, and the repeated
+        step drew another batch under the same keyed noise, 1.87 C). As secret as the key."""
+        if self.secure:
+            return SECURE_SAMPLER_ID
         source = self.key if self.key is not None else self._source_id
         if source is None:
             source = self._source_id = self._generator_digest()
@@ -257,9 +265,7 @@ class PoissonSampler:
         if self.secure:
             if saved is not None:
                 raise ValueError("PoissonSampler.load_state_dict: this sampler is secure (OS CSPRNG) but the state comes from a seeded sampler.")
-            if isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
-                self._source_id = state["source_id"]
-            return  # a secure sampler has no stream to restore: it keeps drawing from the OS
+            return  # a secure sampler has no state: it keeps drawing from the OS
         if saved is None:
             raise ValueError(
                 "PoissonSampler.load_state_dict: the state comes from a secure sampler (no RNG state); "
@@ -448,6 +454,12 @@ class FixedSizeSampler(_KeyedSampler):
     positional = False  # every step samples afresh: its event does not depend on the steps before
 
     _LABEL = b"vmapdp-fixed-size:"
+
+    @property
+    def stream_id(self) -> str:
+        """As :attr:`PoissonSampler.stream_id`: ``SECURE_SAMPLER_ID`` when secure (memoryless:
+        every secure one is the same process), else its key's or generator's digest."""
+        return SECURE_SAMPLER_ID if self.secure else super().stream_id
 
     def __init__(self, num_samples: int, batch_size: int, steps: int | None = None, generator: torch.Generator | None = None, *, key=None, secure: bool = False):
         call = "FixedSizeSampler"
