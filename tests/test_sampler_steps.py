@@ -295,3 +295,26 @@ def test_a_state_stepped_with_a_secure_memoryless_sampler_loads_only_as_saved_af
     indices, mask = keyed.sample()
     with pytest.raises(ValueError, match=r"is not the sampler the state's 1 steps were drawn by"):
         step_for(keyed)(loaded, gather(data, indices), mask, buffers)
+
+
+def test_a_state_read_with_ignore_sampler_is_for_evaluation_only(tmp_path):
+    """Found by review: load_state(..., ignore_sampler=True) skipped the secure sampler's
+    saved_after_last_step check and could restore a sampler, so a run resumed through it repeated
+    a released step with another batch under the same noise. It restores no sampler now, and a
+    step given a sampler refuses the state it returns."""
+    params, buffers, data, loss_fn = problem()
+    first = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=first, physical_batch_size=12, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    indices, mask = first.sample()
+    state, _ = step(state, gather(data, indices), mask, buffers)
+    vmapdp.save_state(tmp_path / "c.pt", state, sampler=first)
+    fresh = PoissonSampler(N, 0.25, steps=4, capacity=12, secure=True)
+    with pytest.raises(ValueError, match=r"ignore_sampler=True reads the checkpoint for evaluation only and restores no sampler.*Nothing was loaded"):
+        vmapdp.load_state(tmp_path / "c.pt", sampler=fresh, ignore_sampler=True)
+    evaluation = vmapdp.load_state(tmp_path / "c.pt", ignore_sampler=True)
+    assert all(torch.equal(evaluation.params[k], state.params[k]) for k in params)
+    indices, mask = fresh.sample()
+    with pytest.raises(ValueError, match=r"read with load_state\(\.\.\., ignore_sampler=True\), for evaluation only.*Nothing was released"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=fresh, physical_batch_size=12, compile=False)(
+            evaluation, gather(data, indices), mask, buffers)

@@ -40,7 +40,7 @@ import optree
 import torch
 
 from vmapdp.accounting import Ledger
-from vmapdp.data import SECURE_SAMPLER_ID
+from vmapdp.data import EVALUATION_ONLY_ID, SECURE_SAMPLER_ID
 from vmapdp.noise.privatizers import check_noise_position
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
@@ -286,8 +286,11 @@ def load_state(
             secure mode); checked before the sampler is touched. If ``like`` has taken steps, the
             checkpoint must also be of the same run (``run_id``) and not behind it (no rollback
             that would repeat releases its ledger no longer counts); ``like``'s budgets are kept.
-        ignore_sampler: read a checkpoint that holds sampler state without a sampler, for
-            evaluation or inspection only; do not resume training from the result.
+        ignore_sampler: read a checkpoint without its sampler checks, for evaluation or
+            inspection only: no sampler is restored (giving one is refused), and the state is
+            marked so (``TrainState.sampler_id``) that a step given a sampler refuses it (found by
+            review: a secure-sampler run resumed through it repeated a released step with another
+            batch under the same noise).
         saved_after_last_step: the caller's word that nothing was released after this
             checkpoint was saved (it is saved after every step). Required to resume a checkpoint
             saved with a secure sampler (``secure=True``): its batches cannot be redrawn, so steps
@@ -393,6 +396,13 @@ def state_from_payload(
             "ignore_sampler=True reads it for evaluation only; or train with a keyed sampler and keyed noise, whose resumed run "
             "repeats its steps bit for bit. Nothing was loaded."
         )
+    if ignore_sampler:
+        if sampler is not None:
+            raise ValueError(
+                f"{call}: ignore_sampler=True reads the checkpoint for evaluation only and restores no sampler, but a sampler was "
+                "given: to resume training pass sampler= without ignore_sampler. Nothing was loaded."
+            )
+        return state._replace(sampler_id=EVALUATION_ONLY_ID)
     if sampler is not None:
         if saved is None:
             raise ValueError(f"{call}: a sampler was given but the checkpoint holds no sampler state (save with sampler=...); nothing was loaded.")

@@ -42,6 +42,8 @@ _U53 = (1 << 53) - 1
 # the stream_id of a secure memoryless sampler (Poisson, fixed-size): any secure one continues a run of another
 # (fresh draws from the OS), and a state stepped with one loads only with saved_after_last_step=True
 SECURE_SAMPLER_ID = "secure-memoryless"
+# the sampler_id of a state read with load_state(..., ignore_sampler=True): for evaluation, refused by a step with a sampler
+EVALUATION_ONLY_ID = "evaluation-only"
 
 
 def _shake_u53(label: bytes, n: int) -> Tensor:

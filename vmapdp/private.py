@@ -122,8 +122,8 @@ class PrivateTrainer:
             # that its next batch is the one a run resumed from a checkpoint would draw for that step (a spare draw left
             # behind is refused by the next step: it would make a resumed run repeat a step with another batch)
             before = self.sampler.state_dict()
-            indices, mask = self.sampler.sample()
             try:
+                indices, mask = self.sampler.sample()
                 # a dataset's random augmentation draws from the state's seed: a step resumed from a checkpoint reads the
                 # same batch bit for bit (its noise is the same: a different batch would cancel it; found by review)
                 with seeded_randomness(step_seed(self.state, "data"), device, python=True):

@@ -502,6 +502,12 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
     # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
     ident = getattr(sampler, "stream_id", None)
+    if sampler is not None and recorded == "evaluation-only":  # (vmapdp.data.EVALUATION_ONLY_ID)
+        raise ValueError(
+            f"{call}: this state was read with load_state(..., ignore_sampler=True), for evaluation only: its sampler's "
+            "state was not restored, and a resumed run would repeat released steps with other batches under the same noise. "
+            "Load it with its sampler (load_state(..., sampler=)) to resume training. Nothing was released."
+        )
     if ident is not None and recorded and ident != recorded:
         raise ValueError(
             f"{call}: this {type(sampler).__name__} is not the sampler the state's {step} steps were drawn by (another key=, "
