@@ -633,6 +633,19 @@ def test_two_callers_privatizers_never_draw_the_same_noise_from_one_state():
     assert gaussian_privatizer(2.0).config != gaussian_privatizer(3.0).config
 
 
+def _dropout_problem():
+    """A one-matrix model with dropout on its input: ``(w, loss_fn, (x, y), mask, state)``."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 5)
+
+    def loss_fn(p, sample):
+        x, y = sample
+        return F.cross_entropy(F.linear(F.dropout(x, 0.5, training=True)[None], p["w"]), y[None])
+
+    _, _, _, data, _ = problem(n=8)
+    return w, loss_fn, data, torch.ones(8, dtype=torch.bool), vmapdp.init_train_state({"w": w}, optim.sgd(0.5), seed=3)
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
 def test_random_layers_draw_from_the_state_so_a_repeated_step_is_bit_for_bit(method):
     """Found by review: dropout drew from torch's global generator, so a step repeated after a
@@ -643,17 +656,8 @@ def test_random_layers_draw_from_the_state_so_a_repeated_step_is_bit_for_bit(met
     NoiseKeyReused), the caller's generator is left as it was, and later steps draw afresh."""
     from vmapdp.train import step_seed
 
-    torch.manual_seed(0)
-    w = torch.randn(3, 5)
-
-    def loss_fn(p, sample):
-        x, y = sample
-        return F.cross_entropy(F.linear(F.dropout(x, 0.5, training=True)[None], p["w"]), y[None])
-
-    _, _, _, (x, y), _ = problem(n=8)
-    mask = torch.ones(8, dtype=torch.bool)
+    w, loss_fn, (x, y), mask, state = _dropout_problem()
     step = make(loss_fn, noise=100.0, method=method, randomness="different")
-    state = vmapdp.init_train_state({"w": w}, optim.sgd(0.5), seed=3)
     torch.manual_seed(1)
     a, _ = step(state, (x, y), mask)
     torch.manual_seed(2)
@@ -680,16 +684,7 @@ def test_with_random_layers_the_batch_split_joins_the_noise_key_and_auto_does_no
 
     timed = []
     monkeypatch.setattr(clipped, "_elapsed", lambda name, run, device: (run(), timed.append(name), 1.0)[2])
-    torch.manual_seed(0)
-    w = torch.randn(3, 5)
-
-    def loss_fn(p, sample):
-        x, y = sample
-        return F.cross_entropy(F.linear(F.dropout(x, 0.5, training=True)[None], p["w"]), y[None])
-
-    _, _, _, (x, y), _ = problem(n=8)
-    mask = torch.ones(8, dtype=torch.bool)
-    state = vmapdp.init_train_state({"w": w}, optim.sgd(0.5), seed=3)
+    _, loss_fn, (x, y), mask, state = _dropout_problem()
     whole = make(loss_fn, randomness="different")
     whole(state, (x, y), mask)
     make(loss_fn, randomness="different", physical_batch_size=4)(state, (x, y), mask)  # another key: no NoiseKeyReused
