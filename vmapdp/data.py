@@ -46,6 +46,22 @@ SECURE_SAMPLER_ID = "secure-memoryless"
 EVALUATION_ONLY_ID = "evaluation-only"
 
 
+def _generator_digest(generator: torch.Generator) -> bytes:
+    """A digest of a torch generator's state: a generator-driven sampler's source for its ``stream_id``."""
+    return hashlib.sha256(generator.get_state().numpy().tobytes()).digest()
+
+
+def _stream_id(sampler: Any, params: dict[str, Any]) -> str:
+    """``sampler.stream_id``: a digest of its kind, the arguments that decide its batches
+    (``params``) and its source (its key, else ``sampler._source_id``: a generator's state at
+    its first draw, named now if not yet, or a secure sampler's token)."""
+    source = sampler.key if sampler.key is not None else sampler._source_id
+    if source is None:  # (a generator-driven sampler before its first draw: named now, and kept)
+        source = sampler._source_id = _generator_digest(sampler.generator)
+    label = repr((type(sampler).__name__, sorted(params.items()))).encode()
+    return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
+
+
 def _shake_u53(label: bytes, n: int) -> Tensor:
     """n independent uniform 53-bit integers (int64) from SHAKE-256 of ``label``."""
     raw = torch.frombuffer(bytearray(hashlib.shake_256(label).digest(8 * n)), dtype=torch.int64)
@@ -178,11 +194,8 @@ class PoissonSampler:
             self._draws += 1
             return (_shake_u53(label, n) < int(q * (1 << 53))).nonzero().flatten()
         if self._source_id is None:
-            self._source_id = self._generator_digest()
+            self._source_id = _generator_digest(self.generator)
         return (torch.rand(n, generator=self.generator, dtype=torch.float64) < q).nonzero().flatten()
-
-    def _generator_digest(self) -> bytes:
-        return hashlib.sha256(self.generator.get_state().numpy().tobytes()).digest()
 
     def sample(self) -> tuple[Tensor, Tensor]:
         """One step: ``(indices, mask)`` padded to a multiple of ``capacity``."""
@@ -209,13 +222,7 @@ class PoissonSampler:
         secure sampler is loaded only with ``saved_after_last_step=True``, whether or not the sampler
         was saved with it (found by review: a checkpoint saved without it resumed, and the repeated
         step drew another batch under the same keyed noise, 1.87 C). As secret as the key."""
-        if self.secure:
-            return SECURE_SAMPLER_ID
-        source = self.key if self.key is not None else self._source_id
-        if source is None:
-            source = self._source_id = self._generator_digest()
-        label = repr((type(self).__name__, sorted(self._id_params().items()))).encode()
-        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
+        return SECURE_SAMPLER_ID if self.secure else _stream_id(self, self._id_params())
 
     def _id_params(self) -> dict[str, Any]:
         return {"num_samples": self.num_samples, "sample_rate": self.sample_rate}
@@ -333,11 +340,8 @@ class _KeyedSampler:
             self._draws += 1
             return _shake_u53(label, n)
         if self._source_id is None:
-            self._source_id = self._generator_digest()
+            self._source_id = _generator_digest(self.generator)
         return torch.randint(0, 1 << 53, (n,), generator=self.generator, dtype=torch.int64)
-
-    def _generator_digest(self) -> bytes:
-        return hashlib.sha256(self.generator.get_state().numpy().tobytes()).digest()
 
     def _permutation(self, n: int) -> Tensor:
         """A uniformly random permutation of range(n): sort by 53-bit keys (ties, probability
@@ -378,11 +382,7 @@ class _KeyedSampler:
         As secret as the key: a digest of it, so a guessable key (a small seed) can be found from
         the id by trying them. ``TrainState`` keeps it beside the noise seed, which is secret too,
         and never prints it."""
-        source = self.key if self.key is not None else self._source_id
-        if source is None:  # (a generator-driven sampler before its first draw: named now, and kept)
-            source = self._source_id = self._generator_digest()
-        label = repr((type(self).__name__, sorted(self._params().items()))).encode()
-        return hashlib.sha256(b"vmapdp-sampler-id:" + hashlib.sha256(source).digest() + label).hexdigest()[:32]
+        return _stream_id(self, self._params())
 
     @property
     def steps_drawn(self) -> int:

@@ -56,6 +56,7 @@ from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, t
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, shape_key, two_pass_chunk
+from vmapdp.data import EVALUATION_ONLY_ID
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
@@ -502,7 +503,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
     # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
     ident = getattr(sampler, "stream_id", None)
-    if sampler is not None and recorded == "evaluation-only":  # (vmapdp.data.EVALUATION_ONLY_ID)
+    if sampler is not None and recorded == EVALUATION_ONLY_ID:
         raise ValueError(
             f"{call}: this state was read with load_state(..., ignore_sampler=True), for evaluation only: its sampler's "
             "state was not restored, and a resumed run would repeat released steps with other batches under the same noise. "
@@ -905,6 +906,7 @@ def make_train_step(
     backend = _checks.compile_backend(call, compile)
     compile = backend is not None
     _budget_accountant(call, accountant)
+    random_layers = randomness != "error"  # (their draws depend on the batch's split and the method: see randomness)
     # "auto" races the methods that apply on the first chunk of each shape (auto_candidates; two_pass's made when raced)
     methods = ("ghost", "vmap") if method == "auto" else (method,)
     sum_loss, sum_clip = loss_fn, l2_clip_norm
@@ -965,7 +967,7 @@ def make_train_step(
         # random layers (randomness != "error") draw per chunk and per rank, so the split of a batch changes what a step
         # releases, not only its rounding: bound then, so that a run resumed with another split never repeats a key with
         # another value (found by review: physical_batch_size None against 4, 3.27 C; 2 ranks against one, 2.19 C)
-        layout="" if randomness == "error" else repr((
+        layout="" if not random_layers else repr((
             ("physical_batch_size", physical_batch_size), ("norm_chunk_size", norm_chunk_size),
             ("two_pass_elements", ghost_limits.LIMITS.two_pass_elements), ("world_size", _dist.world_size() if distributed else 1),
         )),
@@ -1062,13 +1064,13 @@ def make_train_step(
             # the race runs each candidate eagerly: only the winner is ever compiled
             plan = sum_fns["ghost"].prepare(params, *shared, chunk)
             names = auto_candidates(plan, params, batch_size(chunk, call=call), norm_chunk_size)
-            if randomness != "error":  # random layers draw differently under each method: no race (see make_train_step)
+            if random_layers:  # random layers draw differently under each method: no race (see make_train_step)
                 name = chooser.replay(key, names[0])
             else:
                 runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
                 name = chooser.choose(key, names, runs, mask.device)
         ran = compiled_or_eager.get(key)
-        if ran is None and randomness != "error":  # (as the step was made: compiled when compile)
+        if ran is None and random_layers:  # (as the step was made: compiled when compile)
             ran = compiled_or_eager.replay(key, name)
         if ran is None:  # compiled: keep the compiled winner only where it beats the eager one
             names = [name, f"{name} eager"] if compile else [name]
@@ -1144,9 +1146,9 @@ def make_train_step(
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
-            if method in ("vmap", "two_pass") and sharding is None:
+            if distributed and method in ("vmap", "two_pass") and sharding is None:
                 # per-sample grads past this rank's free memory: refused here, so that the other ranks are told at
-                # the check instead of waiting in the reduction (the chunk's own check, later, is per chunk)
+                # the check instead of waiting in the reduction (one process: the chunk's own check, later, suffices)
                 rows = min(n, physical_batch_size or n)
                 rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if method == "two_pass" else rows
                 check_per_sample_grads_fit(scall, method, rows, state.params, copied=lambda: not bool(mask.all()))
@@ -1181,7 +1183,7 @@ def make_train_step(
             _dist.check_step(scall, same and same + (_dist.state_summary(state.noise_state),), error=failed)
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         # random layers draw from a seed of the state's (step_seed): a resumed step draws them again bit for bit
-        seed = step_seed(state, "model", _dist.rank() if distributed or sharding is not None else 0) if randomness != "error" else None
+        seed = step_seed(state, "model", _dist.rank() if distributed else 0) if random_layers else None  # (sharded: distributed)
         with seeded_randomness(seed, mask.device):
             (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         del params
