@@ -1146,12 +1146,18 @@ def make_train_step(
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
-            if distributed and method in ("vmap", "two_pass") and sharding is None:
+            if distributed and sharding is None and method in ("vmap", "two_pass", "auto"):
                 # per-sample grads past this rank's free memory: refused here, so that the other ranks are told at
-                # the check instead of waiting in the reduction (one process: the chunk's own check, later, suffices)
+                # the check instead of waiting in the reduction (one process: the chunk's own check, later, suffices).
+                # "auto" forms them where it races two_pass (vmap only within Limits.auto_vmap_elements, or where
+                # ghost covers nothing: named by the chunk's plan, not known here)
                 rows = min(n, physical_batch_size or n)
-                rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if method == "two_pass" else rows
-                check_per_sample_grads_fit(scall, method, rows, state.params, copied=lambda: not bool(mask.all()))
+                formed = method
+                if method == "auto":
+                    formed = "two_pass" if "two_pass" in auto_candidates(None, state.params, rows, norm_chunk_size) else None
+                rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if formed == "two_pass" else rows
+                if formed is not None:
+                    check_per_sample_grads_fit(scall, formed, rows, state.params, copied=lambda: not bool(mask.all()))
             if sharding is not None:  # this rank's shards (step_params would refuse them after the check, in the first gather)
                 sharding.check_local(scall, state.params)
             clip = None
