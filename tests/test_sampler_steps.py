@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -224,22 +226,32 @@ def test_a_memoryless_keyed_sampler_that_drew_a_spare_batch_is_refused(name):
     assert state.ledger.events == ()
 
 
+@pytest.mark.parametrize("source", ["key", "generator"])
 @pytest.mark.parametrize("kind", ["poisson", "truncated", "fixed"])
-def test_a_run_resumed_with_another_or_a_restarted_keyed_sampler_is_refused(tmp_path, kind):
+def test_a_run_resumed_with_another_or_a_restarted_keyed_sampler_is_refused(tmp_path, kind, source):
     """Found by review: a checkpoint saved without its (keyed Poisson) sampler resumed with a
     fresh one, which drew another batch for the repeated step under the same noise key (the two
     releases differed by the noise-free difference of two clipped sums). A keyed sampler's
     ``stream_id`` is recorded for every scheme now (not only positional ones), and a keyed Poisson
     sampler must have drawn at least the state's batches: another key is refused, so is the same
-    key restarted; the same key fast-forwarded to the state draws the run's own batches and steps."""
+    key restarted; the same key fast-forwarded to the state draws the run's own batches and steps.
+    Generator-driven samplers alike (a fresh generator of the run's seed restarts the stream)."""
     params, buffers, data, loss_fn = problem()
 
     def sampler(key):
+        if source == "generator":  # (the generator's seed in the key's place)
+            g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:4], "little"))
+            key, generator = None, g
+        else:
+            generator = None
+        return _sampler(key, generator)
+
+    def _sampler(key, generator):
         if kind == "fixed":
-            return FixedSizeSampler(N, 6, steps=4, key=key)
+            return FixedSizeSampler(N, 6, steps=4, generator=generator, key=key)
         if kind == "truncated":
-            return TruncatedPoissonSampler(N, 0.25, steps=4, key=key, max_batch_size=12)
-        return PoissonSampler(N, 0.25, steps=4, key=key, capacity=12)
+            return TruncatedPoissonSampler(N, 0.25, steps=4, generator=generator, key=key, max_batch_size=12)
+        return PoissonSampler(N, 0.25, steps=4, generator=generator, key=key, capacity=12)
 
     def step_for(s):
         return vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=s, physical_batch_size=s.capacity, compile=False)

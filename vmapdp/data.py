@@ -195,6 +195,7 @@ class PoissonSampler:
             return (_shake_u53(label, n) < int(q * (1 << 53))).nonzero().flatten()
         if self._source_id is None:
             self._source_id = _generator_digest(self.generator)
+        self._draws += 1
         return (torch.rand(n, generator=self.generator, dtype=torch.float64) < q).nonzero().flatten()
 
     def sample(self) -> tuple[Tensor, Tensor]:
@@ -206,12 +207,13 @@ class PoissonSampler:
 
     @property
     def steps_drawn(self) -> int | None:
-        """The batches a keyed sampler has drawn (restored by :meth:`load_state_dict`); None for
-        a secure or generator-driven one. ``make_train_step`` wants at least ``step + 1``: a
-        keyed sampler restarted on a resumed run (a fresh one, or a checkpoint saved without it)
-        would draw other batches for the steps it repeats, under the same noise keys, and the
-        two releases of a repeated step would differ by a noise-free vector (found by review)."""
-        return self._draws if self.key is not None else None
+        """The batches a keyed or generator-driven sampler has drawn (restored by
+        :meth:`load_state_dict`); None for a secure one. ``make_train_step`` wants exactly
+        ``step + 1``: a sampler restarted on a resumed run (a fresh one, one with a fresh generator
+        of the same seed, or a checkpoint saved without it) would draw other batches for the steps
+        it repeats, under the same noise keys, and the two releases of a repeated step would differ
+        by a noise-free vector (found by review)."""
+        return None if self.secure else self._draws
 
     @property
     def stream_id(self) -> str:
@@ -283,6 +285,7 @@ class PoissonSampler:
         if self.generator is None:
             raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator().")
         self.generator.set_state(saved)
+        self._draws = int(state.get("draws", 0))  # (0 in states saved before a generator's draws were counted)
         self._source_id = state.get("source_id")  # (None: not drawn from yet, or saved before stream_id: named at the next draw)
 
     def __repr__(self) -> str:

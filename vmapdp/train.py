@@ -518,7 +518,7 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "load_state(..., sampler=)), or make it with the same key=. Nothing was released."
         )
     recorded = ident if ident is not None else recorded
-    if drawn is None or (not drawn and not bound):  # (a secure or generator-driven Poisson sampler: its identity only)
+    if drawn is None or (not drawn and not bound):  # (a secure Poisson sampler: its identity only)
         return recorded
     if not drawn and step == 0:
         raise ValueError(
