@@ -117,6 +117,26 @@ def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name, left):
         torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
 
 
+def test_a_decoder_classifier_pools_the_last_real_token_whatever_the_padding_holds():
+    """Found by review: transformers' decoder classifiers pool the last token that is not
+    config.pad_token_id, whatever the attention_mask says, so a right-padded sample whose padding
+    held other ids was classified at a padded position (its loss moved with the padding's ids).
+    The adapter makes the padding the pad id; with pad_token_id None (pooling the last position)
+    a 2-D mask is refused with the fix."""
+    m, batch = model_batch("qwen2-sdpa")
+    apply, params, buffers, loss = hf.loss_fn(m)
+    i = 2
+    n = int(batch["attention_mask"][i].sum())
+    sample = {k: v[i] for k, v in batch.items()}
+    noisy = {**sample, "input_ids": torch.where(sample["attention_mask"] != 0, sample["input_ids"], 33)}
+    own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1]).loss
+    torch.testing.assert_close(loss(params, buffers, noisy), own, rtol=1e-5, atol=1e-6)
+    m.config.pad_token_id = None
+    apply, params, buffers, loss = hf.loss_fn(m)
+    with pytest.raises(ValueError, match=r"Qwen2ForSequenceClassification classifies the last token that is not config.pad_token_id.*Set model.config.pad_token_id"):
+        loss(params, buffers, sample)
+
+
 @pytest.mark.parametrize("name, left", [("gpt2", False), ("gpt2", True), ("bert-sdpa", False), ("llama-sdpa", False), ("llama-sdpa", True), ("opt-eager", True)])
 def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, left):
     """The padded length is the longest row's where a collate pads to the longest: a sample's loss

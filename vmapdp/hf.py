@@ -195,12 +195,11 @@ def _eval_mode(model: nn.Module):
 
 def _is_causal(model: nn.Module) -> bool:
     """Whether the model's attention is causal: does its last hidden state at position 0 change
-    when the token at position 1 does? (Two length-2 forwards, in eval mode, without gradients.)"""
+    when the token at position 1 does? (Two length-2 forwards of one sample each, in eval mode,
+    without gradients: a decoder classifier without a pad_token_id refuses batches of two.)"""
     with _eval_mode(model), torch.no_grad():
-        ids = torch.tensor([[1, 2], [1, 3]], device=_device(model))
-        out = model(input_ids=ids, output_hidden_states=True, return_dict=True)
-        hidden = out.hidden_states[-1]
-    return bool(torch.equal(hidden[0, 0], hidden[1, 0]))
+        first = [model(input_ids=torch.tensor([[1, t]], device=_device(model)), output_hidden_states=True, return_dict=True).hidden_states[-1][0, 0] for t in (2, 3)]
+    return bool(torch.equal(*first))
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -281,6 +280,10 @@ def sample_loss(
         )
     # ALiBi biases from the 2-D mask (MPT, Falcon with alibi=True): not from a 4-D one
     alibi = getattr(config, "model_type", None) == "mpt" or getattr(config, "alibi", False) is True
+    # a decoder classifier pools its last token that is not config.pad_token_id (the last position
+    # where that is None), whatever the attention_mask says: a right-padded sample's padding,
+    # whatever ids it holds, would be read (found by review: the loss moved with the padding's ids)
+    pooled_pad = prompt_task == "classification" and bool(causal)
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):
@@ -313,6 +316,17 @@ def sample_loss(
                     "is a full causal one, not a sliding window. Use sequences of at most that length."
                 )
             inputs["attention_mask"] = additive_mask(mask, causal=causal, dtype=_float_dtype(params, buffers))
+            if pooled_pad and "input_ids" in sample:
+                pad = getattr(config, "pad_token_id", None)
+                if pad is None:
+                    raise ValueError(
+                        f"{call}: {type(_base_model(model)).__name__} classifies the last token that is not "
+                        "config.pad_token_id, and with pad_token_id None the last position, which a right-padded "
+                        "sample's attention_mask marks as padding. Set model.config.pad_token_id (the tokenizer's "
+                        "pad_token_id; GPT-2's tokenizer has none: its eos id is the usual choice)."
+                    )
+                # (the padding's ids made the pad id: the pooled token is the sample's last real one)
+                inputs["input_ids"] = torch.where(mask != 0, sample["input_ids"], pad)[None]
             if positions and "position_ids" not in sample:
                 inputs["position_ids"] = ((mask != 0).long().cumsum(0) - 1).clamp(min=0)[None]
         if use_cache:
