@@ -215,6 +215,21 @@ def _worker(rank, world, init_file, out_dir):
                                      compile=False, distributed=True, method="ghost")
         indices, mask = vdist.shard(*ownc.sample(), ownc.capacity)
         res["sampler_key_error"] = _expect_error(lambda: cyc(st, gather(data, indices), mask, buffers))
+        # found by review: Poisson samplers made without key= (a random key per process) dealt by hand,
+        # each rank its share of another draw: an example on both ranks (2 C charged as C); the drawn
+        # sampler's id joins the same-state check now
+        unkeyed = PoissonSampler(N, 0.5, 2, capacity=CAPACITY)
+        poi = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=unkeyed, physical_batch_size=vdist.local_capacity(CAPACITY),
+                                     compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*unkeyed.sample(), unkeyed.capacity)
+        res["unkeyed_error"] = _expect_error(lambda: poi(st, gather(data, indices), mask, buffers))
+        # the same key on both ranks, but each rank steps the whole global batch (shard() forgotten):
+        # every example twice; the ranks' real rows, summed, must be the draw's
+        same = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, key=SAMPLER_KEY)
+        poi = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=same, physical_batch_size=CAPACITY,
+                                     compile=False, distributed=True, method="ghost")
+        indices, mask = same.sample()
+        res["unsharded_error"] = _expect_error(lambda: poi(st, gather(data, indices), mask, buffers))
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -327,6 +342,17 @@ def test_a_rank_whose_keyed_sampler_drew_nothing_is_refused_with_correlated_nois
     assert r0["undrawn_rank_error"] is not None and "another rank failed" in r0["undrawn_rank_error"], r0["undrawn_rank_error"]
 
 
+def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_refused(ranks):
+    """Found by review: Poisson samplers made without key= (a random key per process) dealt out by
+    hand gave each rank its share of another draw, an example on both ranks (2 C charged as C):
+    refused at the same-state check (the drawn sampler's id). With one key, ranks that each step
+    the whole global batch (shard() forgotten) count every example twice: refused after the
+    reduction, on every rank, before the noise."""
+    for r in ranks:
+        assert r["unkeyed_error"] is not None and "disagree" in r["unkeyed_error"], r["unkeyed_error"]
+        assert r["unsharded_error"] is not None and "stepped" in r["unsharded_error"] and "on more than one rank" in r["unsharded_error"], r["unsharded_error"]
+
+
 def test_a_rank_whose_per_sample_grads_would_not_fit_fails_every_rank_at_the_check(ranks):
     r0, r1 = ranks
     assert r1["memory_error"] is not None and "MemoryError" in r1["memory_error"] and "method='vmap'" in r1["memory_error"], r1["memory_error"]
@@ -375,16 +401,24 @@ def test_shard_deals_every_sampled_example_to_exactly_one_rank(world, capacity):
     assert overflowed == (capacity is not None)
 
 
-def test_the_ranks_compare_the_sampler_id_only_of_a_keyed_positional_sampler():
+def test_the_ranks_compare_the_sampler_id_only_of_a_keyed_sampler_that_has_a_position_or_drew():
     """Found by review: a secure sampler's id is recorded on rank 0 only, so a later step with
-    no sampler, a sampler without a position or a secure one must not compare the state's id."""
+    no sampler, a secure one or one given for its events only (no position, nothing drawn) must
+    not compare the state's id; a keyed Poisson or fixed-size sampler that drew must (another
+    review: ranks under other random keys dealt out different draws)."""
     from vmapdp.data import FixedSizeSampler
     from vmapdp.train import _compared_sampler_id
 
     keyed = CyclicPoissonSampler(N, Q, cycle=2, key=SAMPLER_KEY)
     assert _compared_sampler_id(keyed, "recorded") == "recorded"
-    for other in (None, CyclicPoissonSampler(N, Q, cycle=2, secure=True), FixedSizeSampler(N, 4, key=SAMPLER_KEY), object()):
+    for other in (None, CyclicPoissonSampler(N, Q, cycle=2, secure=True), FixedSizeSampler(N, 4, key=SAMPLER_KEY), PoissonSampler(N, Q, key=SAMPLER_KEY), object()):
         assert _compared_sampler_id(other, "recorded") is None
+    for drawn in (FixedSizeSampler(N, 4, key=SAMPLER_KEY), PoissonSampler(N, Q, key=SAMPLER_KEY), PoissonSampler(N, Q, generator=torch.Generator().manual_seed(0))):
+        drawn.sample()
+        assert _compared_sampler_id(drawn, "recorded") == "recorded"
+    secure = PoissonSampler(N, Q, secure=True)
+    secure.sample()
+    assert _compared_sampler_id(secure, "recorded") is None
 
 
 def test_shard_and_helpers_without_a_process_group():

@@ -957,11 +957,12 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         mf_sampler = make_sampler("banded", STEPS)
         mf_step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sampler=mf_sampler,
                                          sharding=sharding, privatizer=priv, compile=False, method="ghost")
-        mf_sampler.sample()  # the step's batch is drawn from its own sampler (an undrawn one is refused first)
+        # the step's batch is this rank's share of a draw of its own sampler (an undrawn one is refused first)
+        indices, mask = vdist.shard(*mf_sampler.sample(), mf_sampler.capacity)
         unsharded = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv)._replace(params=sharding.shard(params))
         opt_state = opt.init(unsharded.params)
         with pytest.raises(ValueError, match=r"the buffer of .* privatizer=, sharding=\) for a sharded step"):
-            mf_step(unsharded._replace(opt_state=opt_state), gather(problem("mlp")[2], torch.arange(4)), torch.ones(4, dtype=torch.bool), problem("mlp")[1])
+            mf_step(unsharded._replace(opt_state=opt_state), gather(problem("mlp")[2], indices), mask, problem("mlp")[1])
         state = vmapdp.init_train_state(params, opt, seed=1)  # unsharded: the step refuses it
         step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                       sharding=sharding, compile=False, method="ghost")

@@ -200,10 +200,11 @@ class PoissonSampler:
 
     def sample(self) -> tuple[Tensor, Tensor]:
         """One step: ``(indices, mask)`` padded to a multiple of ``capacity``."""
-        return _pad(self._draw(), self.capacity, chunks=True)
+        return _padded(self, self._draw(), self.capacity, chunks=True)
 
     # its event does not depend on its position (memoryless), but a keyed sampler's batches do
     positional = False
+    last_rows: int | None = None  # the real rows of the last draw (None: none yet)
 
     @property
     def steps_drawn(self) -> int | None:
@@ -295,6 +296,13 @@ class PoissonSampler:
         )
 
 
+def _padded(sampler: Any, idx: Tensor, capacity: int, *, chunks: bool) -> tuple[Tensor, Tensor]:
+    """:func:`_pad` of one draw of ``sampler``, whose real rows it records (``sampler.last_rows``):
+    the distributed step checks that its ranks' shares add up to them."""
+    sampler.last_rows = int(idx.numel())
+    return _pad(idx, capacity, chunks=chunks)
+
+
 def _pad(idx: Tensor, capacity: int, *, chunks: bool) -> tuple[Tensor, Tensor]:
     """``(indices, mask)`` of length ``capacity`` (a multiple of it with ``chunks``); padding rows
     hold index 0 and mask False."""
@@ -368,6 +376,7 @@ class _KeyedSampler:
         pass
 
     positional = True  # a step's event depends on its position (an epoch's first step, a group)
+    last_rows: int | None = None  # the real rows of the last draw (None: none yet)
 
     @property
     def stream_id(self) -> str:
@@ -485,7 +494,7 @@ class FixedSizeSampler(_KeyedSampler):
     def sample(self) -> tuple[Tensor, Tensor]:
         idx = torch.sort(self._permutation(self.num_samples)[: self.batch_size]).values
         self._step += 1
-        return _pad(idx, self.capacity, chunks=False)
+        return _padded(self, idx, self.capacity, chunks=False)
 
     def event(self, noise_multiplier: float):
         """The accounting event of one step at ``noise_multiplier``."""
@@ -514,7 +523,7 @@ class _EpochSampler(_KeyedSampler):
         self._opened_epoch = j == 0
         idx = self._batch(self._assignment, j)
         self._step += 1
-        return _pad(idx, self.capacity, chunks=self._chunks)
+        return _padded(self, idx, self.capacity, chunks=self._chunks)
 
     def event(self, noise_multiplier: float):
         """The accounting event of the step last returned by :meth:`sample` (record it before
@@ -673,7 +682,7 @@ class TruncatedPoissonSampler(PoissonSampler):
             else:
                 keys = torch.randint(0, 1 << 53, (idx.numel(),), generator=self.generator, dtype=torch.int64)
             idx = torch.sort(idx[torch.sort(keys, stable=True).indices[: self.max_batch_size]]).values
-        return _pad(idx, self.capacity, chunks=False)
+        return _padded(self, idx, self.capacity, chunks=False)
 
     def _id_params(self) -> dict[str, Any]:
         return {**super()._id_params(), "max_batch_size": self.max_batch_size}
@@ -761,7 +770,7 @@ class CyclicPoissonSampler(_KeyedSampler):
         members = (self.groups() == self._step % self.cycle).nonzero().flatten()
         idx = members[self._u53(members.numel()) < int(self.sample_rate * (1 << 53))]
         self._step += 1
-        return _pad(idx, self.capacity, chunks=True)
+        return _padded(self, idx, self.capacity, chunks=True)
 
     def event(self, noise_multiplier: float):
         """The accounting event of one step at ``noise_multiplier``."""

@@ -551,11 +551,40 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
 
 
 def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
-    """The sampler id the ranks' same-state check compares: the step's own keyed positional
-    sampler's (every rank draws from its own); None for a secure one (rank 0 draws), one without
-    a position, or no sampler: the state's recorded id may differ across ranks there (a secure
-    sampler's is recorded on rank 0 only; found by review)."""
-    return recorded if _positional(sampler) and not getattr(sampler, "secure", False) else None
+    """The sampler id the ranks' same-state check compares: the step's own keyed (or
+    generator-driven) sampler's where it is positional or has drawn (every rank draws from its own,
+    and they must draw the same global batch to deal it out: found by review, Poisson and
+    fixed-size samplers made without ``key=`` drew under another random key on each rank and put an
+    example on both ranks, 2 C charged as C); None for a secure one (rank 0 draws), one given for
+    its events only (a sampler without a position that has drawn nothing), or no sampler: the
+    state's recorded id may differ across ranks there (a secure sampler's is recorded on rank 0
+    only; found by review)."""
+    if sampler is None or getattr(sampler, "secure", False):
+        return None
+    drawn = getattr(sampler, "steps_drawn", None)
+    return recorded if _positional(sampler) or (drawn is not None and drawn > 0) else None
+
+
+def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
+    """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
+    the real rows of their keyed sampler's last draw (the same draw on every rank): more means an
+    example stepped on two ranks (every rank stepped the whole global batch, or took its share of
+    another draw), each adding up to C to one sum charged as C. Checked on every rank alike,
+    before the noise (nothing released). Not for a secure sampler (rank 0 draws and deals it:
+    :func:`vmapdp.distributed.sharded`) or one given for its events only (it has drawn nothing)."""
+    expected = getattr(sampler, "last_rows", None)
+    drawn = getattr(sampler, "steps_drawn", None)
+    if sampler is None or getattr(sampler, "secure", False) or expected is None or not drawn:
+        return
+    total = int(rows.item())
+    if total != expected:
+        raise ValueError(
+            f"{call}: the ranks stepped {total} real rows in all, but their sampler's last batch has {expected}: "
+            + ("an example was stepped on more than one rank (each rank stepped the whole global batch?), adding up to "
+               "world_size x C to one sum charged as C. " if total > expected else "rows of the batch were dropped. ")
+            + "Deal each global batch out: vmapdp.distributed.sharded(sampler), or shard(*sampler.sample(), "
+            "sampler.capacity) with the same sampler (same key=) on every rank. Nothing was released."
+        )
 
 
 def _positional(sampler: Any) -> bool:
@@ -1197,6 +1226,8 @@ def make_train_step(
             summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered, checked=True)
         elif distributed:  # sum over ranks (one all_reduce)
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding), checked=True)
+        if distributed:
+            _check_dealt_rows(scall, sampler, stats.rows)
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
