@@ -230,6 +230,16 @@ def _worker(rank, world, init_file, out_dir):
                                      compile=False, distributed=True, method="ghost")
         indices, mask = same.sample()
         res["unsharded_error"] = _expect_error(lambda: poi(st, gather(data, indices), mask, buffers))
+        # a secure sampler drawn on every rank (not through sharded(), where rank 0 draws): refused on rank 1
+        secure = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
+        poi = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=secure, physical_batch_size=vdist.local_capacity(CAPACITY),
+                                     compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*secure.sample(), secure.capacity)
+        try:
+            poi(st, gather(data, indices), mask, buffers)
+            res["secure_each_rank_error"] = None
+        except (ValueError, RuntimeError) as err:
+            res["secure_each_rank_error"] = f"{type(err).__name__}: {err}"
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -351,6 +361,9 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
     for r in ranks:
         assert r["unkeyed_error"] is not None and "disagree" in r["unkeyed_error"], r["unkeyed_error"]
         assert r["unsharded_error"] is not None and "stepped" in r["unsharded_error"] and "on more than one rank" in r["unsharded_error"], r["unsharded_error"]
+    r0, r1 = ranks
+    assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]
+    assert r0["secure_each_rank_error"] is not None and "another rank failed" in r0["secure_each_rank_error"], r0["secure_each_rank_error"]
 
 
 def test_a_rank_whose_per_sample_grads_would_not_fit_fails_every_rank_at_the_check(ranks):

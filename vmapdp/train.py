@@ -499,6 +499,14 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     repeated steps (any keyed sampler, Poisson and fixed-size too). Returns the id to record."""
     drawn = getattr(sampler, "steps_drawn", None)
     if distributed and _dist.rank() != 0 and getattr(sampler, "secure", False):
+        if getattr(sampler, "last_rows", None) is not None:
+            # (each rank's own secure draw: W independent samples of the dataset, an example on several ranks)
+            raise ValueError(
+                f"{call}: this rank's secure {type(sampler).__name__} has drawn a batch, but a secure sampler's batches "
+                "cannot agree across processes: each rank would step its share of another draw, and an example could be "
+                "stepped on several ranks (up to world_size x C charged as C). Let rank 0 draw and deal them out: "
+                "vmapdp.distributed.sharded(sampler). Nothing was released."
+            )
         return recorded
     # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
     # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
