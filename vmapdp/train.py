@@ -86,6 +86,8 @@ class TrainState(NamedTuple):
     noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
     clip_norm: Any = None  # adaptive clipping's current threshold (0-dim float32 tensor); None: the step's l2_clip_norm
     sampler_id: str = ""  # the stream_id of the sampler whose batches the steps took ("": none recorded yet); secret like the seed
+    binding: str = ""  # noise_binding of the step that made this state ("": none yet); a resumed run's next step must have it
+    resumed: bool = False  # read from a checkpoint that may precede released steps (load_state without saved_after_last_step)
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -511,11 +513,12 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     # (every sampler with a position in its stream: positional or not, a fresh sampler under another key would draw
     # other batches for the steps a resumed run repeats, under the same noise keys; found by review)
     ident = getattr(sampler, "stream_id", None)
-    if sampler is not None and recorded == EVALUATION_ONLY_ID:
+    if recorded == EVALUATION_ONLY_ID:  # (with a sampler or sample_rate= alone: found by review)
         raise ValueError(
             f"{call}: this state was read with load_state(..., ignore_sampler=True), for evaluation only: its sampler's "
-            "state was not restored, and a resumed run would repeat released steps with other batches under the same noise. "
-            "Load it with its sampler (load_state(..., sampler=)) to resume training. Nothing was released."
+            "state was not restored and the checks of a resume were skipped, and a resumed run would repeat released steps "
+            "with other batches (or fresh noise). Load it without ignore_sampler (with its sampler: load_state(..., "
+            "sampler=)) to resume training. Nothing was released."
         )
     if ident is not None and recorded and ident != recorded:
         raise ValueError(
@@ -1203,6 +1206,19 @@ def make_train_step(
                 clip = _adaptive.check_clip_norm(scall, clip)
                 shared = (clip, *shared)
             binding = noise_binding(state.run_id, config)
+            if state.resumed and state.binding and state.binding != binding:
+                # the steps after the checkpoint may have been released: repeated under another configuration
+                # (learning rate, clip norm, noise, privatizer...) they would be new releases of the same batches under
+                # other noise keys, which the ledger does not hold (found by review: a resume with another learning
+                # rate re-released the lost step under fresh noise, epsilon 3.61 charged for at least 4.97)
+                raise ValueError(
+                    f"{scall}: this state was loaded from a checkpoint, and this step's configuration (clip norm, noise, "
+                    "optimizer, privatizer, precision...: its noise key's binding) is not that of the step that made it. If "
+                    "steps were released after the checkpoint was saved, repeating them under another configuration "
+                    "releases their batches again under other noise, which the ledger does not hold: resume with the "
+                    "run's own configuration. If nothing was released after it (saved after the last step), load it with "
+                    "load_state(..., saved_after_last_step=True) and change the configuration. Nothing was released."
+                )
             # (no noise, nothing to cancel: such a step is charged as non-private; secure: a fresh key per step)
             run = None if secure or noise_multiplier == 0 or not _spent.recording() else _spent.SPENT.run_digest(state.noise_seed, binding)
             repeat = run is not None and _spent.SPENT.check(scall, run, state.step)  # (raises where another thread releases it now)
@@ -1258,7 +1274,7 @@ def make_train_step(
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         del noisy
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip, sampler_id)
+        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip, sampler_id, binding)
         if run is not None:
             _spent.SPENT.record(run, state.step, fingerprint)
         if fixed_shapes and not first_shapes:  # (a first call that raised records nothing)
