@@ -61,6 +61,21 @@ def test_pld_within_one_percent_of_dp_accounting_and_above_the_truth(noise, rate
     assert eps <= acc.epsilon(noise_multiplier=noise, sample_rate=rate, steps=steps, delta=delta, accountant="rdp")  # <= RDP
 
 
+def test_a_delta_below_the_ffts_rounding_is_not_certified_by_pld():
+    """Found by review: at delta 1e-12 the composed PLD's FFT rounding (count-fold by the power of
+    the step's transform) set delta, and the bracket closed on one value above the truth, its
+    lower end no bound (2.515 where dp-accounting finds 2.440). The rounding, measured from the
+    negative entries, now widens the bracket; where its upper end is inf, epsilon() returns RDP's
+    bound with a warning (also valid)."""
+    kw = dict(noise_multiplier=0.8, sample_rate=1e-3, steps=1000, delta=1e-12)
+    fine = dp_accounting_pld([(0.8, 1e-3, 1000)], 1e-12, interval=1e-4)
+    bounds = acc.epsilon_bounds(**kw)
+    assert bounds.lower <= fine <= bounds.upper
+    with pytest.warns(UserWarning, match=r"PLD cannot certify an epsilon at delta=1e-12.*RDP's upper bound"):
+        eps = acc.epsilon(**kw)
+    assert eps == acc.epsilon(**kw, accountant="rdp") >= fine
+
+
 @pytest.mark.parametrize("noise, steps, delta", [(2.0, 10, 1e-5), (0.9, 1, 1e-6), (20.0, 400, 1e-8)])
 def test_gaussian_mechanism_bracket_contains_the_exact_epsilon(noise, steps, delta):
     mu = math.sqrt(steps) / noise  # T Gaussian steps compose to one with sensitivity sqrt(T)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -222,6 +223,18 @@ def _core_epsilon(plan: _Plan, delta, accountant, orders, eps_error, h) -> float
         ).upper
         if plan.allocations:  # also valid: each epoch one Gaussian; the smaller of two upper bounds
             eps = min(eps, _core_epsilon(_unamplified(plan), delta, accountant, orders, eps_error, h))
+        if math.isinf(eps):
+            # PLD's certified upper end is inf where delta is below what its FFT rounding may move (a delta
+            # near 1e-12 after 1e5 steps): RDP's bound is valid too
+            rdp = _core_epsilon(plan, delta, "rdp", orders, eps_error, h)
+            if math.isfinite(rdp):
+                warnings.warn(
+                    f"epsilon(accountant='pld'): the PLD cannot certify an epsilon at delta={delta:g} (its FFT rounding over "
+                    f"these steps may move delta by more than that); RDP's upper bound {rdp:.4g} is returned instead.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return rdp
         return eps
     return _gdp.gdp_epsilon(_gdp.gdp_mu(plan.poisson), delta)
 
