@@ -596,3 +596,40 @@ def test_a_fresh_sampler_under_another_key_fast_forwarded_to_the_state_is_refuse
     assert restored.stream_id != secure.stream_id
     loaded = vmapdp.load_state(path, sampler=restored, like=like, saved_after_last_step=True)
     assert loaded.sampler_id == restored.stream_id == secure.stream_id
+
+
+def test_a_noise_state_of_another_run_or_segment_is_refused():
+    """Found by review: a correlated-noise state was checked for its mechanism and its position
+    only, so the buffers of another run (another seed), or of an earlier noise run of the same
+    state, at the same t were continued: their released draws entered the new releases too (a
+    column norm of C 1.36 where the ledger charged 1.19). The buffers are bound to their run
+    segment now (the noise state's owner: seed, run, start), and a segment starts from zeros."""
+    def setup(seed):
+        s = CyclicPoissonSampler(N_DATA, Q, cycle=4, steps=4, key=b"mf-owner-%d" % seed)
+        opt = optim.sgd(0.1)
+        priv, step = make(BANDED, s, opt, n=4)
+        return s, step, vmapdp.init_train_state(PARAMS, opt, seed=seed, privatizer=priv), priv
+
+    def go(step, s, state, k):
+        for _ in range(k):
+            idx, mask = s.sample()
+            state, _ = step(state, gather((X, Y), idx), mask)
+        return state
+
+    s, step, state, priv = setup(SEED)
+    state = go(step, s, state, 2)
+    own_t2 = state.noise_state  # this run, t = 2 (its first noise run)
+    so, stepo, other, _ = setup(SEED + 1)
+    other_t2 = go(stepo, so, other, 2).noise_state  # another run (seed), t = 2
+    state = go(step, s, state, 2)
+    idx, mask = s.sample()  # step 4 starts the next noise run
+    stale = {**own_t2, "t": torch.zeros((), dtype=torch.int64)}  # a "fresh" state holding released draws
+    with pytest.raises(ValueError, match=r"starts a correlated-noise run \(t = 0\) but its buffers are not zeros.*Nothing was released"):
+        step(state._replace(noise_state=stale), gather((X, Y), idx), mask)
+    state, _ = step(state._replace(noise_state=priv.init(state.params)), gather((X, Y), idx), mask)  # from a fresh noise state
+    state = go(step, s, state, 1)  # steps 4, 5: t = 2
+    idx, mask = s.sample()
+    for swapped in (own_t2, other_t2):
+        with pytest.raises(ValueError, match=r"buffers belong to another run, or to another noise run of this one.*Nothing was released"):
+            step(state._replace(noise_state=swapped), gather((X, Y), idx), mask)
+    assert step(state, gather((X, Y), idx), mask)[0].step == 7  # its own state steps on

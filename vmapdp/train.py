@@ -60,7 +60,7 @@ from vmapdp.data import EVALUATION_ONLY_ID
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
-from vmapdp.noise.privatizers import check_noise_position, is_correlated_state
+from vmapdp.noise.privatizers import check_noise_owner, check_noise_position, is_correlated_state
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
 
@@ -1178,11 +1178,11 @@ def make_train_step(
                     "privatizer=correlated_noise(...)), the one it was made with. Nothing was released."
                 )
             if bound_noise:
-                check_noise_position(
-                    scall, state.noise_state, state.step, period=privatizer.period or None,
-                    fix="Make the noise state with the run (init_train_state(..., privatizer=)) and carry it from step to step, "
-                    "or resume a checkpoint whole (load_state). Nothing was released.",
-                )
+                fix = ("Make the noise state with the run (init_train_state(..., privatizer=)) and carry it from step to step, "
+                       "or resume a checkpoint whole (load_state). Nothing was released.")
+                check_noise_position(scall, state.noise_state, state.step, period=privatizer.period or None, fix=fix)
+                if is_correlated_state(state.noise_state):
+                    state = state._replace(noise_state=check_noise_owner(scall, state.noise_state, state.noise_seed, state.run_id, state.step, fix))
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))

@@ -17,6 +17,7 @@ from vmapdp.accounting import NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, seeded
 from vmapdp.audit.stats import ks_normal, two_sided_p
+from vmapdp.noise.privatizers import is_correlated_state, noise_owner
 from vmapdp.noise.spent import unreleased
 
 __all__ = ["NoiseReport", "check_noise_calibration"]
@@ -50,6 +51,16 @@ class NoiseReport:
         return self.message
 
 
+def _reseeded(state: Any, noise_seed: int) -> Any:
+    """``state`` under another noise seed; a correlated-noise state's buffers rebound to it (their
+    owner, ``vmapdp.noise.privatizers.noise_owner``), as the check's twin runs are thrown away."""
+    state = state._replace(noise_seed=noise_seed)
+    ns = getattr(state, "noise_state", None)
+    if is_correlated_state(ns) and "owner" in ns and int(ns["t"]) > 0:
+        state = state._replace(noise_state={**ns, "owner": noise_owner(noise_seed, state.run_id, state.step - int(ns["t"]))})
+    return state
+
+
 def _noise_draws(
     step: Callable[..., Any], state: Any, batch: Any, mask: Tensor, shared: tuple, *, pairs: int, seed: int, devices: list[int]
 ) -> tuple[Tensor, Any]:
@@ -61,8 +72,8 @@ def _noise_draws(
         if secure:
             s1 = s2 = state
         else:
-            s1 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 1) % (1 << 62))
-            s2 = state._replace(noise_seed=(seed * 1_000_003 + 2 * r + 2) % (1 << 62))
+            s1 = _reseeded(state, (seed * 1_000_003 + 2 * r + 1) % (1 << 62))
+            s2 = _reseeded(state, (seed * 1_000_003 + 2 * r + 2) % (1 << 62))
         with unreleased():  # pairs of runs compared, thrown away (vmapdp.noise.spent)
             a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
             b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))

@@ -10,8 +10,10 @@ the strategy's sensitivity for the analysis the sampler allows (:mod:`vmapdp.mf.
 :func:`vmapdp.noise.gaussian_privatizer` under the same key.
 
 The state (``TrainState.noise_state``, made by ``init_train_state(..., privatizer=)``) is
-``{"t": int64 0-dim, "strategy": uint8 [32], "buffers": {name: [rows, *shape]}}``: the steps
-noised so far, a SHA-256 of the mechanism (a state is refused by another one) and, per leaf,
+``{"t": int64 0-dim, "strategy": uint8 [32], "buffers": {name: [rows, *shape]}, "owner": uint8
+[32]}``: the steps noised so far, a SHA-256 of the mechanism (a state is refused by another one),
+the run segment the buffers belong to (``vmapdp.noise.privatizers.noise_owner``, set at its first
+step) and, per leaf,
 the last ``band - 1`` outputs (banded) or one buffer per ``theta`` (BLT), in the leaf's noise
 dtype (float32; float64 for float64 leaves). It is saved by checkpoints, so a resumed run
 continues bit for bit, and it is the same on every rank of a distributed run (the same key, the
@@ -93,6 +95,7 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
             "t": torch.zeros((), dtype=torch.int64),
             "strategy": _fingerprint(strategy, steps),
             "buffers": {k: torch.zeros((rows, *v.shape), dtype=acc_dtype(v.dtype), device=v.device) for k, v in params.items()},
+            "owner": torch.zeros(32, dtype=torch.uint8),  # (set at the run's first step: check_noise_owner)
         }
 
     def unbound(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
@@ -176,7 +179,10 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
         # kernel); secure: under a fresh key from the OS CSPRNG, as add_noise(secure=True)
         out = _keyed_normals(secrets.token_bytes(32) if secure else key, [(tuple(leaf.shape), i, 0 if offsets is None or secure else offsets[name], acc_dtype(leaf.dtype), leaf.device) for i, (name, leaf) in enumerate(zip(names, leaves))], then=release)
         buffers = {name: buffers[name] for name in names}
-        return optree.tree_unflatten(spec, out), {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
+        nxt = {"t": torch.tensor(t + 1, dtype=torch.int64), "strategy": state["strategy"], "buffers": buffers}
+        if "owner" in state:  # (the run segment the buffers belong to: set and checked by the step, check_noise_owner)
+            nxt["owner"] = state["owner"]
+        return optree.tree_unflatten(spec, out), nxt
 
     return privatize
 

@@ -30,6 +30,8 @@ refuse one that does not fit the train state's step (:func:`check_noise_position
 
 from __future__ import annotations
 
+import hashlib
+
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -37,13 +39,49 @@ import torch
 from vmapdp import _checks
 from vmapdp.noise.gaussian import add_noise
 
-__all__ = ["Privatizer", "check_noise_position", "gaussian_privatizer", "is_correlated_state"]
+__all__ = ["Privatizer", "check_noise_owner", "check_noise_position", "gaussian_privatizer", "is_correlated_state", "noise_owner"]
 
 
 def is_correlated_state(noise_state: Any) -> bool:
     """Whether ``noise_state`` has :func:`vmapdp.mf.correlated_noise`'s layout (``t``,
-    ``strategy``, ``buffers``): only that privatizer may step it."""
-    return isinstance(noise_state, dict) and set(noise_state) == {"t", "strategy", "buffers"}
+    ``strategy``, ``buffers``, and from its run's first step ``owner``): only that privatizer may
+    step it."""
+    return isinstance(noise_state, dict) and set(noise_state) in ({"t", "strategy", "buffers"}, {"t", "strategy", "buffers", "owner"})
+
+
+def noise_owner(noise_seed: int | None, run_id: str, start: int) -> torch.Tensor:
+    """The ``owner`` of a correlated-noise state (uint8 [32]): a one-way digest of the train
+    state's noise seed, its run and the step its noise run started at. Its buffers hold draws
+    already released: continued by another run, or by a later segment of the same one, they would
+    enter a second sum (found by review: a state swapped in from another run, or replayed from an
+    earlier segment, raised a column norm of C from 1.19 to 1.36 where the ledger charged 1.19).
+    Secure runs (no seed) are told apart by their run and start only."""
+    data = repr((b"vmapdp-mf-owner", noise_seed, run_id, int(start))).encode()
+    return torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)
+
+
+def check_noise_owner(call: str, noise_state: dict, noise_seed: int | None, run_id: str, step: int, fix: str) -> dict:
+    """The correlated-noise state to step at ``step``, bound to its run segment (:func:`noise_owner`):
+    at a segment's first step (``t = 0``) its buffers must be zeros (a fresh state) and it gets its
+    owner; later its owner must be this segment's. A state saved before owners were recorded
+    (``t > 0``, none) is stepped unchecked."""
+    t = int(noise_state["t"])
+    expected = noise_owner(noise_seed, run_id, step - t)
+    if t == 0:
+        if any(bool(b.any()) for b in noise_state["buffers"].values()):
+            raise ValueError(
+                f"{call}: the noise state starts a correlated-noise run (t = 0) but its buffers are not zeros: they hold "
+                f"another run's released draws, which would enter this run's sums too. {fix}"
+            )
+        return {**noise_state, "owner": expected}
+    owner = noise_state.get("owner")
+    if owner is not None and not torch.equal(owner.cpu(), expected):
+        raise ValueError(
+            f"{call}: the noise state's buffers belong to another run, or to another noise run of this one (its owner is "
+            "not this state's seed, run and run start): their draws were released there, and continuing them would add "
+            f"them to this run's sums too, which the ledger does not charge. {fix}"
+        )
+    return noise_state
 
 
 def check_noise_position(call: str, noise_state: Any, step: int, *, period: int | None, fix: str) -> None:
