@@ -155,23 +155,6 @@ def _worker(rank, world, init_file, out_dir):
             res["memory_error"] = f"{type(err).__name__}: {err}"
         finally:
             clipped.available_bytes = real_available
-        # and "auto" where it races two_pass (vmap's grads past Limits.auto_vmap_elements, a chunk of 2 of 4)
-        from dataclasses import replace
-
-        from vmapdp.ghost import limits
-
-        auto = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
-                                      compile=False, distributed=True, method="auto", norm_chunk_size=2)
-        real_limits = limits.LIMITS
-        limits.LIMITS = replace(real_limits, auto_vmap_elements=0)
-        clipped.available_bytes = (lambda device: 1) if vdist.rank() == 1 else real_available
-        try:
-            auto(st, rows, torch.ones(4, dtype=torch.bool), buffers)
-            res["auto_memory_error"] = None
-        except (ValueError, RuntimeError, MemoryError) as err:
-            res["auto_memory_error"] = f"{type(err).__name__}: {err}"
-        finally:
-            clipped.available_bytes, limits.LIMITS = real_available, real_limits
         # same seed and step, another ledger on rank 1 (a state restored from another run's checkpoint):
         # the ranks would release one update and report different budgets for it
         odd = st._replace(ledger=st.ledger.append(PoissonSampler(N, Q, 1, key=SAMPLER_KEY).event(1.1))) if vdist.rank() == 1 else st
@@ -370,8 +353,6 @@ def test_a_rank_whose_per_sample_grads_would_not_fit_fails_every_rank_at_the_che
     r0, r1 = ranks
     assert r1["memory_error"] is not None and "MemoryError" in r1["memory_error"] and "method='vmap'" in r1["memory_error"], r1["memory_error"]
     assert r0["memory_error"] is not None and "another rank failed" in r0["memory_error"], r0["memory_error"]
-    assert r1["auto_memory_error"] is not None and "MemoryError" in r1["auto_memory_error"] and "method='two_pass'" in r1["auto_memory_error"], r1["auto_memory_error"]
-    assert r0["auto_memory_error"] is not None and "another rank failed" in r0["auto_memory_error"], r0["auto_memory_error"]
 
 
 def test_ranks_drawing_under_other_sampler_keys_fail_together(ranks):

@@ -109,7 +109,6 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
         "noise_state": state.noise_state,
         "clip_norm": state.clip_norm,
         "sampler_id": state.sampler_id,
-        "binding": state.binding,
     }
 
 
@@ -298,10 +297,11 @@ def load_state(
             released after the checkpoint and repeated by the resumed run would be releases the
             ledger does not hold (under keyed noise, new batches with the same noise); and one
             saved by a run with secure noise (``secure=True``, no noise seed), for the same reason.
-            Without it the state is marked ``resumed``: its next step must have the noise binding
-            of the step that made it (``TrainState.binding``), since the steps it repeats were
-            perhaps released, and under another configuration (learning rate, clip norm, noise,
-            privatizer) their batches would be released again under other noise (found by review).
+            Not checked: a resumed run must repeat the steps released after the checkpoint under
+            the configuration each of them ran with (learning rate, clip norm, noise, privatizer):
+            under another, their batches are released again under other noise keys, which the
+            ledger does not hold (found by review; the checkpoint cannot know the configuration of
+            steps after it).
 
     Raises:
         ValueError: the file is truncated, corrupted, edited, not a vmapdp checkpoint, of another
@@ -375,12 +375,7 @@ def state_from_payload(
     sampler_id = payload.get("sampler_id", "")  # (absent from checkpoints saved before it was recorded)
     if not isinstance(sampler_id, str):
         raise ValueError(f"{call}: malformed 'sampler_id' ({type(sampler_id).__name__}); expected a str. Nothing was loaded.")
-    binding = payload.get("binding", "")  # (absent from checkpoints saved before it was recorded)
-    if not isinstance(binding, str):
-        raise ValueError(f"{call}: malformed 'binding' ({type(binding).__name__}); expected a str. Nothing was loaded.")
-    # a state read without saved_after_last_step may precede released steps: its next step must repeat them as they were
-    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods,
-                       noise_state, clip_norm, sampler_id, binding, not saved_after_last_step)
+    state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm, sampler_id)
     check_noise_position(call, noise_state, payload["step"], period=None, fix="The checkpoint is inconsistent; nothing was loaded.")
     if like is not None:
         check_like(call, state, like)

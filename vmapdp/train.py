@@ -86,8 +86,6 @@ class TrainState(NamedTuple):
     noise_state: Any = ()  # the privatizer's state (a pytree of tensors; () for the Gaussian's none)
     clip_norm: Any = None  # adaptive clipping's current threshold (0-dim float32 tensor); None: the step's l2_clip_norm
     sampler_id: str = ""  # the stream_id of the sampler whose batches the steps took ("": none recorded yet); secret like the seed
-    binding: str = ""  # noise_binding of the step that made this state ("": none yet); a resumed run's next step must have it
-    resumed: bool = False  # read from a checkpoint that may precede released steps (load_state without saved_after_last_step)
 
     def __repr__(self) -> str:  # never print the secret noise seed
         seed = "None" if self.noise_seed is None else "<secret>"
@@ -1186,18 +1184,13 @@ def make_train_step(
             ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
-            if distributed and sharding is None and method in ("vmap", "two_pass", "auto"):
+            if distributed and method in ("vmap", "two_pass") and sharding is None:
                 # per-sample grads past this rank's free memory: refused here, so that the other ranks are told at
-                # the check instead of waiting in the reduction (one process: the chunk's own check, later, suffices).
-                # "auto" forms them where it races two_pass (vmap only within Limits.auto_vmap_elements, or where
-                # ghost covers nothing: named by the chunk's plan, not known here)
+                # the check instead of waiting in the reduction (one process: the chunk's own check, later, suffices)
+                # ("auto" is not checked here: its race drops a candidate that does not fit, which a refusal would not)
                 rows = min(n, physical_batch_size or n)
-                formed = method
-                if method == "auto":
-                    formed = "two_pass" if "two_pass" in auto_candidates(None, state.params, rows, norm_chunk_size) else None
-                rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if formed == "two_pass" else rows
-                if formed is not None:
-                    check_per_sample_grads_fit(scall, formed, rows, state.params, copied=lambda: not bool(mask.all()))
+                rows = min(rows, norm_chunk_size or two_pass_chunk(state.params)) if method == "two_pass" else rows
+                check_per_sample_grads_fit(scall, method, rows, state.params, copied=lambda: not bool(mask.all()))
             if sharding is not None:  # this rank's shards (step_params would refuse them after the check, in the first gather)
                 sharding.check_local(scall, state.params)
             clip = None
@@ -1206,19 +1199,6 @@ def make_train_step(
                 clip = _adaptive.check_clip_norm(scall, clip)
                 shared = (clip, *shared)
             binding = noise_binding(state.run_id, config)
-            if state.resumed and state.binding and state.binding != binding:
-                # the steps after the checkpoint may have been released: repeated under another configuration
-                # (learning rate, clip norm, noise, privatizer...) they would be new releases of the same batches under
-                # other noise keys, which the ledger does not hold (found by review: a resume with another learning
-                # rate re-released the lost step under fresh noise, epsilon 3.61 charged for at least 4.97)
-                raise ValueError(
-                    f"{scall}: this state was loaded from a checkpoint, and this step's configuration (clip norm, noise, "
-                    "optimizer, privatizer, precision...: its noise key's binding) is not that of the step that made it. If "
-                    "steps were released after the checkpoint was saved, repeating them under another configuration "
-                    "releases their batches again under other noise, which the ledger does not hold: resume with the "
-                    "run's own configuration. If nothing was released after it (saved after the last step), load it with "
-                    "load_state(..., saved_after_last_step=True) and change the configuration. Nothing was released."
-                )
             # (no noise, nothing to cancel: such a step is charged as non-private; secure: a fresh key per step)
             run = None if secure or noise_multiplier == 0 or not _spent.recording() else _spent.SPENT.run_digest(state.noise_seed, binding)
             repeat = run is not None and _spent.SPENT.check(scall, run, state.step)  # (raises where another thread releases it now)
@@ -1274,7 +1254,7 @@ def make_train_step(
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         del noisy
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip, sampler_id, binding)
+        new_state = TrainState(params, opt_state, state.noise_seed, state.step + 1, ledger, state.run_id, budgets, methods, noise_state, new_clip, sampler_id)
         if run is not None:
             _spent.SPENT.record(run, state.step, fingerprint)
         if fixed_shapes and not first_shapes:  # (a first call that raised records nothing)
