@@ -213,6 +213,18 @@ def _worker(rank, world, init_file, out_dir):
                                      compile=False, distributed=True, method="ghost")
         indices, mask = same.sample()
         res["unsharded_error"] = _expect_error(lambda: poi(st, gather(data, indices), mask, buffers))
+        # found by the review of that check: it must be collective. Rank 0 draws its share of a keyed
+        # cyclic batch, rank 1 (its sampler undrawn) steps the whole batch from a copy; and a secure batch
+        # drawn on rank 0 and given whole to every rank: every rank refuses, none releases
+        cyc0, cyc1 = (CyclicPoissonSampler(N, 0.5, cycle=2, steps=4, key=SAMPLER_KEY) for _ in range(2))
+        mixed = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=cyc0, compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*cyc0.sample(), cyc0.capacity) if vdist.rank() == 0 else cyc1.sample()
+        res["mixed_error"] = _expect_error(lambda: mixed(st, gather(data, indices), mask, buffers))
+        sec = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
+        whole = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sec, physical_batch_size=CAPACITY,
+                                       compile=False, distributed=True, method="ghost")
+        indices, mask = vdist._broadcast_batch(sec.sample() if vdist.rank() == 0 else None)
+        res["secure_whole_error"] = _expect_error(lambda: whole(st, gather(data, indices), mask, buffers))
         # a secure sampler drawn on every rank (not through sharded(), where rank 0 draws): refused on rank 1
         secure = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
         poi = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=secure, physical_batch_size=vdist.local_capacity(CAPACITY),
@@ -344,6 +356,9 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
     for r in ranks:
         assert r["unkeyed_error"] is not None and "disagree" in r["unkeyed_error"], r["unkeyed_error"]
         assert r["unsharded_error"] is not None and "stepped" in r["unsharded_error"] and "on more than one rank" in r["unsharded_error"], r["unsharded_error"]
+    for r in ranks:
+        assert r["mixed_error"] is not None and "on more than one rank" in r["mixed_error"], r["mixed_error"]
+        assert r["secure_whole_error"] is not None and "on more than one rank" in r["secure_whole_error"], r["secure_whole_error"]
     r0, r1 = ranks
     assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]
     assert r0["secure_each_rank_error"] is not None and "another rank failed" in r0["secure_each_rank_error"], r0["secure_each_rank_error"]

@@ -576,14 +576,14 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
 
 def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
-    the real rows of their keyed sampler's last draw (the same draw on every rank): more means an
-    example stepped on two ranks (every rank stepped the whole global batch, or took its share of
-    another draw), each adding up to C to one sum charged as C. Checked on every rank alike,
-    before the noise (nothing released). Not for a secure sampler (rank 0 draws and deals it:
-    :func:`vmapdp.distributed.sharded`) or one given for its events only (it has drawn nothing)."""
-    expected = getattr(sampler, "last_rows", None)
-    drawn = getattr(sampler, "steps_drawn", None)
-    if sampler is None or getattr(sampler, "secure", False) or expected is None or not drawn:
+    the real rows of rank 0's sampler's last draw (``last_rows``, broadcast: every rank decides on
+    the same figures, so all refuse together): more means an example stepped on two ranks (every
+    rank stepped the whole global batch, or took its share of another draw), each adding up to C
+    to one sum charged as C. Before the noise (nothing released). Not checked where rank 0's
+    sampler has drawn nothing (given for its events only) or there is none."""
+    mine = getattr(sampler, "last_rows", None) if sampler is not None else None
+    expected = _dist.broadcast_int(-1 if mine is None else int(mine))
+    if expected < 0:
         return
     total = int(rows.item())
     if total != expected:
