@@ -376,7 +376,7 @@ def test_another_torch_optimizers_checkpoint_is_refused_at_its_first_update(tmp_
     vmapdp.save_state(tmp_path / "s.pt", state)
     for sgd in (optim.from_torch(torch.optim.SGD, lr=1e-2), optim.from_torch(torch.optim.SGD, lr=1e-2, momentum=0.9)):
         vmapdp.noise.spent.forget_spent_keys()  # (a new process)
-        # (saved after its last step: another optimizer's binding is then allowed, and its state is what is checked)
+        # (saved after its last step, as it was)
         loaded = vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(params, sgd, seed=7), saved_after_last_step=True)
         with pytest.raises(ValueError, match=r"holds \[.square_avg., .step.\], but SGD\(lr=0.01.*made by another optimizer"):
             run(sgd)(loaded, *batches[2], buffers)

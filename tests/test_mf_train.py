@@ -633,3 +633,29 @@ def test_a_noise_state_of_another_run_or_segment_is_refused():
         with pytest.raises(ValueError, match=r"buffers belong to another run, or to another noise run of this one.*Nothing was released"):
             step(state._replace(noise_state=swapped), gather((X, Y), idx), mask)
     assert step(state, gather((X, Y), idx), mask)[0].step == 7  # its own state steps on
+
+
+def test_a_checkpoint_saved_before_noise_owners_loads_and_resumes(tmp_path):
+    """Found by review: a correlated-noise checkpoint saved before noise states had an owner no
+    longer loaded with like= (make_private's resume passes it): load_state binds it to its run;
+    a state without an owner given to a step directly is refused with that fix."""
+    s = CyclicPoissonSampler(N_DATA, Q, cycle=4, steps=4, key=b"mf-legacy")
+    opt = optim.sgd(0.1)
+    priv, step = make(BANDED, s, opt, n=4)
+    fresh = vmapdp.init_train_state(PARAMS, opt, seed=SEED, privatizer=priv)
+    state = fresh
+    for _ in range(2):
+        idx, mask = s.sample()
+        state, _ = step(state, gather((X, Y), idx), mask)
+    legacy = state._replace(noise_state={k: v for k, v in state.noise_state.items() if k != "owner"})
+    idx, mask = s.sample()
+    with pytest.raises(ValueError, match=r"the noise state has no owner.*read it through load_state"):
+        step(legacy, gather((X, Y), idx), mask)
+    vmapdp.save_state(tmp_path / "old.pt", legacy, sampler=s)
+    again = CyclicPoissonSampler(N_DATA, Q, cycle=4, steps=4, key=b"mf-legacy")
+    loaded = vmapdp.load_state(tmp_path / "old.pt", like=fresh, sampler=again)
+    assert torch.equal(loaded.noise_state["owner"], state.noise_state["owner"])
+    idx, mask = again.sample()
+    with vmapdp.noise.spent.unreleased():
+        assert step(loaded, gather((X, Y), idx), mask)[0].step == 3
+

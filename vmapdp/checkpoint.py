@@ -41,7 +41,7 @@ import torch
 
 from vmapdp.accounting import Ledger
 from vmapdp.data import EVALUATION_ONLY_ID, SECURE_SAMPLER_ID
-from vmapdp.noise.privatizers import check_noise_position
+from vmapdp.noise.privatizers import check_noise_position, is_correlated_state, noise_owner
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
 
@@ -375,6 +375,11 @@ def state_from_payload(
     sampler_id = payload.get("sampler_id", "")  # (absent from checkpoints saved before it was recorded)
     if not isinstance(sampler_id, str):
         raise ValueError(f"{call}: malformed 'sampler_id' ({type(sampler_id).__name__}); expected a str. Nothing was loaded.")
+    if is_correlated_state(noise_state) and "owner" not in noise_state and isinstance(noise_state.get("t"), torch.Tensor):
+        # saved before noise states were bound to their noise run: bound to the run it is read into (unchecked, as then)
+        t = int(noise_state["t"])
+        owner = noise_owner(payload["noise_seed"], str(payload["run_id"]), payload["step"] - t) if t > 0 else torch.zeros(32, dtype=torch.uint8)
+        noise_state = {**noise_state, "owner": owner}
     state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm, sampler_id)
     check_noise_position(call, noise_state, payload["step"], period=None, fix="The checkpoint is inconsistent; nothing was loaded.")
     if like is not None:

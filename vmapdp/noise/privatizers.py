@@ -63,8 +63,8 @@ def noise_owner(noise_seed: int | None, run_id: str, start: int) -> torch.Tensor
 def check_noise_owner(call: str, noise_state: dict, noise_seed: int | None, run_id: str, step: int, fix: str) -> dict:
     """The correlated-noise state to step at ``step``, bound to its run segment (:func:`noise_owner`):
     at a segment's first step (``t = 0``) its buffers must be zeros (a fresh state) and it gets its
-    owner; later its owner must be this segment's. A state saved before owners were recorded
-    (``t > 0``, none) is stepped unchecked."""
+    owner; later its owner must be this segment's (a checkpoint saved before owners were
+    recorded gets its run's from ``load_state``)."""
     t = int(noise_state["t"])
     expected = noise_owner(noise_seed, run_id, step - t)
     if t == 0:
@@ -75,7 +75,12 @@ def check_noise_owner(call: str, noise_state: dict, noise_seed: int | None, run_
             )
         return {**noise_state, "owner": expected}
     owner = noise_state.get("owner")
-    if owner is not None and not torch.equal(owner.cpu(), expected):
+    if owner is None:
+        raise ValueError(
+            f"{call}: the noise state has no owner (made before noise states were bound to their run): read it "
+            f"through load_state, which binds an older checkpoint's state to its run. {fix}"
+        )
+    if not torch.equal(owner.cpu(), expected):
         raise ValueError(
             f"{call}: the noise state's buffers belong to another run, or to another noise run of this one (its owner is "
             "not this state's seed, run and run start): their draws were released there, and continuing them would add "
