@@ -397,10 +397,11 @@ def _compose(parts, which: str, w_lo: int, size: int) -> tuple[torch.Tensor, flo
         base += c * lo
     out = torch.fft.irfft(prod, n=size)
     # FFT rounding moves every entry by about the same absolute amount, which the power above
-    # multiplies ~count-fold: the largest negative entry (a true mass cannot be negative) measures
-    # it. Zeroed, and delta widened by twice that per entry: 1e-12 or less at a delta of 1e-5,
-    # but below ~1e-11 after 1e5 steps it dominates (found by review: the bracket closed on one
-    # value far above the truth, its lower end no bound), so the bracket now says so
+    # multiplies ~count-fold: the largest negative entry (a true mass cannot be negative)
+    # estimates it (an estimate, not a proven bound). Zeroed, and delta widened by twice that per
+    # entry: 1e-12 or less at a delta of 1e-5, but below ~1e-11 after 1e5 steps it dominates
+    # (found by review: the bracket closed on one value far above the truth, its lower end no
+    # bound), so the bracket now says so
     rounding = 2.0 * max(-float(out.min()), 0.0) * size
     return torch.clamp(torch.roll(out, shifts=(base - w_lo) % size), min=0.0), rounding
 
@@ -410,6 +411,7 @@ class _Composed(NamedTuple):
     mass: torch.Tensor  # [M]
     p_inf: float
     slack: float  # delta correction: + for the upper bound, - for the lower bound
+    rounding: float = 0.0  # the part of |slack| that estimates the FFT's rounding (see _compose)
 
 
 def _allocation_pmf(s: float, t: int, h: float, direction: str) -> _StepPMF:
@@ -447,8 +449,8 @@ def _compose_direction(events, h: float, direction: str) -> tuple[_Composed, _Co
     p_inf = -math.expm1(sum(c * math.log1p(-p.p_inf) for p, c in parts))
     shift = sum(c * p.shift for p, c in parts)
     return (
-        _Composed(idx * h, upper, p_inf, _TAIL + upper_rounding),
-        _Composed(idx * h + shift, lower, 0.0, -2.0 * _TAIL - lower_rounding),
+        _Composed(idx * h, upper, p_inf, _TAIL + upper_rounding, upper_rounding),
+        _Composed(idx * h + shift, lower, 0.0, -2.0 * _TAIL - lower_rounding, lower_rounding),
     )
 
 
@@ -496,7 +498,11 @@ def _directions(events, h, relation):
     """(upper, lower) composed pairs, one per direction the relation needs; for replace-one the
     symmetric pair first (its upper is the bound), then the remove pair (the lower bound, and
     its upper to measure the discretisation error alone)."""
-    return [_compose_direction(events, h, d) for d in _DIRECTIONS[relation]]
+    pairs = [_compose_direction(events, h, d) for d in _DIRECTIONS[relation]]
+    # the rounding is an estimate (from the negative entries a composition happens to have; found
+    # by review: one with none had its error too): every composition takes the largest
+    r = max(c.rounding for pair in pairs for c in pair)
+    return [tuple(c._replace(slack=c.slack + (r - c.rounding) * (1.0 if c.slack > 0 else -1.0), rounding=r) for c in pair) for pair in pairs]
 
 
 def _read(parts, relation, value):
