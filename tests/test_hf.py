@@ -131,6 +131,9 @@ def test_a_decoder_classifier_pools_the_last_real_token_whatever_the_padding_hol
     noisy = {**sample, "input_ids": torch.where(sample["attention_mask"] != 0, sample["input_ids"], 33)}
     own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1]).loss
     torch.testing.assert_close(loss(params, buffers, noisy), own, rtol=1e-5, atol=1e-6)
+    embeds = {"inputs_embeds": torch.zeros(L, 16), "attention_mask": sample["attention_mask"], "labels": sample["labels"]}
+    with pytest.raises(ValueError, match=r"given inputs_embeds classifies the last position.*Pass input_ids"):
+        loss(params, buffers, embeds)
     m.config.pad_token_id = None
     apply, params, buffers, loss = hf.loss_fn(m)
     with pytest.raises(ValueError, match=r"Qwen2ForSequenceClassification classifies the last token that is not config.pad_token_id.*Set model.config.pad_token_id"):

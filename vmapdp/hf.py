@@ -316,7 +316,13 @@ def sample_loss(
                     "is a full causal one, not a sliding window. Use sequences of at most that length."
                 )
             inputs["attention_mask"] = additive_mask(mask, causal=causal, dtype=_float_dtype(params, buffers))
-            if pooled_pad and "input_ids" in sample:
+            if pooled_pad and "input_ids" not in sample:
+                raise ValueError(
+                    f"{call}: {type(_base_model(model)).__name__} given inputs_embeds classifies the last position, which a "
+                    "right-padded sample's attention_mask marks as padding (it finds the last real token from input_ids "
+                    "only). Pass input_ids (the adapter writes the pad id into the padding), or batches without padding."
+                )
+            if pooled_pad:
                 pad = getattr(config, "pad_token_id", None)
                 if pad is None:
                     raise ValueError(
