@@ -220,6 +220,11 @@ def _worker(rank, world, init_file, out_dir):
         mixed = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=cyc0, compile=False, distributed=True, method="ghost")
         indices, mask = vdist.shard(*cyc0.sample(), cyc0.capacity) if vdist.rank() == 0 else cyc1.sample()
         res["mixed_error"] = _expect_error(lambda: mixed(st, gather(data, indices), mask, buffers))
+        # and the mirror (another review): rank 0's sampler undrawn, rank 1's drawn
+        cyc2, cyc3 = (CyclicPoissonSampler(N, 0.5, cycle=2, steps=4, key=SAMPLER_KEY) for _ in range(2))
+        mirror = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=cyc2, compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*cyc2.sample(), cyc2.capacity) if vdist.rank() == 1 else cyc3.sample()
+        res["mirror_error"] = _expect_error(lambda: mirror(st, gather(data, indices), mask, buffers))
         sec = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
         whole = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sec, physical_batch_size=CAPACITY,
                                        compile=False, distributed=True, method="ghost")
@@ -358,6 +363,7 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
         assert r["unsharded_error"] is not None and "stepped" in r["unsharded_error"] and "on more than one rank" in r["unsharded_error"], r["unsharded_error"]
     for r in ranks:
         assert r["mixed_error"] is not None and "on more than one rank" in r["mixed_error"], r["mixed_error"]
+        assert r["mirror_error"] is not None and "on more than one rank" in r["mirror_error"], r["mirror_error"]
         assert r["secure_whole_error"] is not None and "on more than one rank" in r["secure_whole_error"], r["secure_whole_error"]
     r0, r1 = ranks
     assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]

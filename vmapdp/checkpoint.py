@@ -94,6 +94,15 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
     """The fields of ``state`` (and the sampler's state) as the dict a checkpoint file holds."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
+    ns = state.noise_state
+    if is_correlated_state(ns) and "owner" not in ns and isinstance(ns.get("t"), torch.Tensor) and int(ns["t"]) > 0:
+        # (a state stepped by this version has one: loading binds an owner-less one to the run it is read into,
+        # which is for checkpoints of older versions only; found by review: stripped, saved and loaded, another
+        # run's buffers were continued)
+        raise ValueError(
+            f"{call}: the state's correlated-noise state has no owner (noise_state['owner']) though it has noised "
+            f"{int(ns['t'])} steps: its buffers are not bound to their run. Save the state the step returned. Nothing was written."
+        )
     return {
         "format": _FORMAT,
         "version": _VERSION,

@@ -576,15 +576,24 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
 
 def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
-    the real rows of rank 0's sampler's last draw (``last_rows``, broadcast: every rank decides on
-    the same figures, so all refuse together): more means an example stepped on two ranks (every
+    the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
+    must agree; reduced, so every rank decides on the same figures and all refuse together): more means an example stepped on two ranks (every
     rank stepped the whole global batch, or took its share of another draw), each adding up to C
-    to one sum charged as C. Before the noise (nothing released). Not checked where rank 0's
-    sampler has drawn nothing (given for its events only) or there is none."""
+    to one sum charged as C. Before the noise (nothing released). Not checked where no rank's
+    sampler has drawn (given for its events only) or there is none."""
     mine = getattr(sampler, "last_rows", None) if sampler is not None else None
-    expected = _dist.broadcast_int(-1 if mine is None else int(mine))
-    if expected < 0:
+    # the largest and the smallest draw over the ranks whose sampler drew (one all_reduce): any rank's,
+    # not only rank 0's (found by review: rank 0's undrawn sampler let rank 1's draw be stepped twice)
+    hi, neg_lo = _dist.max_ints([-1, -(1 << 62)] if mine is None else [int(mine), -int(mine)])
+    if hi < 0:
         return
+    if -neg_lo != hi:
+        raise ValueError(
+            f"{call}: the ranks' samplers drew batches of different sizes ({-neg_lo} and {hi} real rows): they are not "
+            "one sampler's draw dealt out. Draw the same global batch on every rank (the same sampler, same key=) and "
+            "deal it: vmapdp.distributed.sharded(sampler). Nothing was released."
+        )
+    expected = hi
     total = int(rows.item())
     if total != expected:
         raise ValueError(
