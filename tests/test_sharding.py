@@ -997,6 +997,11 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
         with pytest.raises(ValueError, match=r"step-000000001.tmp-ab is a save of step 1, after this checkpoint's step 0 \(interrupted\)"):
             sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding, saved_after_last_step=True)
         assert sc.load_sharded(sc.latest_checkpoint(tmp_path / "run"), like=fresh, sharding=sharding).step == 0
+        # a correlated-noise checkpoint saved before noise states had an owner (found by review: refused as "another
+        # optimizer or noise state") loads into a like that has one, the owner bound by load
+        mf_fresh = vmapdp.init_train_state(params, opt, seed=1, privatizer=priv, sharding=sharding)
+        sc.save_sharded(tmp_path / "pre-owner", mf_fresh._replace(noise_state={k: v for k, v in mf_fresh.noise_state.items() if k != "owner"}), sharding)
+        assert torch.equal(sc.load_sharded(tmp_path / "pre-owner", like=mf_fresh, sharding=sharding).noise_state["owner"], torch.zeros(32, dtype=torch.uint8))
         # a from_torch optimizer's state is made by its first update: a fresh like has no layout for it (named, not "another optimizer")
         rms = optim.from_torch(torch.optim.RMSprop, lr=0.01)
         lazy = vmapdp.init_train_state(params, rms, seed=1, sharding=sharding)

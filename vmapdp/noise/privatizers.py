@@ -78,7 +78,7 @@ def check_noise_owner(call: str, noise_state: dict, noise_seed: int | None, run_
     if owner is None:
         raise ValueError(
             f"{call}: the noise state has no owner (made before noise states were bound to their run): read it "
-            f"through load_state, which binds an older checkpoint's state to its run. {fix}"
+            f"through load_state (load_sharded for a sharded run), which binds an older checkpoint's state to its run. {fix}"
         )
     if not torch.equal(owner.cpu(), expected):
         raise ValueError(
