@@ -362,8 +362,9 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
         assert r["unkeyed_error"] is not None and "disagree" in r["unkeyed_error"], r["unkeyed_error"]
         assert r["unsharded_error"] is not None and "stepped" in r["unsharded_error"] and "on more than one rank" in r["unsharded_error"], r["unsharded_error"]
     for r in ranks:
-        assert r["mixed_error"] is not None and "on more than one rank" in r["mixed_error"], r["mixed_error"]
-        assert r["mirror_error"] is not None and "on more than one rank" in r["mirror_error"], r["mirror_error"]
+        # (a rank stepping a batch while its own sampler drew nothing: refused as such, whatever the counts; a third review)
+        assert r["mixed_error"] is not None and "another rank's drew nothing" in r["mixed_error"], r["mixed_error"]
+        assert r["mirror_error"] is not None and "another rank's drew nothing" in r["mirror_error"], r["mirror_error"]
         assert r["secure_whole_error"] is not None and "on more than one rank" in r["secure_whole_error"], r["secure_whole_error"]
     r0, r1 = ranks
     assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]

@@ -584,9 +584,19 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
     mine = getattr(sampler, "last_rows", None) if sampler is not None else None
     # the largest and the smallest draw over the ranks whose sampler drew (one all_reduce): any rank's,
     # not only rank 0's (found by review: rank 0's undrawn sampler let rank 1's draw be stepped twice)
-    hi, neg_lo = _dist.max_ints([-1, -(1 << 62)] if mine is None else [int(mine), -int(mine)])
+    # (and whether a rank's own sampler drew nothing while another's drew: that rank stepped a batch from elsewhere,
+    # which a row count cannot tell from a share of this draw; a secure sampler is drawn on rank 0 only)
+    idle = mine is None and not (getattr(sampler, "secure", False) and _dist.rank() != 0)
+    hi, neg_lo, some_idle = _dist.max_ints(([-1, -(1 << 62)] if mine is None else [int(mine), -int(mine)]) + [int(idle)])
     if hi < 0:
         return
+    if some_idle:
+        raise ValueError(
+            f"{call}: a rank's sampler drew this step's batch ({hi} real rows) but another rank's drew nothing: that rank "
+            "stepped a batch from elsewhere (another sampler object), and an example could be stepped on more than one "
+            "rank. Draw every rank's batch from the step's own sampler and deal it: vmapdp.distributed.sharded(sampler). "
+            "Nothing was released."
+        )
     if -neg_lo != hi:
         raise ValueError(
             f"{call}: the ranks' samplers drew batches of different sizes ({-neg_lo} and {hi} real rows): they are not "
