@@ -41,7 +41,7 @@ import torch
 
 from vmapdp.accounting import Ledger
 from vmapdp.data import EVALUATION_ONLY_ID, SECURE_SAMPLER_ID
-from vmapdp.noise.privatizers import check_noise_position, is_correlated_state, noise_owner
+from vmapdp.noise.privatizers import check_noise_position, noise_owner, unowned
 from vmapdp.optim import SAFE_GLOBALS
 from vmapdp.train import TrainState, merge_budgets
 
@@ -95,7 +95,7 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
     if not isinstance(state, TrainState):
         raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
     ns = state.noise_state
-    if is_correlated_state(ns) and "owner" not in ns and isinstance(ns.get("t"), torch.Tensor) and int(ns["t"]) > 0:
+    if unowned(ns) and int(ns["t"]) > 0:
         # (a state stepped by this version has one: loading binds an owner-less one to the run it is read into,
         # which is for checkpoints of older versions only; found by review: stripped, saved and loaded, another
         # run's buffers were continued)
@@ -384,7 +384,7 @@ def state_from_payload(
     sampler_id = payload.get("sampler_id", "")  # (absent from checkpoints saved before it was recorded)
     if not isinstance(sampler_id, str):
         raise ValueError(f"{call}: malformed 'sampler_id' ({type(sampler_id).__name__}); expected a str. Nothing was loaded.")
-    if is_correlated_state(noise_state) and "owner" not in noise_state and isinstance(noise_state.get("t"), torch.Tensor):
+    if unowned(noise_state):
         # saved before noise states were bound to their noise run: bound to the run it is read into (unchecked, as then)
         t = int(noise_state["t"])
         owner = noise_owner(payload["noise_seed"], str(payload["run_id"]), payload["step"] - t) if t > 0 else torch.zeros(32, dtype=torch.uint8)

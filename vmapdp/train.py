@@ -577,9 +577,9 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
 def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
     the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
-    must agree; reduced, so every rank decides on the same figures and all refuse together): more means an example stepped on two ranks (every
-    rank stepped the whole global batch, or took its share of another draw), each adding up to C
-    to one sum charged as C. Before the noise (nothing released). Not checked where no rank's
+    must agree; reduced, so every rank decides on the same figures and all refuse together): more
+    means an example stepped on two ranks (every rank stepped the whole global batch, or took its
+    share of another draw), each adding up to C to one sum charged as C. Before the noise (nothing released). Not checked where no rank's
     sampler has drawn (given for its events only) or there is none."""
     mine = getattr(sampler, "last_rows", None) if sampler is not None else None
     # the largest and the smallest draw over the ranks whose sampler drew (one all_reduce): any rank's,
@@ -603,13 +603,12 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
             "one sampler's draw dealt out. Draw the same global batch on every rank (the same sampler, same key=) and "
             "deal it: vmapdp.distributed.sharded(sampler). Nothing was released."
         )
-    expected = hi
     total = int(rows.item())
-    if total != expected:
+    if total != hi:
         raise ValueError(
-            f"{call}: the ranks stepped {total} real rows in all, but their sampler's last batch has {expected}: "
+            f"{call}: the ranks stepped {total} real rows in all, but their sampler's last batch has {hi}: "
             + ("an example was stepped on more than one rank (each rank stepped the whole global batch?), adding up to "
-               "world_size x C to one sum charged as C. " if total > expected else "rows of the batch were dropped. ")
+               "world_size x C to one sum charged as C. " if total > hi else "rows of the batch were dropped. ")
             + "Deal each global batch out: vmapdp.distributed.sharded(sampler), or shard(*sampler.sample(), "
             "sampler.capacity) with the same sampler (same key=) on every rank. Nothing was released."
         )

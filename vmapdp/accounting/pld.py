@@ -411,7 +411,7 @@ class _Composed(NamedTuple):
     mass: torch.Tensor  # [M]
     p_inf: float
     slack: float  # delta correction: + for the upper bound, - for the lower bound
-    rounding: float = 0.0  # the part of |slack| that estimates the FFT's rounding (see _compose)
+    rounding: float = 0.0  # this composition's estimate of the FFT's rounding (see _compose); _directions adds it to |slack|
 
 
 def _allocation_pmf(s: float, t: int, h: float, direction: str) -> _StepPMF:
@@ -449,8 +449,8 @@ def _compose_direction(events, h: float, direction: str) -> tuple[_Composed, _Co
     p_inf = -math.expm1(sum(c * math.log1p(-p.p_inf) for p, c in parts))
     shift = sum(c * p.shift for p, c in parts)
     return (
-        _Composed(idx * h, upper, p_inf, _TAIL + upper_rounding, upper_rounding),
-        _Composed(idx * h + shift, lower, 0.0, -2.0 * _TAIL - lower_rounding, lower_rounding),
+        _Composed(idx * h, upper, p_inf, _TAIL, upper_rounding),
+        _Composed(idx * h + shift, lower, 0.0, -2.0 * _TAIL, lower_rounding),
     )
 
 
@@ -500,9 +500,10 @@ def _directions(events, h, relation):
     its upper to measure the discretisation error alone)."""
     pairs = [_compose_direction(events, h, d) for d in _DIRECTIONS[relation]]
     # the rounding is an estimate (from the negative entries a composition happens to have; found
-    # by review: one with none had its error too): every composition takes the largest
+    # by review: one with none had its error too): every composition is widened by the largest,
+    # the upper one's delta up, the lower one's down
     r = max(c.rounding for pair in pairs for c in pair)
-    return [tuple(c._replace(slack=c.slack + (r - c.rounding) * (1.0 if c.slack > 0 else -1.0), rounding=r) for c in pair) for pair in pairs]
+    return [(up._replace(slack=up.slack + r, rounding=r), lo._replace(slack=lo.slack - r, rounding=r)) for up, lo in pairs]
 
 
 def _read(parts, relation, value):

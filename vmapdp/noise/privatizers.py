@@ -39,7 +39,7 @@ import torch
 from vmapdp import _checks
 from vmapdp.noise.gaussian import add_noise
 
-__all__ = ["Privatizer", "check_noise_owner", "check_noise_position", "gaussian_privatizer", "is_correlated_state", "noise_owner"]
+__all__ = ["Privatizer", "check_noise_owner", "check_noise_position", "gaussian_privatizer", "is_correlated_state", "noise_owner", "unowned"]
 
 
 def is_correlated_state(noise_state: Any) -> bool:
@@ -47,6 +47,12 @@ def is_correlated_state(noise_state: Any) -> bool:
     ``strategy``, ``buffers``, and from its run's first step ``owner``): only that privatizer may
     step it."""
     return isinstance(noise_state, dict) and set(noise_state) in ({"t", "strategy", "buffers"}, {"t", "strategy", "buffers", "owner"})
+
+
+def unowned(noise_state: Any) -> bool:
+    """Whether ``noise_state`` is a correlated-noise state without an ``owner`` (made before noise
+    states were bound to their run: an older version's checkpoint)."""
+    return is_correlated_state(noise_state) and "owner" not in noise_state and isinstance(noise_state.get("t"), torch.Tensor)
 
 
 def noise_owner(noise_seed: int | None, run_id: str, start: int) -> torch.Tensor:
