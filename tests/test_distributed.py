@@ -142,6 +142,22 @@ def _worker(rank, world, init_file, out_dir):
         except (ValueError, RuntimeError) as err:
             res["one_rank_error"] = f"{type(err).__name__}: {err}"
         res["after_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        # a rank whose per-sample work raises after the same-state check (its model fails on its rows, or
+        # "auto"'s choice does not fit its memory): it joins the reduction with nothing and every rank raises
+        # after it, before the noise, instead of the others waiting in the reduction until the timeout
+        def failing_loss(p, b, sample):
+            if vdist.rank() == 1:
+                raise RuntimeError("rank 1's model failed on its rows")
+            return loss_fn(p, b, sample)
+
+        failing = vmapdp.make_train_step(failing_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                         compile=False, distributed=True, method="ghost")
+        try:
+            failing(st, rows, torch.ones(4, dtype=torch.bool), buffers)
+            res["work_error"] = None
+        except (ValueError, RuntimeError) as err:
+            res["work_error"] = f"{type(err).__name__}: {err}"
+        res["after_work_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
         # per-sample grads past one rank's free memory (vmap's batch): that rank's refusal is raised on
         # every rank at the same-state check, not left to the others waiting in the reduction
         named_vmap = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
@@ -325,6 +341,17 @@ def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(ranks):
     assert r1["one_rank_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed before the ranks' check"), r1["one_rank_error"]
     assert "nothing was released" in r1["one_rank_error"]
     assert r0["after_error"] == r1["after_error"] == 1
+
+
+def test_a_rank_whose_per_sample_work_raises_makes_every_rank_raise_after_the_reduction(ranks):
+    """A rank whose model raised after the same-state check left the others waiting in the reduction
+    until the group's timeout; it joins the reduction with zero sums now, and every rank raises
+    before the noise; the group stays usable."""
+    r0, r1 = ranks
+    assert r1["work_error"] == "RuntimeError: rank 1's model failed on its rows", r1["work_error"]
+    assert r0["work_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"), r0["work_error"]
+    assert "nothing was released on any rank" in r0["work_error"]
+    assert r0["after_work_error"] == r1["after_work_error"] == 1
 
 
 def test_ranks_with_different_ledgers_fail_together(ranks):

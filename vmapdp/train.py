@@ -574,20 +574,29 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     return recorded if _positional(sampler) or (drawn is not None and drawn > 0) else None
 
 
-def _check_dealt_rows(call: str, sampler: Any, rows: Tensor) -> None:
+def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, *, failed: BaseException | None = None) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
     the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
     must agree; reduced, so every rank decides on the same figures and all refuse together): more
     means an example stepped on two ranks (every rank stepped the whole global batch, or took its
     share of another draw), each adding up to C to one sum charged as C. Before the noise (nothing released). Not checked where no rank's
-    sampler has drawn (given for its events only) or there is none."""
+    sampler has drawn (given for its events only) or there is none. ``failed``: what this rank's per-sample
+    work raised (it joined the reduction with zero sums): every rank raises, that rank its own error."""
     mine = getattr(sampler, "last_rows", None) if sampler is not None else None
     # the largest and the smallest draw over the ranks whose sampler drew (one all_reduce): any rank's,
     # not only rank 0's (found by review: rank 0's undrawn sampler let rank 1's draw be stepped twice)
     # (and whether a rank's own sampler drew nothing while another's drew: that rank stepped a batch from elsewhere,
     # which a row count cannot tell from a share of this draw; a secure sampler is drawn on rank 0 only)
     idle = mine is None and not (getattr(sampler, "secure", False) and _dist.rank() != 0)
-    hi, neg_lo, some_idle = _dist.max_ints(([-1, -(1 << 62)] if mine is None else [int(mine), -int(mine)]) + [int(idle)])
+    drawn = [-1, -(1 << 62)] if mine is None else [int(mine), -int(mine)]
+    hi, neg_lo, some_idle, some_failed = _dist.max_ints(drawn + [int(idle), int(failed is not None)])
+    if failed is not None:
+        raise failed
+    if some_failed:
+        raise RuntimeError(
+            f"{call}: another rank failed while computing its clipped sums (its error is raised there); this rank "
+            "stopped with it after the reduction, before the noise: nothing was released on any rank."
+        )
     if hi < 0:
         return
     if some_idle:
@@ -1152,10 +1161,14 @@ def make_train_step(
             recorded[digest] = name
             total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
         if total is None:  # an empty batch: the step still releases noise
-            shapes = {k: state.params[k].shape if scattered else v.shape for k, v in params.items()}  # (scattered: the sums are shards)
-            zeros = {k: torch.zeros(shapes[k], dtype=torch.promote_types(v.dtype, torch.float32), device=v.device) for k, v in params.items()}
-            total = (zeros, StepStats.zeros(mask.device))
+            total = zero_sums(state, params, mask.device)
         return total, tuple(sorted(recorded.items()))
+
+    def zero_sums(state: TrainState, params: dict, device: torch.device) -> tuple[Any, StepStats]:
+        """The clipped sums and telemetry of no rows (the structure every rank's reduction expects)."""
+        shapes = {k: state.params[k].shape if scattered else v.shape for k, v in params.items()}  # (scattered: the sums are shards)
+        zeros = {k: torch.zeros(shapes[k], dtype=torch.promote_types(v.dtype, torch.float32), device=v.device) for k, v in params.items()}
+        return zeros, StepStats.zeros(device)
 
     def step(state: TrainState, batch: Any, mask: Tensor, *shared: Any) -> tuple[TrainState, dict[str, Tensor]]:
         inflight: list[tuple[bytes, int]] = []  # the noise key this call releases under (vmapdp.noise.spent)
@@ -1241,15 +1254,25 @@ def make_train_step(
         params = state.params if sharding is None else sharding.step_params(state.params)  # full params, or gathered on use
         # random layers draw from a seed of the state's (step_seed): a resumed step draws them again bit for bit
         seed = step_seed(state, "model", _dist.rank() if distributed else 0) if random_layers else None  # (sharded: distributed)
-        with seeded_randomness(seed, mask.device):
-            (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
+        failed = None  # distributed: what this rank's per-sample work raised, raised on every rank after the reduction
+        try:
+            with seeded_randomness(seed, mask.device):
+                (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
+        except Exception as err:
+            if not distributed or sharding is not None:  # (sharded: the ranks' gathers inside the forward; not covered)
+                raise
+            # the other ranks are in the reduction already: join it with nothing, then every rank raises in
+            # _check_dealt_rows, before the noise (a model that raised on one rank's rows, or "auto"'s choice that
+            # did not fit one rank's memory, left the others waiting in the reduction until the group's timeout)
+            failed = err
+            (summed, stats), methods = zero_sums(state, params, mask.device), state.methods
         del params
         if sharding is not None:  # each owner gets the global sum of its shards
             summed, stats = sharding.reduce_step(scall, summed, stats, same, scattered=scattered, checked=True)
         elif distributed:  # sum over ranks (one all_reduce)
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding), checked=True)
         if distributed:
-            _check_dealt_rows(scall, sampler, stats.rows)
+            _check_dealt_rows(scall, sampler, stats.rows, failed=failed)
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
