@@ -209,6 +209,30 @@ def test_a_drawn_batch_that_never_became_a_step_stops_the_run(name):
     assert state.step == 1 and state.ledger.events[-1].count == 1
 
 
+@pytest.mark.parametrize("name", ["poisson", "fixed", "shuffle", "cyclic"])
+def test_a_mask_that_marks_padding_real_or_repeats_rows_is_refused(name):
+    """Found by review: in one process the step took any mask beside its sampler's draw. With
+    torch.ones_like(mask) the padding rows (copies of row 0) were stepped as real: example 0 went in
+    up to 21 times, each up to C, in a sum charged as C; a batch of the draw's rows twice passed too.
+    The mask's real rows must be the draw's (the sampler's own mask still steps)."""
+    params, buffers, data, loss_fn = problem()
+    sampler = samplers()[name]
+    step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, physical_batch_size=sampler.capacity, compile=False)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    indices, mask = sampler.sample()
+    # (the Poisson draws are padded to their capacity; fixed-size and shuffled batches fill theirs)
+    assert mask.all() == (name in ("fixed", "shuffle"))
+    if not mask.all():
+        with pytest.raises(ValueError, match=rf"the mask marks {mask.numel()} real rows but the step's sampler drew {int(mask.sum())}: padding rows marked real.*Nothing was released"):
+            step(state, gather(data, indices), torch.ones_like(mask), buffers)
+    twice = torch.cat([indices, indices])
+    with pytest.raises(ValueError, match=r"real rows but the step's sampler drew.*rows repeated"):
+        step(state, gather(data, twice), torch.cat([mask, mask]), buffers)
+    assert state.ledger.events == ()
+    state, metrics = step(state, gather(data, indices), mask, buffers)  # the draw itself steps
+    assert state.step == 1 and int(metrics["batch_size"]) == int(mask.sum())
+
+
 @pytest.mark.parametrize("name", ["fixed", "poisson"])
 def test_a_memoryless_keyed_sampler_that_drew_a_spare_batch_is_refused(name):
     """A spare batch does not change a fixed-size or Poisson step's event, but found by review: a

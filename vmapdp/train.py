@@ -559,6 +559,27 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
+def _check_drawn_rows(call: str, sampler: Any, mask: Tensor) -> None:
+    """In one process, the batch's real rows (``mask``'s True entries) must be those of the
+    sampler's last draw (``last_rows``), where the step's sampler has drawn: a mask that marks the
+    sampler's padding as real (``torch.ones_like(mask)``: the padding rows are copies of row 0) or a
+    batch with rows repeated steps an example several times, each adding up to C to a sum charged
+    as C (found by review: example 0 stepped 21 times). A sampler that has drawn nothing was given
+    for its events only (see :func:`_check_sampler_position`). Same-sized other rows are not seen."""
+    drawn = getattr(sampler, "last_rows", None) if sampler is not None else None
+    if drawn is None:
+        return
+    real = int(mask.sum())
+    if real != drawn:
+        raise ValueError(
+            f"{call}: the mask marks {real} real rows but the step's sampler drew {drawn}: "
+            + ("padding rows marked real (pass the sampler's own mask, not torch.ones_like(mask)) or rows repeated, "
+               "each adding up to C to a sum charged as C. " if real > drawn else "rows of the draw were dropped. ")
+            + "Step exactly the sampler's draw: indices, mask = sampler.sample(); step(state, gather(data, indices), mask). "
+            "Nothing was released."
+        )
+
+
 def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     """The sampler id the ranks' same-state check compares: the step's own keyed (or
     generator-driven) sampler's where it is positional or has drawn (every rank draws from its own,
@@ -1187,6 +1208,8 @@ def make_train_step(
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)
             sampler_id = _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise, recorded=state.sampler_id)
+            if not distributed and _spent.recording():  # (distributed: the ranks' shares, summed after the reduction:
+                _check_drawn_rows(scall, sampler, mask)  # _check_dealt_rows; unreleased(): the audit's neighbouring masks)
             if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
