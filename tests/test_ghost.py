@@ -767,6 +767,33 @@ def test_writing_in_place_into_a_layer_input_is_refused():
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")({"W": torch.randn(3, 5)}, torch.randn(2, 5))
 
 
+def test_a_param_read_through_as_strided_gets_its_own_per_sample_grad():
+    """Found by review: uncovered params ran as a stride-0 expand shared by the batch, whose
+    as_strided backward gave every sample the batch's mean gradient: each sample's norm and share
+    came from the others' data (a Toeplitz weight made with as_strided: 6.4 C between neighbouring
+    sums). Each sample gets a copy laid out as the param is (a transposed one too)."""
+    g = torch.Generator().manual_seed(0)
+    n, k, b = 4, 3, 8
+    params = {"v": 0.1 * torch.randn(2 * n - 1, dtype=torch.float64, generator=g), "head": 0.1 * torch.randn(n, k, dtype=torch.float64, generator=g).t()}
+
+    def loss_fn(p, sample):
+        x, y = sample
+        toeplitz = p["v"].as_strided((n, n), (1, 1))  # T[i, j] = v[i + j]
+        head = p["head"].as_strided((k, n), (1, k))  # the transposed param's own layout, read by strides
+        return ((F.linear(toeplitz @ x, head) - y) ** 2).sum()
+
+    x, y = torch.ones(b, n, dtype=torch.float64), torch.full((b, k), 5.0, dtype=torch.float64)
+    x[0], y[0] = -40.0, -500.0  # one sample that pulls against the others
+    ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, (x, y)), C)
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, (x, y))
+    _assert_close(summed, norms, *ref, rtol=1e-9)
+    without = torch.ones(b, dtype=torch.bool)
+    without[0] = False
+    rest, _, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, (x, y), mask=without)
+    moved = math.sqrt(sum(float((summed[key] - rest[key]).square().sum()) for key in summed))
+    assert moved <= C * (1 + 1e-9), moved
+
+
 def _check_against_vmap(loss_fn, params, batch, rtol=1e-9):
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, batch), C)
     for method in ("ghost", "auto"):

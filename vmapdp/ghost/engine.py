@@ -298,6 +298,20 @@ def ghost_norms_and_sum(
     return norms, _clipped_sum(params, uses, other_grads, kept, w, zero, sink), losses
 
 
+def _per_sample_copies(p: Tensor, b: int) -> Tensor:
+    """``b`` copies of ``p`` (``[b, *p.shape]``), each laid out in memory as ``p`` is (its strides).
+
+    Copies, not a stride-0 ``expand``: an op that reads memory layout (``as_strided``) on a view
+    shared by the batch has a backward that gives every sample the batch's mean gradient, so each
+    sample's norm and clipped share came from the others' data (found by review: a Toeplitz weight
+    made with ``as_strided``, 6.4 C between neighbouring sums). The memory of the per-sample grads
+    these params get anyway."""
+    order = sorted(range(p.dim()), key=lambda d: -p.stride(d))  # p's dims, outermost in memory first
+    q = p.permute(order)  # contiguous where p is dense (a transposed weight, say); else copies are contiguous
+    copies = q.unsqueeze(0).expand((b,) + tuple(q.shape)).contiguous()  # (out of place: p may be a transform's wrapper)
+    return copies.permute([0] + [1 + order.index(d) for d in range(p.dim())])
+
+
 def _tapped_uses(
     loss_fn: Callable[..., Tensor], params: dict[str, Tensor], shared: tuple, batch: Any, real: Tensor, plan: Plan, randomness: str, call: str
 ) -> tuple[Tensor, dict[str, list[Use]], dict[str, Tensor]]:
@@ -308,7 +322,7 @@ def _tapped_uses(
     # zero taps as broadcast views of one zero: no memory, no fill; their grads come back dense
     zero = torch.zeros((), dtype=acc_dtype(next(iter(params.values())).dtype), device=real.device)
     taps = [zero.to(s.out_dtype).expand((b,) + s.out_shape) for s in plan.sites]
-    expanded = {k: params[k].expand((b,) + tuple(params[k].shape)) for k in plan.other}
+    expanded = {k: _per_sample_copies(params[k], b) for k in plan.other}
 
     def fwd(taps, expanded, sample):
         run = Run(params, plan, taps, expanded)
