@@ -41,6 +41,11 @@ def _forms():
         "positions out of order, bi,ij->jb": (lambda p, x: t(torch.einsum("bi,ij->jb", x, p["w"])).sum(), {"w": (4, 3)}, PAIR),
         "a vector, ...d,d->...": (lambda p, x: t(torch.einsum("...d,d->...", x, p["w"])).sum(), {"w": (4,)}, PAIR),
         "a 3-D W through a transposed 2-D view": (lambda p, x: t(torch.einsum("thd,hd->th", x.view(5, 2, 2), p["w"].t())).sum(), {"w": (2, 2)}, DIRECT),
+        # found by review: both of W's letters on one side, W = P.t(): the pair's sides are not the view's rows and
+        # columns, so swapping them released the sum permuted (norms right)
+        "tdk,dk->t on P.t() (both letters contracted)": (
+            lambda p, x: t(torch.einsum("tdk,dk->t", x[:, :2, None] * x[:, None, :3], p["w"].t())).square().sum(), {"w": (3, 2)}, DIRECT),
+        "t,dk->tdk on P.t() (both letters in the output)": (lambda p, x: torch.sin(torch.einsum("t,dk->tdk", x[:, 1], p["w"].t())).sum(), {"w": (3, 2)}, DIRECT),
         "bias.view(1, 1, d).expand(b, t, d)": (lambda p, x: t(x[None] + p["b"].view(1, 1, 4).expand(1, 5, 4)).square().sum(), {"b": (4,)}, DIRECT),
         "broadcast_to, then x * w": (lambda p, x: t(x * torch.broadcast_to(p["b"].unsqueeze(0), (5, 4))).square().sum(), {"b": (4,)}, DIRECT),
         "a [1, d] weight expanded in F.linear": (lambda p, x: t(F.linear(x, p["w"].expand(3, 4))).square().sum(), {"w": (1, 4)}, DIRECT),

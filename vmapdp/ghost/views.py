@@ -140,7 +140,10 @@ def place(use: Use, view: View, pair: Any) -> Use:
     the same pair swapped). A transposed view in a use of another kind, and a broadcast view, give
     a direct use (affine.DIRECT): the per-sample grads of the view, formed (``[B, *view shape]``,
     the memory of a per-sample copy of the view), transposed or summed over the repeated dims."""
-    if view.sums or (view.transposed and use.kind is not pair):
+    # (a pair whose sides are not the view's rows and columns, an einsum's "tdk,dk->t" on P.t() whose u holds both
+    # letters, say, is not transposed by swapping them: found by review, its sum came back permuted)
+    swappable = use.kind is pair and tuple(use.u.shape[-1:] + use.v.shape[-1:]) == tuple(view.shape)
+    if view.sums or (view.transposed and not swappable):
         per = use.kind.per_sample(use)
         if view.transposed:
             per = per.transpose(1, 2)
