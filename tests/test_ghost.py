@@ -767,6 +767,30 @@ def test_writing_in_place_into_a_layer_input_is_refused():
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")({"W": torch.randn(3, 5)}, torch.randn(2, 5))
 
 
+@pytest.mark.parametrize("write", ["cast", "view", "operator"])
+def test_writing_in_place_into_a_param_or_its_cast_is_refused_before_it_lands(write):
+    """Found by review: an in-place op on a cast of a param (W.double().mul_(2)) ran on the tracer's
+    per-sample copy, not on the cast, and ghost differentiated another model than the user's (norms
+    4x off); a write into a view of a param changed the caller's params before the refusal."""
+    def loss_fn(p, x):
+        if write == "cast":
+            w = p["W"].double()
+            w.mul_(2.0)
+        elif write == "view":
+            w = p["W"]
+            w[0:1].mul_(2.0)
+        else:
+            w = p["W"].double()
+            w += 1.0
+        return F.linear(x, w).square().sum()
+
+    params = {"W": torch.randn(3, 5, dtype=torch.float64)}
+    before = params["W"].clone()
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"writes in place into a parameter, a cast of one.*out of place"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")(params, torch.randn(2, 5, dtype=torch.float64))
+    assert torch.equal(params["W"], before)
+
+
 def test_a_param_read_through_as_strided_gets_its_own_per_sample_grad():
     """Found by review: uncovered params ran as a stride-0 expand shared by the batch, whose
     as_strided backward gave every sample the batch's mean gradient: each sample's norm and share

@@ -38,7 +38,12 @@ __all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "rng_kept", "
 _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
 
 
+# in-place operators (Tensor.__iadd__ ...) that a `w += 1` on a param's cast calls
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+
+
 @dataclass
+
 class Plan:
     """What the probe learned of a loss for one input shape: its sites in call order, which
     covered-op calls are sites, and which params have uses no rule covers."""
@@ -337,6 +342,15 @@ class Run:
                 "torch.nn.utils.parametrizations.spectral_norm do so in their power iteration); expected "
                 "out-of-place ops, because the forward is mapped over the batch. Remove the spectral norm "
                 "(or apply it outside the loss), or use method='vmap'."
+            )
+        name = getattr(func, "__name__", "")
+        in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
+        if in_place and args and self._key(args[0]) is not None:
+            raise UnsupportedModuleError(
+                f"ghost clipping: the model writes in place into a parameter, a cast of one (W.double()) or a view of one "
+                f"({name}); ghost clipping traces each parameter's uses and runs them on its own copies, so the write would "
+                "land elsewhere than the model's forward reads it (found by review: W.double().mul_(2) was differentiated "
+                "as W.double()). Write out of place (w = W.double() * 2), or use method='vmap'."
             )
         if func in (F.embedding, F.embedding_bag) and arg(args, kwargs, 3, "max_norm") is not None:
             raise UnsupportedModuleError(
