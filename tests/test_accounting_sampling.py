@@ -176,6 +176,36 @@ def test_cyclic_poisson_is_poisson_with_ceil_count_over_cycle_steps(accountant, 
     assert acc.epsilon(one, delta=delta, accountant=accountant) == pytest.approx(acc.epsilon(noise_multiplier=sigma, sample_rate=q, steps=count, delta=delta, accountant=accountant), rel=1e-12)
 
 
+def test_composed_runs_of_positional_events_are_charged_each_its_own_ceiling():
+    """Found by review: Ledger(...), extend and + merged two runs' cyclic events by their counts,
+    charged ceil((a + b) / cycle) steps for runs that cost ceil(a / cycle) + ceil(b / cycle): ten
+    composed one-step runs cost one run's epsilon. Only append (one run's next step) merges them;
+    the same holds for the matrix-factorization events charged by a run's positions."""
+    from vmapdp.mf.accounting import MinSeparationMFEvent
+
+    sigma, q, delta = 1.1, 0.5, 1e-5
+    run = Ledger()
+    for _ in range(5):
+        run = run.append(CyclicPoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, cycle=4))
+    assert run.events[0].count == 5 and run.events[0].charged_steps == 2
+    both = run + run
+    assert len(both.events) == 2 and both == run.extend(run) == Ledger(run.events + run.events)
+    assert Ledger.from_json(both.to_json()) == both  # (the boundary survives a checkpoint)
+    want = acc.epsilon(noise_multiplier=sigma, sample_rate=q, steps=4, delta=delta)
+    assert acc.epsilon(both, delta=delta) == pytest.approx(want, rel=1e-9)  # (2 + 2 steps composed, not 4 at once: rounding)
+    one_step = Ledger((CyclicPoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, cycle=100),))
+    ten = Ledger(one_step.events * 10)
+    assert acc.epsilon(ten, delta=delta) == pytest.approx(acc.epsilon(noise_multiplier=sigma, sample_rate=q, steps=10, delta=delta), rel=1e-9)
+    # the composed ledger's last run goes on by append: its own steps merge
+    longer = both.append(CyclicPoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, cycle=4))
+    assert [e.count for e in longer.events] == [5, 6]
+    mf = MinSeparationMFEvent(noise_multiplier=2.0, steps=10, min_separation=5, max_participations=2, mechanism="blt", size=2, count=3)
+    assert acc.epsilon(Ledger((mf, mf)), delta=delta) > acc.epsilon(Ledger((mf,)), delta=delta)
+    # Poisson steps are memoryless: their counts still merge
+    p = PoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, count=5)
+    assert Ledger((p,)) + Ledger((p,)) == Ledger((PoissonGaussianEvent(noise_multiplier=sigma, sample_rate=q, count=10),))
+
+
 def test_cyclic_events_merge_by_count_and_check_their_arguments():
     e = CyclicPoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, cycle=3)
     ledger = Ledger()

@@ -510,8 +510,10 @@ class CyclicPoissonGaussianEvent:
       the data's values). So the accountants charge ``charged_steps`` Poisson-subsampled Gaussian
       steps at ``sample_rate`` (PLD and RDP, exactly as :class:`PoissonGaussianEvent`): the
       identity-strategy case of Choquette-Choo et al. (2023), tight for the worst-case example.
-      Merging adds the counts; an event split by other events is charged each part's ceiling
-      (an upper bound).
+      Merging adds the counts, and only :meth:`Ledger.append` merges (one run's next step): the
+      events of two runs composed (``extend``, ``+``, a list given to ``Ledger``) stay apart,
+      each charged its own ceiling; an event split by other events is charged each part's
+      ceiling (an upper bound).
 
     Args:
       noise_multiplier: noise std / l2_clip_norm; finite and > 0.
@@ -534,6 +536,7 @@ class CyclicPoissonGaussianEvent:
     cycle: int
     count: int = 1
     adjacency: ClassVar[str] = ADD_REMOVE
+    positional: ClassVar[bool] = True  # charged by one run's positions: merged by Ledger.append only
 
     def __post_init__(self):
         where = "CyclicPoissonGaussianEvent"
@@ -672,7 +675,10 @@ def _merged(events: Iterable[Event]) -> tuple[Event, ...]:
                 f"{type(e).__name__} ({e!r}). Build events with "
                 "PoissonGaussianEvent(noise_multiplier=..., sample_rate=...) or a sampler's event()."
             )
-        if out and out[-1]._key() == e._key():
+        # (an event charged by a run's positions merges only through Ledger.append, one run's next step: two runs'
+        # events joined by their counts would be charged ceil((a + b) / cycle) < ceil(a / cycle) + ceil(b / cycle);
+        # found by review: ten composed cyclic runs cost one run's epsilon)
+        if out and out[-1]._key() == e._key() and not getattr(e, "positional", False):
             out[-1] = _combine(out[-1], e)
         else:
             out.append(e)
@@ -685,7 +691,9 @@ class Ledger:
 
     Consecutive identical events are merged into one with the summed ``count``, so the
     ledger stays tiny however long training runs; two ledgers describing the same sequence
-    of steps compare equal. The ledger is a plain value: hashable, comparable, JSON
+    of steps compare equal. Events charged by a run's positions (cyclic Poisson, banded and
+    min-separation matrix factorization: ``positional``) are merged by :meth:`append` only,
+    one run's next step; composed ledgers (``extend``, ``+``) keep each run's events apart. The ledger is a plain value: hashable, comparable, JSON
     round-trippable (``to_json`` / ``from_json``), and an opaque leaf for optree.
 
     Args:

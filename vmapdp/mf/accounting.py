@@ -77,6 +77,7 @@ class BandedMFEvent:
     band: int
     count: int = 1
     adjacency: ClassVar[str] = ADD_REMOVE
+    positional: ClassVar[bool] = True  # charged by one run's positions: merged by Ledger.append only
 
     def __post_init__(self):
         where = "BandedMFEvent"
@@ -137,6 +138,7 @@ class MinSeparationMFEvent:
     size: int
     count: int = 1
     adjacency: ClassVar[str] = ADD_REMOVE
+    positional: ClassVar[bool] = True  # charged by one run's positions: merged by Ledger.append only
 
     def __post_init__(self):
         where = "MinSeparationMFEvent"
