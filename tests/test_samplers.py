@@ -141,6 +141,23 @@ def test_resume_from_state_dict_is_bitwise(make, source):
         assert torch.equal(i, j) and torch.equal(m, k)
 
 
+@pytest.mark.parametrize("make", [lambda: ShuffledSampler(30, 7, epochs=3, key=KEY), lambda: BallsInBinsSampler(30, 4, epochs=3, key=KEY),
+                                  lambda: CyclicPoissonSampler(30, 0.3, 4, 11, key=KEY)], ids=["shuffle", "balls_in_bins", "cyclic"])
+def test_a_state_without_its_assignment_is_refused_mid_stream(make):
+    """Found by review: a sampler state loaded without its epoch permutation (or groups) drew a
+    new one mid-epoch, examples twice in an epoch charged once (6 of 20 on a shuffled sampler), or
+    other groups (17 of 20 moved) for a cyclic one; it raises at the draw now."""
+    first = make()
+    for _ in range(2):
+        first.sample()
+    state = first.state_dict()
+    state.pop("assignment")
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"(no epoch assignment|holds no groups).*Nothing was drawn"):
+        resumed.sample()
+
+
 def test_load_state_dict_refuses_another_sampler():
     s = ShuffledSampler(30, 7, key=KEY)
     with pytest.raises(ValueError, match=r"ShuffledSampler.load_state_dict\(state\): the state has batch_size=8, this sampler has batch_size=7"):

@@ -518,7 +518,13 @@ class _EpochSampler(_KeyedSampler):
 
     def sample(self) -> tuple[Tensor, Tensor]:
         j = self._step % self.steps_per_epoch
-        if j == 0 or self._assignment is None:
+        if j and self._assignment is None:  # (a redrawn permutation mid-epoch: examples twice in an epoch charged once)
+            raise ValueError(
+                f"{type(self).__name__}.sample: step {j} of an epoch but no epoch assignment: the sampler's state was loaded "
+                "without it (edited, or not saved by state_dict), and a new permutation now would put examples in two "
+                "batches of an epoch charged as one. Load the state_dict the sampler saved whole. Nothing was drawn."
+            )
+        if j == 0:
             self._assignment = self._draw_epoch()
         self._opened_epoch = j == 0
         idx = self._batch(self._assignment, j)
@@ -762,6 +768,13 @@ class CyclicPoissonSampler(_KeyedSampler):
         """The group (int64 in ``[0, cycle)``) of every example, each uniform and independent;
         drawn once, on first use (53-bit uniforms: exact in float64, so ``floor(u * cycle)``)."""
         if self._assignment is None:
+            if self._step:  # (groups drawn now, at another point of the stream, would differ from the ones charged)
+                raise ValueError(
+                    f"{type(self).__name__}.groups: the sampler has drawn {self._step} steps but holds no groups: its state "
+                    "was loaded without them (edited, or not saved by state_dict), and groups drawn now would differ "
+                    "from the ones its earlier steps used (an example in two groups). Load the state_dict the sampler "
+                    "saved whole. Nothing was drawn."
+                )
             u = self._u53(self.num_samples).to(torch.float64) / float(1 << 53)
             self._assignment = (u * self.cycle).floor().to(torch.int64)
         return self._assignment

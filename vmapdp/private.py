@@ -204,7 +204,7 @@ def make_private(
         delta: the delta of the (epsilon, delta) guarantee, in ``(0, 1 / len(dataset))`` (a larger
             one is refused: publishing one random record is already ``(0, 1/n)``-DP); use much less.
         noise_multiplier: noise std / l2_clip_norm; or give ``target_epsilon`` and ``epochs`` to
-            calibrate it (RDP, never above the target).
+            calibrate it (PLD, never above the target; the budget is then enforced by PLD too).
         batch_size: expected batch size (required for a Dataset).
         criterion: ``criterion(logits [1, K], target [1])``, applied per sample (default
             ``F.cross_entropy``). For a transformers (or peft) model with dict rows the default is

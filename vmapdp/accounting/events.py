@@ -68,8 +68,8 @@ class PoissonGaussianEvent:
     Args:
       noise_multiplier: noise std / l2_clip_norm; finite and > 0. (Zero noise is a
         :class:`NonPrivateEvent`.)
-      sample_rate: probability that an example is in a step's batch, in [0, 1]. 0 means no
-        example is ever used and costs no privacy; 1 is the full-batch Gaussian mechanism.
+      sample_rate: probability that an example is in a step's batch, in (0, 1]; 1 is the
+        full-batch Gaussian mechanism.
       count: how many such steps, an integer >= 1.
 
     Raises:
