@@ -98,6 +98,26 @@ def test_rejects_batchnorm_and_bad_arguments():
         vmapdp.make_private(m, opt, ds, batch_size=10, l2_clip_norm=1.0, target_epsilon=1.0, delta=1e-3)
 
 
+def test_an_optimizer_over_other_params_or_with_a_scheduler_is_refused():
+    """Found by review: an optimizer over the head only (or another module) was taken for its
+    hyperparameters and every trainable param was trained; a scheduler's steps never reached the
+    training. Frozen params in the optimizer (a PEFT model's base) are fine, as in torch."""
+    ds = data()
+    args = dict(batch_size=10, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3, compile=False)
+    m = model()
+    with pytest.raises(ValueError, match=r"2 trainable parameter\(s\) are not in it \(0.weight, 0.bias\).*freeze the rest"):
+        vmapdp.make_private(m, torch.optim.SGD(m[2].parameters(), lr=0.1), ds, **args)
+    with pytest.raises(ValueError, match=r"4 trainable parameter\(s\) are not in it.*it holds 4 tensor\(s\) that are not parameters of the model"):
+        vmapdp.make_private(m, torch.optim.SGD(model(1).parameters(), lr=0.1), ds, **args)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with pytest.raises(ValueError, match=r"an LR scheduler is attached"):
+        vmapdp.make_private(m, opt, ds, **args)
+    m[0].requires_grad_(False)  # the head alone, its base frozen but held by the optimizer
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, **args)
+    assert set(trainer.state.params) == {"2.weight", "2.bias"}
+
+
 def test_optimizer_hyperparameters_are_kept():
     m = model()
     decoupled = torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)

@@ -53,6 +53,35 @@ def _functional_optimizer(optimizer: torch.optim.Optimizer) -> optim.Optimizer:
     return optim.from_torch(type(optimizer), **{k: v for k, v in d.items() if k not in implementation})
 
 
+def _check_optimizer_params(call: str, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """The torch optimizer must hold exactly the model's trainable params (found by review: one over
+    the head only, or over another module, was taken for its hyperparameters alone and every
+    trainable param of the model was trained), and no LR scheduler may be attached (its steps would
+    change the torch optimizer's lr, which the functional copy made here never reads again)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    missing = [name for i, name in trainable.items() if i not in held]
+    foreign = len(held - {id(p) for p in model.parameters()})  # (frozen params held: no grads, as in torch)
+    if missing or foreign:
+        raise ValueError(
+            f"{call}: the optimizer must hold exactly the model's trainable parameters, since make_private trains every "
+            "parameter with requires_grad=True: "
+            + (f"{len(missing)} trainable parameter(s) are not in it ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})"
+               if missing else "")
+            + ("; " if missing and foreign else "")
+            + (f"it holds {foreign} tensor(s) that are not parameters of the model" if foreign else "")
+            + ". To train part of the model, freeze the rest (p.requires_grad_(False)) and build the optimizer over "
+            "[p for p in model.parameters() if p.requires_grad]. Nothing was changed."
+        )
+    if any("initial_lr" in group for group in optimizer.param_groups):
+        raise ValueError(
+            f"{call}: an LR scheduler is attached to the optimizer (its param group has 'initial_lr'), but make_private "
+            "copies the optimizer's hyperparameters once and a torch scheduler's steps would not reach the training: "
+            "make the optimizer without a scheduler, and change the rate between steps through a tensor learning rate "
+            "(vmapdp.optim.sgd(lr=torch.tensor(0.1)), then lr.fill_(new) with make_train_step). Nothing was changed."
+        )
+
+
 def _tensors_of(dataset: Any) -> tuple[Tensor, ...] | None:
     if isinstance(dataset, torch.utils.data.TensorDataset):
         return tuple(dataset.tensors)
@@ -324,6 +353,7 @@ def make_private(
             out = apply(params, buffers, **{k: v[None] for k, v in sample.items() if k != label_key})
         return criterion(_logits(out), y[None])
 
+    _check_optimizer_params(call, optimizer, model)
     opt = _functional_optimizer(optimizer)
     if strategy is None:
         sampler = PoissonSampler(n, sample_rate, key=None if secure else _sampler_key(seed), secure=secure)
