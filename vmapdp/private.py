@@ -222,7 +222,8 @@ def make_private(
             :func:`vmapdp.fix` first). Its weights are updated in place after every step.
         optimizer: a ``torch.optim`` optimizer over ``model.parameters()``; only its class and
             hyperparameters are used (SGD, Adam, AdamW run on the same kernels; others through
-            :func:`vmapdp.optim.from_torch`).
+            :func:`vmapdp.optim.from_torch`). It must hold every trainable param of the model (to
+            train part of it, freeze the rest) and no other tensor, with no LR scheduler attached.
         data: a map-style ``Dataset`` of ``(x, y)`` pairs, or of dicts (``{"input_ids": ...,
             "labels": ...}``: the label under ``"labels"`` or ``"label"``, every other key passed to
             the model as a keyword argument; a model output with ``.logits`` is fine), or a
