@@ -512,7 +512,7 @@ class ClippedGradSum:
             summed = part if summed is None else {k: summed[k] + part[k] for k in summed}
             norms.append(n)
             losses.append(lo)
-            del g, part  # one chunk's per-sample grads at a time
+            g = part = None  # one chunk's per-sample grads at a time (not `del`: part is a closure cell, whose del dynamo cannot trace)
         norms_t = torch.cat(norms)
         if self.nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
             released_rows(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)
