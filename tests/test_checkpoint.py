@@ -125,6 +125,15 @@ def test_foreign_and_old_files_are_refused(saved, tmp_path):
         vmapdp.load_state(tmp_path / "empty.pt")
 
 
+def test_a_directory_or_a_missing_directory_is_refused_before_writing(saved, tmp_path):
+    state = vmapdp.load_state(saved[0], sampler=sampler())
+    with pytest.raises(ValueError, match=r"is a directory; give a file path inside it.*Nothing was written"):
+        vmapdp.save_state(tmp_path, state)
+    with pytest.raises(ValueError, match=r"does not exist; create it first.*Nothing was written"):
+        vmapdp.save_state(tmp_path / "no" / "s.pt", state)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _refused(path, *, key=None, match=r"integrity check failed|not a (complete )?vmapdp checkpoint|not supported|unknown digest|saved with key="):
     s = sampler(key=b"the-callers-own-sampler")
     before = s.state_dict()

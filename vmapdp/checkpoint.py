@@ -87,6 +87,10 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
     """
     call = "save_state(path, state)"
     secret = checked_key(call, key)
+    if os.path.isdir(path):  # (found by review: a raw IsADirectoryError after the temporary file was written beside it)
+        raise ValueError(f"{call}: {os.fspath(path)!r} is a directory; give a file path inside it (e.g. os.path.join(path, 'state.pt')). Nothing was written.")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{call}: the directory of {os.fspath(path)!r} does not exist; create it first (os.makedirs). Nothing was written.")
     write_payload(path, state_payload(call, state, sampler), secret)
 
 
