@@ -140,6 +140,27 @@ def test_a_decoder_classifier_pools_the_last_real_token_whatever_the_padding_hol
         loss(params, buffers, sample)
 
 
+def test_a_decoder_classifier_takes_an_equal_length_batch_without_a_mask():
+    """Found by review: without attention_mask, transformers' decoder classifier checks the ids for
+    padding with data-dependent code, and vmap raised its own error; the adapter gives such a
+    sample a ones mask (all its tokens real). Per-sample grads equal the float64 oracle of the
+    model's own loss, one unpadded sample at a time."""
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, num_labels=3, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    torch.manual_seed(0)
+    m = transformers.GPT2ForSequenceClassification(cfg).double().eval()
+    apply, params, buffers, loss = hf.loss_fn(m)
+    g = torch.Generator().manual_seed(0)
+    rows = {"input_ids": torch.randint(2, 50, (3, 6), generator=g), "labels": torch.randint(0, 3, (3,), generator=g)}
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, rows)
+
+    def own(p, b, sample):
+        return torch.func.functional_call(m, {**p, **b}, (), {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]}).loss
+
+    ref = vmapdp.testing.microbatch_grads(own, params, buffers, rows)
+    for k in ref:
+        torch.testing.assert_close(grads[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("name, left", [("gpt2", False), ("gpt2", True), ("bert-sdpa", False), ("llama-sdpa", False), ("llama-sdpa", True), ("opt-eager", True)])
 def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, left):
     """The padded length is the longest row's where a collate pads to the longest: a sample's loss
