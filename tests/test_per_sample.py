@@ -203,6 +203,35 @@ def test_error_loss_not_scalar():
         vmapdp.per_sample_grads(batched_loss)(params, buffers, torch.randn(4, 3))
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass", "auto"])
+def test_a_loss_that_ignores_its_sample_is_refused_before_anything_is_released(method):
+    """Found by review: a loss reading the dataset captured from outside (apply(p, b, x) for the
+    sample's xi) gave every sample the same gradient of rows never sampled, and every method
+    released it. Its value does not depend on the mapped sample: refused, with the fix."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x, y = torch.randn(50, 3), torch.randint(0, 2, (50,))
+
+    def whole_dataset(p, b, sample):
+        return F.cross_entropy(apply(p, b, x), y)
+
+    def own_sample(p, b, sample):
+        xi, yi = sample
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    opt = vmapdp.optim.sgd(0.1)
+    for loss_fn, refused in ((whole_dataset, True), (own_sample, False)):
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=5.0, sample_rate=0.1, compile=False, method=method)
+        state = vmapdp.init_train_state(params, opt, seed=3 + refused)
+        if refused:
+            with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample.*Compute the loss from the sample it is given"):
+                step(state, (x[:6], y[:6]), torch.ones(6, dtype=torch.bool), buffers)
+        else:
+            assert step(state, (x[:6], y[:6]), torch.ones(6, dtype=torch.bool), buffers)[0].step == 1
+    with pytest.raises(ValueError, match=r"per_sample_grads\(loss_fn\): loss_fn's value does not depend on its sample"):
+        vmapdp.per_sample_grads(whole_dataset)(params, buffers, (x[:6], y[:6]))
+
+
 def test_error_bad_mask_and_options():
     params, buffers, loss_fn = _linear_setup()
     batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))

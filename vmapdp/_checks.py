@@ -545,3 +545,33 @@ def workload(call: str, value: Any, n: int) -> torch.Tensor:
     if value.shape != (n, n) or not value.is_floating_point() or not bool(torch.isfinite(value).all()):
         raise ValueError(f"{call}: workload must be a finite floating-point {n} x {n} matrix (n={n}), got {value.dtype} of shape {tuple(value.shape)}. Build it with vmapdp.mf.prefix_sums(n) or momentum_prefix_sums(n, ...).")
     return value.detach().to(torch.float64)
+
+
+def loss_reads_its_sample(call: str, loss: Any) -> None:
+    """Inside ``vmap`` over the batch (eagerly), refuse a per-sample loss that does not depend on
+    its sample: one that reads data from elsewhere (a typo: ``apply(p, b, x)`` with the dataset's
+    ``x`` for the sample's ``xi``) gives every sample the same gradient of those other rows, and
+    the release then depends on rows that were never sampled (found by review: released under every
+    method). Walks the loss's functorch wrappers (grad levels) for a batched one. Not while
+    compiling (the eager run or the probe checks it); a loss that depends on its sample partly is
+    not seen."""
+    from torch._C import _functorch as fc
+
+    if torch.compiler.is_compiling() or not isinstance(loss, torch.Tensor):
+        return
+    t = loss
+    while True:
+        if fc.is_batchedtensor(t):
+            return
+        if fc.is_gradtrackingtensor(t):
+            t = fc.get_unwrapped(t)
+            continue
+        if fc.is_functionaltensor(t) or type(t) is not torch.Tensor:  # (another wrapper: not refused on a guess)
+            return
+        break
+    raise ValueError(
+        f"{call}: loss_fn's value does not depend on its sample (the last argument): every sample would get the same "
+        "gradient, of data read from elsewhere, and the release would depend on rows that were never sampled. Compute "
+        "the loss from the sample it is given (x, y = sample; apply(params, buffers, x[None])), not from the dataset's "
+        "tensors captured from outside."
+    )

@@ -65,7 +65,12 @@ def _mapped(
     randomness: str,
 ) -> Callable[..., tuple[Any, Tensor, Any, int]]:
     """``fn(*args) -> (grads, losses, aux, B)`` with the batch mapped over; shared by the public forms."""
-    transform = grad_and_value(loss_fn, argnums=argnums, has_aux=has_aux)
+    def checked(*args: Any) -> Any:
+        out = loss_fn(*args)
+        _checks.loss_reads_its_sample(call, out[0] if has_aux and isinstance(out, tuple) else out)
+        return out
+
+    transform = grad_and_value(checked, argnums=argnums, has_aux=has_aux)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
     def run(*args: Any) -> tuple[Any, Tensor, Any, int]:

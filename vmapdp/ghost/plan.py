@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
+from vmapdp._checks import loss_reads_its_sample
 from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
@@ -524,7 +525,9 @@ def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: An
 
     def fwd(sample):
         run.level = torch._C._functorch.maybe_get_level(_leaves(sample)[0])
-        return run_loss(run, loss_fn, params, shared, sample)
+        loss = run_loss(run, loss_fn, params, shared, sample)
+        loss_reads_its_sample("ghost clipping", loss)  # (the real run's taps would make any loss depend on the batch)
+        return loss
 
     with torch.no_grad(), rng_kept(next(iter(params.values())).device):
         vmap(fwd, randomness=randomness)(one)
