@@ -89,11 +89,19 @@ def build_step(mechanism: str, name: str, batch_size: int, device: torch.device,
         step = vmapdp.make_train_step(models.one_sample_loss(apply), sgd, sampler=sampler, privatizer=privatizer, **common)
     box = {"state": vmapdp.init_train_state(params, sgd, seed=0, privatizer=privatizer)}
     mask = torch.ones(batch_size, dtype=torch.bool, device=device)
+    if sampler is not None:  # the fixed rows, as many as the sampler's capacity (the draw's real rows among them)
+        rows = sampler.capacity
+        x, y = spec.make_batch(rows, generator=torch.Generator().manual_seed(0), **({"seq_len": seq_len} if name in ("embedding", "lstm") else {}))
+        x, y = x.to(device), y.to(device)
 
     def run():
+        m = mask
         if sampler is not None:
-            sampler.sample()  # a correlated step must follow its own sampler's draw (its position is checked); the batch stays fixed
-        box["state"], _ = step(box["state"], (x, y), mask, buffers)
+            # a correlated step follows its own sampler's draw (its position and its real rows are checked): the
+            # first rows of the fixed batch, as many as the draw holds, stand for it
+            _, drawn = sampler.sample()
+            m = torch.arange(x.shape[0], device=device) < int(drawn.sum())
+        box["state"], _ = step(box["state"], (x, y), m, buffers)
 
     noise_state = box["state"].noise_state
     run.state_bytes = sum(v.numel() * v.element_size() for v in noise_state["buffers"].values()) if noise_state else 0

@@ -121,6 +121,32 @@ def test_ambiguous_or_missing_schemes_are_refused():
         vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=[1, 2], **kw)
     # agreeing rates are accepted, and the sampler's events are what is recorded
     vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.25, sampler=fixed, **kw)
+    # found by review: an expected_batch_size against the sampler's divided every update by another size
+    with pytest.raises(ValueError, match=r"expected_batch_size=60.0 but the sampler's expected batch size is 6"):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=fixed, **{**kw, "expected_batch_size": 60.0})
+
+
+def test_a_batch_no_sampling_of_the_charged_size_could_draw_is_refused():
+    """Found by review: with sample_rate= alone (or a sampler given for its events only) the step
+    took the whole dataset every step and charged it as a Poisson step at the given rate. Without a
+    draw to compare with, the real rows must be at most E + 10 sqrt(E) + 20 (false alarm < 1e-17)."""
+    params, buffers, _, loss_fn = problem()
+    g = torch.Generator().manual_seed(3)
+    big = (torch.randn(200, 3, generator=g), torch.randint(0, 2, (200,), generator=g))
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    events_only = FixedSizeSampler(200, 10, generator=torch.Generator().manual_seed(0))
+    for how in (dict(sample_rate=0.05), dict(sampler=events_only)):
+        step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, expected_batch_size=10.0, compile=False, **how)
+        with pytest.raises(ValueError, match=r"the batch has 200 real rows but the step charges a sampling of expected batch size 10 \(more than 61 rows"):
+            step(state, big, torch.ones(200, dtype=torch.bool), buffers)
+        # the largest plausible batch steps (61 rows: the bound is 10 + 10 sqrt(10) + 20 = 61.6)
+        rows = _first_rows(big, 61)
+        new, metrics = step(state, rows, torch.ones(61, dtype=torch.bool), buffers)
+        assert int(metrics["batch_size"]) == 61 and new.step == 1
+
+
+def _first_rows(data, n):
+    return tuple(x[:n] for x in data)
 
 
 def test_a_budget_stops_a_fixed_size_run_where_pld_says():

@@ -559,7 +559,24 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
-def _check_drawn_rows(call: str, sampler: Any, mask: Tensor) -> None:
+def _plausible_rows(call: str, rows: int, expected: float) -> None:
+    """Without a sampler's draw to compare with (``sample_rate=`` alone, or a sampler given for its
+    events only), the batch's real rows must be a size the charged sampling could draw: at most
+    ``E + 10 sqrt(E) + 20`` for the expected size ``E`` (a Poisson or fixed-size batch exceeds it
+    with probability below 1e-17, by Bernstein's inequality). Found by review: a whole dataset
+    stepped every step (200 rows for E = 10) was charged as Poisson at the given rate."""
+    bound = expected + 10.0 * math.sqrt(expected) + 20.0
+    if rows > bound:
+        raise ValueError(
+            f"{call}: the batch has {rows} real rows but the step charges a sampling of expected batch size {expected:g} "
+            f"(more than {math.floor(bound)} rows has probability below 1e-17): this is not a batch of that sampling (the whole "
+            "dataset, rows repeated, or padding marked real?), and the ledger would charge too little. Draw each batch from "
+            "a sampler and pass it (make_train_step(..., sampler=)), or give the expected_batch_size the sampling has. "
+            "Nothing was released."
+        )
+
+
+def _check_drawn_rows(call: str, sampler: Any, mask: Tensor, expected: float) -> None:
     """In one process, the batch's real rows (``mask``'s True entries) must be those of the
     sampler's last draw (``last_rows``), where the step's sampler has drawn: a mask that marks the
     sampler's padding as real (``torch.ones_like(mask)``: the padding rows are copies of row 0) or a
@@ -567,9 +584,10 @@ def _check_drawn_rows(call: str, sampler: Any, mask: Tensor) -> None:
     as C (found by review: example 0 stepped 21 times). A sampler that has drawn nothing was given
     for its events only (see :func:`_check_sampler_position`). Same-sized other rows are not seen."""
     drawn = getattr(sampler, "last_rows", None) if sampler is not None else None
-    if drawn is None:
-        return
     real = int(mask.sum())
+    if drawn is None:
+        _plausible_rows(call, real, expected)
+        return
     if real != drawn:
         raise ValueError(
             f"{call}: the mask marks {real} real rows but the step's sampler drew {drawn}: "
@@ -595,13 +613,14 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     return recorded if _positional(sampler) or (drawn is not None and drawn > 0) else None
 
 
-def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, *, failed: BaseException | None = None) -> None:
+def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float, *, failed: BaseException | None = None) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
     the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
     must agree; reduced, so every rank decides on the same figures and all refuse together): more
     means an example stepped on two ranks (every rank stepped the whole global batch, or took its
     share of another draw), each adding up to C to one sum charged as C. Before the noise (nothing released). Not checked where no rank's
-    sampler has drawn (given for its events only) or there is none. ``failed``: what this rank's per-sample
+    sampler has drawn (given for its events only) or there is none: there the summed rows must be
+    plausible for ``expected`` (:func:`_plausible_rows`). ``failed``: what this rank's per-sample
     work raised (it joined the reduction with zero sums): every rank raises, that rank its own error."""
     mine = getattr(sampler, "last_rows", None) if sampler is not None else None
     # the largest and the smallest draw over the ranks whose sampler drew (one all_reduce): any rank's,
@@ -619,6 +638,7 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, *, failed: BaseExce
             "stopped with it after the reduction, before the noise: nothing was released on any rank."
         )
     if hi < 0:
+        _plausible_rows(call, int(rows.item()), expected)  # (the ranks' rows summed: the same figure on every rank)
         return
     if some_idle:
         raise ValueError(
@@ -974,9 +994,17 @@ def make_train_step(
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
     l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
     sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
+    given_divisor = expected_batch_size
     if expected_batch_size is None and sampler is not None:
         expected_batch_size = sampler.expected_batch_size
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
+    if given_divisor is not None and sampler is not None and not math.isclose(expected_batch_size, sampler.expected_batch_size, rel_tol=1e-9):
+        # (found by review: 100 against the sampler's 10 made every update 10x too small, silently)
+        raise ValueError(
+            f"{call}: expected_batch_size={given_divisor!r} but the sampler's expected batch size is "
+            f"{sampler.expected_batch_size!r}: the noisy sum would be divided by another size than the sampler draws. Leave "
+            "expected_batch_size out (the sampler's is used), or scale the learning rate instead."
+        )
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
     if adaptive_clipping is not None:
@@ -1209,7 +1237,7 @@ def make_train_step(
                 _check_shapes(scall, first_shapes, shapes)
             sampler_id = _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise, recorded=state.sampler_id)
             if not distributed and _spent.recording():  # (distributed: the ranks' shares, summed after the reduction:
-                _check_drawn_rows(scall, sampler, mask)  # _check_dealt_rows; unreleased(): the audit's neighbouring masks)
+                _check_drawn_rows(scall, sampler, mask, expected_batch_size)  # _check_dealt_rows; unreleased(): the audit's)
             if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
@@ -1295,7 +1323,7 @@ def make_train_step(
         elif distributed:  # sum over ranks (one all_reduce)
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding), checked=True)
         if distributed:
-            _check_dealt_rows(scall, sampler, stats.rows, failed=failed)
+            _check_dealt_rows(scall, sampler, stats.rows, expected_batch_size, failed=failed)
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
