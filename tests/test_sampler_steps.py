@@ -121,9 +121,6 @@ def test_ambiguous_or_missing_schemes_are_refused():
         vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=[1, 2], **kw)
     # agreeing rates are accepted, and the sampler's events are what is recorded
     vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.25, sampler=fixed, **kw)
-    # found by review: an expected_batch_size against the sampler's divided every update by another size
-    with pytest.raises(ValueError, match=r"expected_batch_size=60.0 but the sampler's expected batch size is 6"):
-        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=fixed, **{**kw, "expected_batch_size": 60.0})
 
 
 def test_a_batch_no_sampling_of_the_charged_size_could_draw_is_refused():

@@ -848,6 +848,8 @@ def make_train_step(
             constant. Never the realised batch size, which depends on the data and is private.
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
             not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
+            Without a sampler it is also the size the batches' real rows are checked against (at
+            most ``E + 10 sqrt(E) + 20``); with one, the sampler's expected size is.
         sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
             it means Poisson sampling. Batches from anything else (fixed-size, shuffled, a
             DataLoader) with ``sample_rate=`` get a Poisson epsilon that is too small: pass
@@ -994,17 +996,12 @@ def make_train_step(
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)
     l2_clip_norm = _checks.positive(call, "l2_clip_norm", l2_clip_norm, allow_inf=noise_multiplier == 0, meaning=_checks.CLIP_MEANING)
     sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
-    given_divisor = expected_batch_size
     if expected_batch_size is None and sampler is not None:
         expected_batch_size = sampler.expected_batch_size
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
-    if given_divisor is not None and sampler is not None and not math.isclose(expected_batch_size, sampler.expected_batch_size, rel_tol=1e-9):
-        # (found by review: 100 against the sampler's 10 made every update 10x too small, silently)
-        raise ValueError(
-            f"{call}: expected_batch_size={given_divisor!r} but the sampler's expected batch size is "
-            f"{sampler.expected_batch_size!r}: the noisy sum would be divided by another size than the sampler draws. Leave "
-            "expected_batch_size out (the sampler's is used), or scale the learning rate instead."
-        )
+    # the size the charged sampling draws on average: the sampler's (a given expected_batch_size is the divisor
+    # only, the caller's choice: 1.0 releases the noisy sum itself), else the caller's word (sample_rate= alone)
+    drawn_size = sampler.expected_batch_size if sampler is not None else expected_batch_size
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
     if adaptive_clipping is not None:
@@ -1237,7 +1234,7 @@ def make_train_step(
                 _check_shapes(scall, first_shapes, shapes)
             sampler_id = _check_sampler_position(scall, sampler, state.step, distributed, bound=bound_noise, recorded=state.sampler_id)
             if not distributed and _spent.recording():  # (distributed: the ranks' shares, summed after the reduction:
-                _check_drawn_rows(scall, sampler, mask, expected_batch_size)  # _check_dealt_rows; unreleased(): the audit's)
+                _check_drawn_rows(scall, sampler, mask, drawn_size)  # _check_dealt_rows; unreleased(): the audit's)
             if stateless and _leaves(state.noise_state):
                 # a correlated-noise state stepped by the default Gaussian: its buffers' step count would
                 # lag the sampler's groups, and later correlated steps would put an example's
@@ -1323,7 +1320,7 @@ def make_train_step(
         elif distributed:  # sum over ranks (one all_reduce)
             summed, stats = _dist.all_reduce_step(scall, summed, stats, (state.noise_seed, state.step, binding), checked=True)
         if distributed:
-            _check_dealt_rows(scall, sampler, stats.rows, expected_batch_size, failed=failed)
+            _check_dealt_rows(scall, sampler, stats.rows, drawn_size, failed=failed)
         key = None if secure else _step_key(state.noise_seed, state.step, binding)
         new_clip, noise_state, extra = state.clip_norm, state.noise_state, {}
         if adaptive_clipping is None:
