@@ -559,12 +559,14 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
-def _plausible_rows(call: str, rows: int, expected: float) -> None:
+def _plausible_rows(call: str, rows: int, expected: float | None) -> None:
     """Without a sampler's draw to compare with (``sample_rate=`` alone, or a sampler given for its
     events only), the batch's real rows must be a size the charged sampling could draw: at most
     ``E + 10 sqrt(E) + 20`` for the expected size ``E`` (a Poisson or fixed-size batch exceeds it
     with probability below 1e-17, by Bernstein's inequality). Found by review: a whole dataset
     stepped every step (200 rows for E = 10) was charged as Poisson at the given rate."""
+    if expected is None:  # (sample_rate= alone: the dataset's size, so the draw's, is not known; found by review:
+        return  # expected_batch_size, a divisor of the caller's choice, refused real draws)
     bound = expected + 10.0 * math.sqrt(expected) + 20.0
     if rows > bound:
         raise ValueError(
@@ -576,7 +578,7 @@ def _plausible_rows(call: str, rows: int, expected: float) -> None:
         )
 
 
-def _check_drawn_rows(call: str, sampler: Any, mask: Tensor, expected: float) -> None:
+def _check_drawn_rows(call: str, sampler: Any, mask: Tensor, expected: float | None) -> None:
     """In one process, the batch's real rows (``mask``'s True entries) must be those of the
     sampler's last draw (``last_rows``), where the step's sampler has drawn: a mask that marks the
     sampler's padding as real (``torch.ones_like(mask)``: the padding rows are copies of row 0) or a
@@ -613,7 +615,7 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     return recorded if _positional(sampler) or (drawn is not None and drawn > 0) else None
 
 
-def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float, *, failed: BaseException | None = None) -> None:
+def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | None, *, failed: BaseException | None = None) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
     the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
     must agree; reduced, so every rank decides on the same figures and all refuse together): more
@@ -848,8 +850,8 @@ def make_train_step(
             constant. Never the realised batch size, which depends on the data and is private.
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
             not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
-            Without a sampler it is also the size the batches' real rows are checked against (at
-            most ``E + 10 sqrt(E) + 20``); with one, the sampler's expected size is.
+            With a sampler that has not drawn (given for its events only), a batch's real rows are
+            checked against the sampler's expected size ``E`` (at most ``E + 10 sqrt(E) + 20``).
         sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
             it means Poisson sampling. Batches from anything else (fixed-size, shuffled, a
             DataLoader) with ``sample_rate=`` get a Poisson epsilon that is too small: pass
@@ -1000,8 +1002,8 @@ def make_train_step(
         expected_batch_size = sampler.expected_batch_size
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
     # the size the charged sampling draws on average: the sampler's (a given expected_batch_size is the divisor
-    # only, the caller's choice: 1.0 releases the noisy sum itself), else the caller's word (sample_rate= alone)
-    drawn_size = sampler.expected_batch_size if sampler is not None else expected_batch_size
+    # only, the caller's choice: 1.0 releases the noisy sum itself); unknown with sample_rate= alone (not checked)
+    drawn_size = sampler.expected_batch_size if sampler is not None else None
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     own_budget = _check_budget(call, budget, accountant)
     if adaptive_clipping is not None:
