@@ -552,9 +552,9 @@ def loss_reads_its_sample(call: str, loss: Any) -> None:
     its sample: one that reads data from elsewhere (a typo: ``apply(p, b, x)`` with the dataset's
     ``x`` for the sample's ``xi``) gives every sample the same gradient of those other rows, and
     the release then depends on rows that were never sampled (found by review: released under every
-    method). Walks the loss's functorch wrappers (grad levels) for a batched one. Not while
-    compiling (the eager run or the probe checks it); a loss that depends on its sample partly is
-    not seen."""
+    method). Walks the loss's functorch wrappers (grad levels) for a batched one. Skipped while
+    compiling: ghost's and "auto"'s eager probe checks a compiled step, a compiled ``vmap`` or
+    ``two_pass`` step is not checked; nor is a loss that depends on its sample only partly."""
     from torch._C import _functorch as fc
 
     if torch.compiler.is_compiling() or not isinstance(loss, torch.Tensor):

@@ -559,22 +559,20 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
-def _plausible_rows(call: str, rows: int, expected: float | None) -> None:
-    """Without a sampler's draw to compare with (``sample_rate=`` alone, or a sampler given for its
-    events only), the batch's real rows must be a size the charged sampling could draw: at most
-    ``E + 10 sqrt(E) + 20`` for the expected size ``E`` (a Poisson or fixed-size batch exceeds it
-    with probability below 1e-17, by Bernstein's inequality). Found by review: a whole dataset
-    stepped every step (200 rows for E = 10) was charged as Poisson at the given rate."""
-    if expected is None:  # (sample_rate= alone: the dataset's size, so the draw's, is not known; found by review:
-        return  # expected_batch_size, a divisor of the caller's choice, refused real draws)
+def _plausible_rows(call: str, rows: int, expected: float) -> None:
+    """With a sampler given for its events only (no draw to compare with), the batch's real rows
+    must be a size that sampler could draw: at most ``E + 10 sqrt(E) + 20`` for its expected size
+    ``E`` (a Poisson or fixed-size batch exceeds it with probability below 1e-17, by Bernstein's
+    inequality). Found by review: a whole dataset stepped every step (200 rows for E = 10) was
+    charged at the sampler's rate. Not with ``sample_rate=`` alone, whose dataset size, so draw
+    size, is unknown (``expected_batch_size`` is a divisor of the caller's choice)."""
     bound = expected + 10.0 * math.sqrt(expected) + 20.0
     if rows > bound:
         raise ValueError(
             f"{call}: the batch has {rows} real rows but the step charges a sampling of expected batch size {expected:g} "
             f"(more than {math.floor(bound)} rows has probability below 1e-17): this is not a batch of that sampling (the whole "
             "dataset, rows repeated, or padding marked real?), and the ledger would charge too little. Draw each batch from "
-            "a sampler and pass it (make_train_step(..., sampler=)), or give the expected_batch_size the sampling has. "
-            "Nothing was released."
+            "the step's sampler: indices, mask = sampler.sample(). Nothing was released."
         )
 
 
@@ -585,7 +583,9 @@ def _check_drawn_rows(call: str, sampler: Any, mask: Tensor, expected: float | N
     batch with rows repeated steps an example several times, each adding up to C to a sum charged
     as C (found by review: example 0 stepped 21 times). A sampler that has drawn nothing was given
     for its events only (see :func:`_check_sampler_position`). Same-sized other rows are not seen."""
-    drawn = getattr(sampler, "last_rows", None) if sampler is not None else None
+    if sampler is None or expected is None:  # (sample_rate= alone: nothing to compare with, no host sync)
+        return
+    drawn = getattr(sampler, "last_rows", None)
     real = int(mask.sum())
     if drawn is None:
         _plausible_rows(call, real, expected)
@@ -640,7 +640,8 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | N
             "stopped with it after the reduction, before the noise: nothing was released on any rank."
         )
     if hi < 0:
-        _plausible_rows(call, int(rows.item()), expected)  # (the ranks' rows summed: the same figure on every rank)
+        if expected is not None:  # (the ranks' rows summed: the same figure on every rank)
+            _plausible_rows(call, int(rows.item()), expected)
         return
     if some_idle:
         raise ValueError(

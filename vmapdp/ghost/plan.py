@@ -44,7 +44,6 @@ _IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "true
 
 
 @dataclass
-
 class Plan:
     """What the probe learned of a loss for one input shape: its sites in call order, which
     covered-op calls are sites, and which params have uses no rule covers."""
