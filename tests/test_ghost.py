@@ -767,21 +767,31 @@ def test_writing_in_place_into_a_layer_input_is_refused():
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")({"W": torch.randn(3, 5)}, torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("write", ["cast", "view", "operator"])
+_WRITES = {
+    "cast": lambda p: p["W"].double().mul_(2.0),
+    "view": lambda p: p["W"][0:1].mul_(2.0),
+    "operator": lambda p: p["W"].double().__iadd__(1.0),
+    # found by review: item assignment and a functional's inplace=True (keyword or position) were
+    # not seen (F.relu(W.double(), inplace=True): norms of another model, released silently)
+    "setitem": lambda p: p["W"].__setitem__((0, 0), 5.0),
+    "setitem of a cast": lambda p: p["W"].double().__setitem__(slice(0, 1), torch.zeros(5, dtype=torch.float64)),
+    "inplace keyword": lambda p: F.relu(p["W"].double(), inplace=True),
+    "inplace by position": lambda p: F.hardtanh(p["W"], -0.1, 0.1, True),
+    # any other write shows in the cast's version counter (an aten overload's name has no trailing _;
+    # the write lands first, so on a cast here: float64 params, a float32 cast)
+    "version counter": lambda p: torch.ops.aten.mul_.Tensor(p["W"].float(), torch.tensor(2.0)),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
 def test_writing_in_place_into_a_param_or_its_cast_is_refused_before_it_lands(write):
     """Found by review: an in-place op on a cast of a param (W.double().mul_(2)) ran on the tracer's
     per-sample copy, not on the cast, and ghost differentiated another model than the user's (norms
     4x off); a write into a view of a param changed the caller's params before the refusal."""
     def loss_fn(p, x):
-        if write == "cast":
-            w = p["W"].double()
-            w.mul_(2.0)
-        elif write == "view":
+        w = _WRITES[write](p)
+        if w is None or w.shape != p["W"].shape:
             w = p["W"]
-            w[0:1].mul_(2.0)
-        else:
-            w = p["W"].double()
-            w += 1.0
         return F.linear(x, w).square().sum()
 
     params = {"W": torch.randn(3, 5, dtype=torch.float64)}

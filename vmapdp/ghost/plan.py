@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,8 +40,32 @@ __all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "rng_kept", "
 _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
 
 
-# in-place operators (Tensor.__iadd__ ...) that a `w += 1` on a param's cast calls
-_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift"))
+# in-place operators (Tensor.__iadd__ ...) that a `w += 1` on a param's cast calls, and item assignment (`w[0] = 0`)
+_IN_PLACE_DUNDERS = frozenset(f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift")) | {"__setitem__"}
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(func: Callable) -> int | None:
+    """The position of ``func``'s ``inplace`` parameter (``F.relu``, ``F.dropout``, ``F.hardtanh``...),
+    or None where it has none (or no signature Python can read: torch's builtins have no such
+    parameter)."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _writes_in_place(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Whether a call writes into its first argument: a method ending in ``_`` (``mul_``), an in-place
+    operator (``+=``, ``w[0] = ...``), or a functional's ``inplace=True`` (``F.relu(w, inplace=True)``)."""
+    name = getattr(func, "__name__", "")
+    if name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_"):
+        return True
+    if "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    i = _inplace_position(func)
+    return i is not None and len(args) > i and bool(args[i])
 
 
 @dataclass
@@ -343,15 +368,8 @@ class Run:
                 "out-of-place ops, because the forward is mapped over the batch. Remove the spectral norm "
                 "(or apply it outside the loss), or use method='vmap'."
             )
-        name = getattr(func, "__name__", "")
-        in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
-        if in_place and args and self._key(args[0]) is not None:
-            raise UnsupportedModuleError(
-                f"ghost clipping: the model writes in place into a parameter, a cast of one (W.double()) or a view of one "
-                f"({name}); ghost clipping traces each parameter's uses and runs them on its own copies, so the write would "
-                "land elsewhere than the model's forward reads it (found by review: W.double().mul_(2) was differentiated "
-                "as W.double()). Write out of place (w = W.double() * 2), or use method='vmap'."
-            )
+        if args and self._key(args[0]) is not None and _writes_in_place(func, args, kwargs):
+            raise self._in_place(func)
         if func in (F.embedding, F.embedding_bag) and arg(args, kwargs, 3, "max_norm") is not None:
             raise UnsupportedModuleError(
                 f"ghost clipping: an embedding with max_norm={arg(args, kwargs, 3, 'max_norm')!r} "
@@ -360,11 +378,26 @@ class Run:
                 "model (w = w * (max_norm / w.norm(dim=1, keepdim=True)).clamp(max=1)) or drop max_norm."
             )
 
+    def _in_place(self, func) -> UnsupportedModuleError:
+        return UnsupportedModuleError(
+            f"ghost clipping: the model writes in place into a parameter, a cast of one (W.double()) or a view of one "
+            f"({_name(func)}); ghost clipping traces each parameter's uses and runs them on its own copies, so the write would "
+            "land elsewhere than the model's forward reads it (found by review: W.double().mul_(2) was differentiated "
+            "as W.double()). Write out of place (w = W.double() * 2, F.relu(w) without inplace=True), or use method='vmap'."
+        )
+
     # -- the interception ----------------------------------------------------------------------
     def call(self, func, args: tuple, kwargs: dict) -> Any:
-        if self.probe:
-            self._inspect(func, args, kwargs)
-        return self._call(func, args, kwargs)
+        if not self.probe:
+            return self._call(func, args, kwargs)
+        self._inspect(func, args, kwargs)
+        # any other write into a param, a cast or a view of one (a Python function of the user's that
+        # writes inside, where the mode does not see its ops) shows in the version counters
+        watched = [_version_of(t) for t in _arg_leaves((args, kwargs)) if isinstance(t, Tensor) and self._key(t) is not None]
+        out = self._call(func, args, kwargs)
+        if any(t._version != v for t, v in watched):
+            raise self._in_place(func)
+        return out
 
     def _call(self, func, args: tuple, kwargs: dict) -> Any:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
