@@ -158,6 +158,21 @@ def _worker(rank, world, init_file, out_dir):
         except (ValueError, RuntimeError) as err:
             res["work_error"] = f"{type(err).__name__}: {err}"
         res["after_work_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        # the same under "auto", where the failure comes in its probe, before the ranks agree on the method
+        # (found by review: the failing rank skipped that collective and rank 0 waited in it until the timeout)
+        failing_auto = vmapdp.make_train_step(failing_loss, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                              compile=False, distributed=True, method="auto")
+        try:
+            failing_auto(st, rows, torch.ones(4, dtype=torch.bool), buffers)
+            res["auto_error"] = None
+        except (ValueError, RuntimeError) as err:
+            res["auto_error"] = f"{type(err).__name__}: {err}"
+        res["after_auto_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
+        # "auto" chooses once per batch shape, collectively: ranks stepping other shapes are refused at the check
+        shaped = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                        compile=False, distributed=True, method="auto")
+        k = 4 if vdist.rank() == 0 else 3
+        res["auto_shape_error"] = _expect_error(lambda: shaped(st, gather(data, torch.arange(k)), torch.ones(k, dtype=torch.bool), buffers))
         # per-sample grads past one rank's free memory (vmap's batch): that rank's refusal is raised on
         # every rank at the same-state check, not left to the others waiting in the reduction
         named_vmap = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
@@ -328,7 +343,7 @@ def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
 
 def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
-        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id)" in r["seed_error"]
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes)" in r["seed_error"]
         assert "same seed" in r["seed_error"]
 
 
@@ -352,6 +367,11 @@ def test_a_rank_whose_per_sample_work_raises_makes_every_rank_raise_after_the_re
     assert r0["work_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"), r0["work_error"]
     assert "nothing was released on any rank" in r0["work_error"]
     assert r0["after_work_error"] == r1["after_work_error"] == 1
+    assert r1["auto_error"] == "RuntimeError: rank 1's model failed on its rows", r1["auto_error"]
+    assert r0["auto_error"].startswith("RuntimeError: step(state, batch, mask): another rank failed while choosing what to run"), r0["auto_error"]
+    assert r0["after_auto_error"] == r1["after_auto_error"] == 1
+    for r in (r0, r1):
+        assert r["auto_shape_error"] is not None and "the ranks disagree on" in r["auto_shape_error"] and "batches of the same shapes" in r["auto_shape_error"], r["auto_shape_error"]
 
 
 def test_ranks_with_different_ledgers_fail_together(ranks):

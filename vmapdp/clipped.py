@@ -210,21 +210,22 @@ def shape_key(args: tuple) -> tuple:
 class AutoChooser:
     """``"auto"``'s choice per input shape: the fastest of the candidates, raced once, then cached.
 
-    ``agree(candidates, name) -> name`` (optional) turns a local choice into a shared one (a
-    distributed step broadcasts rank 0's). ``chosen`` is a read-only view of the choices so far.
+    ``agree(pick) -> name`` (optional) turns the local choice ``pick()`` into a shared one: a
+    distributed step calls ``pick`` on every rank and runs rank 0's answer everywhere, and where
+    ``pick`` raised on any rank, every rank raises (none is left waiting in a collective). ``chosen``
+    is a read-only view of the choices so far.
     """
 
-    def __init__(self, agree: Callable[[list[str], str], str] | None = None):
+    def __init__(self, agree: Callable[[Callable[[], str]], str] | None = None):
         self._chosen: dict[tuple, str] = {}
         self._agree = agree
         self.chosen: Mapping[tuple, str] = types.MappingProxyType(self._chosen)
 
-    def choose(self, key: tuple, candidates: list[str], runs: Mapping[str, Callable[[], Any]], device: torch.device) -> str:
-        """The method for ``key``: the cached one, or the winner of a race of ``runs[c]`` for each
-        candidate ``c`` (see :func:`race`)."""
+    def choose(self, key: tuple, pick: Callable[[], str]) -> str:
+        """The method for ``key``: the cached one, or ``pick()``'s (a :func:`race` of the candidates),
+        agreed where there is ``agree``."""
         if key not in self._chosen:
-            name = race({m: runs[m] for m in candidates}, device)
-            self._chosen[key] = name if self._agree is None else self._agree(candidates, name)
+            self._chosen[key] = pick() if self._agree is None else self._agree(pick)
         return self._chosen[key]
 
     def get(self, key: tuple) -> str | None:
@@ -477,7 +478,7 @@ class ClippedGradSum:
             "vmap": lambda: self._by_vmap(params, shared, batch, mask),
             "two_pass": lambda: self._by_two_pass(params, shared, batch, mask),
         }
-        return self._auto.choose(key, names, runs, next(iter(params.values())).device)
+        return self._auto.choose(key, lambda: race({m: runs[m] for m in names}, next(iter(params.values())).device))
 
     def _weights(self, norms: Tensor) -> Tensor:
         return clip_factors(norms, self.l2_clip_norm, rule=self.rule, stability=self.stability)

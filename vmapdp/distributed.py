@@ -41,7 +41,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
@@ -179,6 +179,25 @@ def broadcast_int(value: int, src: int = 0) -> int:
     return int(t.item())
 
 
+def rank0_choice(call: str, pick: Callable[[], int]) -> int:
+    """Rank 0's ``pick()`` (an int >= 0) on every rank, in one ``all_reduce``; where ``pick`` raised
+    on any rank, every rank raises: that rank its own error, the others a RuntimeError saying so
+    (a rank that raised alone would leave the others waiting in their next collective until the
+    group's timeout). Every rank calls it at the same point. ``pick()`` itself without a process group."""
+    if not is_initialized():
+        return pick()
+    try:
+        value, failed = int(pick()), None
+    except Exception as err:
+        value, failed = -1, err
+    some_failed, chosen = max_ints([int(failed is not None), value if rank() == 0 else -1])
+    if failed is not None:
+        raise failed
+    if some_failed:
+        raise RuntimeError(f"{call}: another rank failed while choosing what to run (its error is raised there); this rank stopped with it: nothing was released on any rank.")
+    return chosen
+
+
 def max_ints(values: list[int]) -> list[int]:
     """The element-wise largest of ``values`` over all ranks (one ``all_reduce``; ``values`` itself
     without a process group). Every rank passes a list of the same length."""
@@ -260,11 +279,12 @@ def check_step(call: str, noise_key: Any, *, error: BaseException | None = None)
     raised (see :func:`check_same`)."""
     check_same(
         call,
-        "the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id)",
+        "the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes)",
         noise_key,
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "
-        "same checkpoint on every rank.",
+        "same checkpoint on every rank. Under method='auto' (which chooses once per batch shape, on every rank together), step "
+        "batches of the same shapes on every rank: vmapdp.distributed.sharded(sampler) pads each rank's share to one capacity.",
         error=error,
     )
 

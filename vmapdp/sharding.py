@@ -303,11 +303,11 @@ class Sharding:
         _dist.check_same(
             call,
             "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard, whether this process released the step before; "
-            "with unshard='use', physical_batch_size and norm_chunk_size; a keyed sampler's stream_id; the params' names in their order)",
+            "with unshard='use', physical_batch_size and norm_chunk_size; a keyed sampler's stream_id; under method='auto', the batch's shapes; the params' names in their order)",
             (same, self.names),
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "
-            "same checkpoint on every rank; build Sharding(params) from params dicts in the same order (functionalize's) on every rank; and make the same train step (method, precision, Sharding(unshard=); with unshard='use' also physical_batch_size and norm_chunk_size) everywhere.",
+            "same checkpoint on every rank; build Sharding(params) from params dicts in the same order (functionalize's) on every rank; and make the same train step (method, precision, Sharding(unshard=); with unshard='use' also physical_batch_size and norm_chunk_size) everywhere; under method='auto', step batches of the same shapes on every rank (vmapdp.distributed.sharded(sampler) pads each rank's share to one capacity).",
             device=device,
             error=error,
         )

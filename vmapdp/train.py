@@ -55,7 +55,7 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, shape_key, two_pass_chunk
+from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, race, shape_key, two_pass_chunk
 from vmapdp.data import EVALUATION_ONLY_ID
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
@@ -688,6 +688,18 @@ def _fresh_function(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _chunk_shapes(batch: Any, mask: Tensor, shared: tuple, n: int, physical_batch_size: int | None) -> tuple:
+    """The distinct shapes (``shape_key``) of the chunks a step of ``n`` rows runs, in the order it first
+    runs them: a distributed "auto" chooses once per chunk shape, on every rank together."""
+    size = physical_batch_size or max(n, 1)
+    rows = list(dict.fromkeys(min(size, n - start) for start in range(0, n, size)))
+    return tuple(shape_key((optree.tree_map(lambda x: x[:k], batch, namespace="torch"), mask[:k], *shared)) for k in rows)
+
+
+# every run "auto" can choose (TrainState.methods' values): the ranks agree on one by its index here
+_AUTO_RUNS = tuple(m for m in METHODS if m != "auto") + tuple(f"{m} eager" for m in METHODS if m != "auto")
+
+
 def _parse_ran(ran: Any) -> tuple[str, bool] | None:
     """A recorded choice (``TrainState.methods``) as ``(method, eager)``; None for anything else:
     ``"<method>"`` ran as the step was made (compiled when ``compile``), ``"<method> eager"`` ran
@@ -1110,7 +1122,10 @@ def make_train_step(
     chunk_fns: dict[tuple[str, bool], Callable] = {}  # (method, compiled) -> chunk function, made on first use
     # "auto"'s choices per chunk shape: the method (raced eagerly), then, when compiling, whether the compiled
     # winner beats its eager run; distributed, every rank runs rank 0's choice (each timed its own rows)
-    agree = (lambda names, name: names[_dist.broadcast_int(names.index(name))]) if distributed else None
+    # (agreed in one collective that every rank reaches, a rank whose probe or race raised included: found by
+    # review, such a rank skipped the broadcast and left the others waiting; by name among every run "auto" can
+    # choose, not by position in a rank's own candidates, which depend on its rows)
+    agree = (lambda pick: _AUTO_RUNS[_dist.rank0_choice("step(state, batch, mask)", lambda: _AUTO_RUNS.index(pick()))]) if distributed else None
     chooser, compiled_or_eager = AutoChooser(agree=agree), AutoChooser(agree=agree)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
     first_shapes: list[tuple] = []  # the per-sample shapes of the first batch (fixed_shapes)
@@ -1137,12 +1152,16 @@ def make_train_step(
         backend (tests) always compiles."""
         if device.type != "cpu":
             return False
-        profile = eager_profile(run, device)
-        bound = profile.kernel_share >= ghost_limits.LIMITS.compile_kernel_share
-        too_big = not bound and profile.ops > ghost_limits.LIMITS.compile_max_ops  # (warned: compiled, it might run faster)
-        skip = bound or too_big
-        if distributed:
-            skip, too_big = divmod(_dist.broadcast_int(2 * int(skip) + int(too_big)), 2)
+        profile = None
+
+        def decide() -> int:
+            nonlocal profile
+            profile = eager_profile(run, device)
+            bound = profile.kernel_share >= ghost_limits.LIMITS.compile_kernel_share
+            too_big = not bound and profile.ops > ghost_limits.LIMITS.compile_max_ops  # (warned: compiled, it might run faster)
+            return 2 * int(bound or too_big) + int(too_big)
+
+        skip, too_big = divmod(_dist.rank0_choice("step(state, batch, mask)", decide) if distributed else decide(), 2)
         if too_big:
             warnings.warn(
                 f"{call}: method='auto' runs its {name!r} chunks eagerly, not compiled: one eager run dispatches "
@@ -1175,14 +1194,16 @@ def make_train_step(
             runner(ran)
             sum_fns[name].prepare(params, *shared, chunk)
         elif name is None:
-            # the race runs each candidate eagerly: only the winner is ever compiled
-            plan = sum_fns["ghost"].prepare(params, *shared, chunk)
-            names = auto_candidates(plan, params, batch_size(chunk, call=call), norm_chunk_size)
-            if random_layers:  # random layers draw differently under each method: no race (see make_train_step)
-                name = chooser.replay(key, names[0])
-            else:
-                runs = {m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}
-                name = chooser.choose(key, names, runs, mask.device)
+
+            def fastest() -> str:
+                # the race runs each candidate eagerly: only the winner is ever compiled
+                plan = sum_fns["ghost"].prepare(params, *shared, chunk)
+                names = auto_candidates(plan, params, batch_size(chunk, call=call), norm_chunk_size)
+                if random_layers:  # random layers draw differently under each method: no race (see make_train_step)
+                    return names[0]
+                return race({m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}, mask.device)
+
+            name = chooser.choose(key, fastest)
         ran = compiled_or_eager.get(key)
         if ran is None and random_layers:  # (as the step was made: compiled when compile)
             ran = compiled_or_eager.replay(key, name)
@@ -1190,7 +1211,7 @@ def make_train_step(
             names = [name, f"{name} eager"] if compile else [name]
             if backend == "inductor" and _not_compiled(functools.partial(runner(f"{name} eager"), params, mask, shared, chunk), mask.device, name):
                 names = [f"{name} eager"]  # compiling could not pay for itself (or would take minutes): not compiled at all
-            ran = compiled_or_eager.choose(key, names, {r: functools.partial(runner(r), params, mask, shared, chunk) for r in names}, mask.device)
+            ran = compiled_or_eager.choose(key, lambda: race({r: functools.partial(runner(r), params, mask, shared, chunk) for r in names}, mask.device))
         return ran, digest
 
     def clipped_sums(state: TrainState, params: dict, batch: Any, mask: Tensor, shared: tuple, n: int) -> tuple[tuple[Any, StepStats], tuple]:
@@ -1296,6 +1317,10 @@ def make_train_step(
         same = None if failed else (
             state.noise_seed, state.step, binding, state.ledger.to_json(), None if clip is None else float(clip), repeat,
             _compared_sampler_id(sampler, sampler_id),
+            # "auto" chooses once per chunk shape, in a collective: ranks whose chunks differ in shape would
+            # reach it at different steps (one rank's new shape is another's known one) and wait in it
+            # (scattered: _same_chunks gives every rank the same chunks)
+            _chunk_shapes(batch, mask, shared, n, physical_batch_size) if method == "auto" and not scattered else None,
         )
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
