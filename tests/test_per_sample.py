@@ -230,6 +230,11 @@ def test_a_loss_that_ignores_its_sample_is_refused_before_anything_is_released(m
             assert step(state, (x[:6], y[:6]), torch.ones(6, dtype=torch.bool), buffers)[0].step == 1
     with pytest.raises(ValueError, match=r"per_sample_grads\(loss_fn\): loss_fn's value does not depend on its sample"):
         vmapdp.per_sample_grads(whole_dataset)(params, buffers, (x[:6], y[:6]))
+    # compiled: the loss runs only under the tracer (found by review: compiled vmap and two_pass steps
+    # released it); the step's eager prepare checks it, before anything is compiled
+    step = vmapdp.make_train_step(whole_dataset, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=5.0, sample_rate=0.1, compile="eager", method=method)
+    with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample"):
+        step(vmapdp.init_train_state(params, opt, seed=5), (x[:6], y[:6]), torch.ones(6, dtype=torch.bool), buffers)
 
 
 def test_error_bad_mask_and_options():

@@ -553,8 +553,9 @@ def loss_reads_its_sample(call: str, loss: Any) -> None:
     ``x`` for the sample's ``xi``) gives every sample the same gradient of those other rows, and
     the release then depends on rows that were never sampled (found by review: released under every
     method). Walks the loss's functorch wrappers (grad levels) for a batched one. Skipped while
-    compiling: ghost's and "auto"'s eager probe checks a compiled step, a compiled ``vmap`` or
-    ``two_pass`` step is not checked; nor is a loss that depends on its sample only partly."""
+    compiling: the eager ``prepare`` of a compiled step checks it (ghost's and "auto"'s probe, and
+    one eager forward of a sample for ``vmap`` and ``two_pass``). A loss that depends on its sample
+    only partly is not refused."""
     from torch._C import _functorch as fc
 
     if torch.compiler.is_compiling() or not isinstance(loss, torch.Tensor):

@@ -450,9 +450,14 @@ class ClippedGradSum:
             return self._by_ghost(params, shared, batch, mask, plan, sink)
 
     def _planned(self, args: tuple) -> tuple[tuple, Plan | None]:
-        if self.method in ("vmap", "two_pass") or batch_size(args[-1], call=_CALL) == 0:
+        if batch_size(args[-1], call=_CALL) == 0:
             return (), None
         key = shape_key(args)
+        if self.method in ("vmap", "two_pass"):
+            if key not in self._plans:  # (no plan: the loss is checked once per shape)
+                self._reads_its_sample(args)
+                self._plans[key] = None
+            return key, None
         plan = self._plans.get(key)
         if plan is None:
             try:
@@ -461,6 +466,27 @@ class ClippedGradSum:
                 raise explain_runtime_error(_CALL, err) from err
             self._plans[key] = plan
         return key, plan
+
+    def _reads_its_sample(self, args: tuple) -> None:
+        """The loss on one sample, eagerly, must depend on it (``_checks.loss_reads_its_sample``): a
+        compiled ``vmap`` or ``two_pass`` step runs the loss only under the compiler's tracer, where
+        the per-sample wrapper's check cannot look (found by review: a loss reading the dataset
+        captured from outside was released by those compiled steps). Ghost's probe checks its own."""
+        if torch.compiler.is_compiling():
+            return
+        params = {k: v.detach() for k, v in args[0].items()}
+        one = optree.tree_map(lambda t: t[:1], args[-1], namespace="torch")
+
+        def fwd(sample: Any) -> Tensor:
+            loss = self.loss_fn(params, *args[1:-1], sample)
+            _checks.loss_reads_its_sample(_CALL, loss)
+            return loss
+
+        with torch.no_grad(), rng_kept(next(iter(params.values())).device):
+            try:
+                torch.func.vmap(fwd, randomness=self.randomness)(one)
+            except RuntimeError as err:
+                raise explain_runtime_error(_CALL, err) from err
 
     def _choose(self, key: tuple, plan: Plan | None, params, shared, batch, mask) -> str:
         """``"auto"``'s method for this input shape (while tracing for torch.compile nothing can be
