@@ -3,7 +3,8 @@
 For each model of ``models.py`` and each batch size it times, on the same weights and batch:
 
 * ``torch``: the non-private step (``zero_grad``, mean loss, ``backward``, ``SGD.step``);
-* ``DP-SGD``: ``vmapdp.make_train_step`` with the default Gaussian privatizer;
+* ``DP-SGD``: ``vmapdp.make_train_step`` with the default Gaussian privatizer, on as many rows as
+  the correlated mechanisms step (their sampler's capacity; ``batch_size`` of them real);
 * ``banded b``: ``privatizer=vmapdp.mf.correlated_noise(BandedToeplitz)`` with band ``b``
   (``b - 1`` buffers of the params' size), a ``CyclicPoissonSampler`` of ``b`` groups;
 * ``BLT k``: a ``BufferedToeplitz`` with ``k`` buffers (``k`` buffers of the params' size).
@@ -68,7 +69,7 @@ def build_step(mechanism: str, name: str, batch_size: int, device: torch.device,
         run.state_bytes = 0
         return run
     import vmapdp
-    from vmapdp.data import CyclicPoissonSampler
+    from vmapdp.data import CyclicPoissonSampler, default_capacity
 
     spec = models.MODELS[name]
     model = spec.build().to(device)
@@ -81,6 +82,13 @@ def build_step(mechanism: str, name: str, batch_size: int, device: torch.device,
     if mechanism == "dpsgd":
         step = vmapdp.make_train_step(models.one_sample_loss(apply), sgd, sample_rate=0.01, **common)
         privatizer = sampler = None
+        # the rows the correlated mechanisms step (their sampler's capacity, batch_size real among them on
+        # average): the same rows here, the first batch_size real, so that the clipping work is the same
+        # (found by review: DP-SGD stepped batch_size rows, and the ratios charged the padding to the noise)
+        rows = default_capacity(100 * batch_size, 0.01)
+        x, y = spec.make_batch(rows, generator=torch.Generator().manual_seed(0), **({"seq_len": seq_len} if name in ("embedding", "lstm") else {}))
+        x, y = x.to(device), y.to(device)
+        mask = torch.arange(rows, device=device) < batch_size
     else:
         s = strategy(mechanism)
         cycle = getattr(s, "band", 16)  # banded: cycle >= band; BLT: participations 16 steps apart
@@ -88,14 +96,13 @@ def build_step(mechanism: str, name: str, batch_size: int, device: torch.device,
         privatizer = vmapdp.mf.correlated_noise(s, steps=RUN_STEPS)
         step = vmapdp.make_train_step(models.one_sample_loss(apply), sgd, sampler=sampler, privatizer=privatizer, **common)
     box = {"state": vmapdp.init_train_state(params, sgd, seed=0, privatizer=privatizer)}
-    mask = torch.ones(batch_size, dtype=torch.bool, device=device)
     if sampler is not None:  # the fixed rows, as many as the sampler's capacity (the draw's real rows among them)
         rows = sampler.capacity
         x, y = spec.make_batch(rows, generator=torch.Generator().manual_seed(0), **({"seq_len": seq_len} if name in ("embedding", "lstm") else {}))
         x, y = x.to(device), y.to(device)
 
     def run():
-        m = mask
+        m = mask if sampler is None else None
         if sampler is not None:
             # a correlated step follows its own sampler's draw (its position and its real rows are checked): the
             # first rows of the fixed batch, as many as the draw holds, stand for it
