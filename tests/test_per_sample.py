@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -235,6 +236,35 @@ def test_a_loss_that_ignores_its_sample_is_refused_before_anything_is_released(m
     step = vmapdp.make_train_step(whole_dataset, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=5.0, sample_rate=0.1, compile="eager", method=method)
     with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample"):
         step(vmapdp.init_train_state(params, opt, seed=5), (x[:6], y[:6]), torch.ones(6, dtype=torch.bool), buffers)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass", "auto"])
+@pytest.mark.parametrize("how", ["detach", "no_grad", "buffers only"])
+def test_a_loss_that_does_not_depend_on_the_params_is_refused(method, how):
+    """Found by review: a detached loss (or one computed under no_grad, or of buffers only) gave every per-sample gradient zero under every method, and a step released its
+    noise alone, silently. Refused with the fix; the same loss computed from params passes."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    scale = torch.ones(())
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+
+    def loss_fn(p, b, sample, broken=True):
+        xi, yi = sample
+        loss = F.cross_entropy(apply(p, b, xi[None]), yi[None])
+        if not broken:
+            return loss
+        if how == "detach":
+            return loss.detach()
+        if how == "no_grad":
+            with torch.no_grad():
+                return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+        return (scale * xi).sum()
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
+    with pytest.raises(ValueError, match=r"loss_fn's value does not depend on the parameters.*without detach or no_grad"):
+        fn(params, buffers, (x, y))
+    summed, norms, _ = vmapdp.clipped_grad_sum(functools.partial(loss_fn, broken=False), l2_clip_norm=1.0, method=method)(params, buffers, (x, y))
+    assert bool((norms > 0).all())
 
 
 def test_error_bad_mask_and_options():

@@ -576,3 +576,30 @@ def loss_reads_its_sample(call: str, loss: Any) -> None:
         "the loss from the sample it is given (x, y = sample; apply(params, buffers, x[None])), not from the dataset's "
         "tensors captured from outside."
     )
+
+
+def loss_is_differentiated(call: str, loss: Any) -> None:
+    """Inside the transform that differentiates the loss (``grad``, ghost's ``vjp``), eagerly: refuse
+    a loss that does not depend on what is differentiated (``.detach()``, ``torch.no_grad()``, a
+    tensor rebuilt from ``.item()``, a loss of buffers only): every gradient would be zero, and a
+    DP step would release its noise alone while the model never learns (found by review: silent
+    under every method). Skipped while compiling."""
+    from torch._C import _functorch as fc
+
+    if torch.compiler.is_compiling() or not isinstance(loss, torch.Tensor):
+        return
+    t = loss  # (vmap's wrappers over the differentiating transform's: requires_grad shows below them)
+    while True:
+        if t.requires_grad:
+            return
+        if not (fc.is_batchedtensor(t) or fc.is_gradtrackingtensor(t)):
+            break
+        t = fc.get_unwrapped(t)
+    if fc.is_functionaltensor(t) or type(t) is not torch.Tensor:  # (another wrapper: not refused on a guess)
+        return
+    raise ValueError(
+        f"{call}: loss_fn's value does not depend on the parameters (it was detached, computed under torch.no_grad(), "
+        "rebuilt from .item() / .tolist(), or uses no trainable parameter): every per-sample gradient would be zero, and a "
+        "private step would release its noise alone. Return the loss as a tensor computed from params, without detach or "
+        "no_grad."
+    )

@@ -67,7 +67,9 @@ def _mapped(
     """``fn(*args) -> (grads, losses, aux, B)`` with the batch mapped over; shared by the public forms."""
     def checked(*args: Any) -> Any:
         out = loss_fn(*args)
-        _checks.loss_reads_its_sample(call, out[0] if has_aux and isinstance(out, tuple) else out)
+        loss = out[0] if has_aux and isinstance(out, tuple) else out
+        _checks.loss_reads_its_sample(call, loss)
+        _checks.loss_is_differentiated(call, loss)
         return out
 
     transform = grad_and_value(checked, argnums=argnums, has_aux=has_aux)

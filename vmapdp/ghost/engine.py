@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.func import vjp, vmap
 
+from vmapdp._checks import loss_is_differentiated
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, sq_norms, zero_rows
 from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
@@ -327,6 +328,7 @@ def _tapped_uses(
     def fwd(taps, expanded, sample):
         run = Run(params, plan, taps, expanded)
         loss = run_loss(run, loss_fn, params, shared, sample)
+        loss_is_differentiated(call, loss)
         if run.n != len(plan.sites) or run.n_cand != len(plan.candidates) or run.n_view != len(plan.views):
             raise RuntimeError(f"{call}: {CONTROL_FLOW}")
         if any(t._version != v for t, v in run.versions):
