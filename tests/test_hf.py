@@ -317,6 +317,10 @@ def test_hf_errors_are_clear():
     *_, loss = hf.loss_fn(m)
     with pytest.raises(KeyError, match=r"no 'labels'"):
         loss(dict(m.named_parameters()), {}, {"input_ids": batch["input_ids"][0]})
+    # found by review: a misspelt key went into the forward's **kwargs, ignored (the padding attended to)
+    sample = {"input_ids": batch["input_ids"][0], "atention_mask": batch["attention_mask"][0], "labels": batch["labels"][0]}
+    with pytest.raises(ValueError, match=r"the sample's keys \['atention_mask'\] are not inputs of BertForSequenceClassification.forward.*'attention_mask'"):
+        loss(dict(m.named_parameters()), {}, sample)
     assert hf.is_transformers_model(m) and not hf.is_transformers_model(torch.nn.Linear(2, 2))
 
 

@@ -284,12 +284,24 @@ def sample_loss(
     # where that is None), whatever the attention_mask says: a right-padded sample's padding,
     # whatever ids it holds, would be read (found by review: the loss moved with the padding's ids)
     pooled_pad = prompt_task == "classification" and bool(causal)
+    # the forward's named inputs: transformers' forwards take **kwargs too, which would swallow a
+    # misspelt key (an "atention_mask" ignored, the padding attended to; found by review)
+    named = inspect.signature(_base_model(model).forward).parameters
+    accepted = {k for k, v in named.items() if v.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
 
     def loss(params: Mapping, buffers: Mapping, sample: Mapping) -> Tensor:
         if not isinstance(sample, Mapping):
             raise TypeError(
                 f"vmapdp.hf loss_fn(params, buffers, sample): sample must be a dict of one sample's tensors "
                 f"(input_ids, attention_mask, labels, ...), got {type(sample).__name__}."
+            )
+        stray = sorted(k for k in sample if k not in accepted and k not in ("labels", "label"))
+        if stray:
+            raise ValueError(
+                f"vmapdp.hf loss_fn(params, buffers, sample): the sample's keys {stray} are not inputs of "
+                f"{type(_base_model(model)).__name__}.forward, which would take them into its **kwargs and ignore them "
+                f"(a misspelt attention_mask leaves the padding attended to). Its inputs: {sorted(accepted)}; the labels go "
+                "in 'labels'. Rename or drop those keys."
             )
         if virtual:
             sample = _with_prompt(sample, virtual, task)
