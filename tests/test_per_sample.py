@@ -267,6 +267,50 @@ def test_a_loss_that_does_not_depend_on_the_params_is_refused(method, how):
     assert bool((norms > 0).all())
 
 
+def _bad_inputs():
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))
+
+    def base(p, b, s):
+        xi, yi = s
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    def aux(p, b, s):
+        loss = base(p, b, s)
+        return loss, loss.detach()
+
+    def item(p, b, s):
+        return base(p, b, s) * float(s[0].sum())
+
+    return params, buffers, {
+        "float64 batch": (base, (x.double(), y), TypeError, r"have different dtypes.*Cast the batch to the params' dtype \(x.float\(\)\)"),
+        "float labels": (base, (x, y.float()), TypeError, r"got a float tensor.*Pass the labels \(or token ids\) as integers: y.long\(\)"),
+        "(loss, aux) without has_aux": (aux, (x, y), TypeError, r"returned (a )?tuple where a loss tensor was expected.*has_aux=True"),
+        ".item()": (item, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*t instead of t.item\(\)"),
+    }
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+@pytest.mark.parametrize("case", list(_bad_inputs()[2]))
+def test_common_mistakes_get_errors_with_the_fix(method, case):
+    """Found by review (a new user's mistakes): torch's raw errors (or an AttributeError) reached the
+    user with no hint of the fix."""
+    params, buffers, cases = _bad_inputs()
+    loss_fn, batch, kind, match = cases[case]
+    with pytest.raises(kind, match=match):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
+
+
+def test_a_lazy_module_is_refused_until_it_has_run():
+    model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are uninitialized.*Run the model once on a dummy batch first"):
+        vmapdp.functionalize(model)
+    model(torch.randn(1, 3))
+    apply, params, _ = vmapdp.functionalize(model)
+    assert params["0.weight"].shape == (4, 3)
+
+
 def test_error_bad_mask_and_options():
     params, buffers, loss_fn = _linear_setup()
     batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))

@@ -33,4 +33,27 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             "(BatchNorm -> GroupNorm; vmapdp.validate(model) lists every such layer), or model.eval() "
             "if its running statistics come from public data."
         )
+    low = msg.lower()
+    if "vmap" in low and ".item()" in low:
+        return ValueError(
+            f"{call}: loss_fn reads a per-sample tensor's value in Python (.item(), float(t), int(t), bool(t), `if t > 0:`, "
+            f"a tensor as a Python index; torch said: {first}), which the per-sample engine cannot map over the batch. "
+            "Keep it a tensor: t instead of t.item(), torch.where(cond, a, b) instead of an if."
+        )
+    if "expected f(*args) to return a tensor, got <class 'tuple'>" in low:
+        return TypeError(
+            f"{call}: loss_fn returned a tuple where a loss tensor was expected (torch said: {first}). For (loss, aux) "
+            "pass per_sample_grads(loss_fn, has_aux=True); clipped_grad_sum and make_train_step take the loss alone."
+        )
+    if "int32/int64 for index" in low or "expected scalar type long" in low:
+        return TypeError(
+            f"{call}: an op that takes class indices (cross_entropy, nll_loss, gather, embedding) got a float tensor "
+            f"(torch said: {first}). Pass the labels (or token ids) as integers: y.long()."
+        )
+    if "same dtype" in low or "expected scalar type" in low or "should be the same" in low:
+        return TypeError(
+            f"{call}: the model's params and the batch (or two inputs) have different dtypes (torch said: {first}). "
+            "Cast the batch to the params' dtype (x.float()), or the model to the batch's before functionalize "
+            "(model.double()); labels stay integer."
+        )
     return None

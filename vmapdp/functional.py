@@ -185,6 +185,12 @@ def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
             f"functionalize(module): the fully_shard units {unsharded[:5]} are unsharded (after a forward with "
             f"reshard_after_forward=False, or unshard()): their parameters are not DTensors; {RESHARD_FIX}."
         )
+    lazy = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise ValueError(
+            f"functionalize(module): {lazy[:5]} are uninitialized (a lazy module: nn.LazyLinear, nn.LazyConv2d...), whose "
+            "shapes come from its first input. Run the model once on a dummy batch first (model(x[:1])), then functionalize it."
+        )
     fsdp = is_fsdp_module(module)
     params: Params = {}
     frozen: Buffers = {}

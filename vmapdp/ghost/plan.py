@@ -558,6 +558,11 @@ def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: An
     def fwd(sample):
         run.level = torch._C._functorch.maybe_get_level(_leaves(sample)[0])
         loss = run_loss(run, loss_fn, params, shared, sample)
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"ghost clipping: loss_fn returned {type(loss).__name__} where a loss tensor was expected; for (loss, aux) "
+                "use per_sample_grads(loss_fn, has_aux=True): clipped_grad_sum and make_train_step take the loss alone."
+            )
         loss_reads_its_sample("ghost clipping", loss)  # (the real run's taps would make any loss depend on the batch)
         return loss
 
