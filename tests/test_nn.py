@@ -350,6 +350,9 @@ def test_lora_errors():
         vnn.add_lora(convnet, 2)
     with pytest.raises(ValueError, match=r"no layer matched targets=.*The model's nn.Linear/Conv1D layers are \['0', '3', '5'\]"):
         vnn.add_lora(_lora_mlp(), 2, targets=lambda name: "attn" in name)
+    # found by review: a second add_lora said the model had no Linear layer
+    with pytest.raises(ValueError, match=r"already holds LoRA adapters on \['0', '3', '5'\] \(add_lora ran on it before\).*Call add_lora once"):
+        vnn.add_lora(vnn.add_lora(_lora_mlp(), 2), 2)
     with pytest.raises(TypeError, match=r"targets=\(<class 'torch.nn.modules.conv.Conv2d'>,\) must be a non-empty tuple of nn.Linear \(or Conv1D-style\) classes"):
         vnn.add_lora(convnet, 2, targets=(nn.Conv2d,))
     with pytest.raises(TypeError, match=r"targets must be None, a tuple of nn.Linear \(or Conv1D-style\) classes or a callable"):

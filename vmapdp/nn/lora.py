@@ -179,6 +179,13 @@ def add_lora(
     if not isinstance(module, nn.Module):
         raise TypeError(f"{call}: module must be an nn.Module, got {type(module).__name__}.")
     _check_lora_args(call, rank, alpha)
+    adapted = [name or "<root>" for name, m in module.named_modules() if isinstance(m, LoRALinear)]
+    if adapted:
+        raise ValueError(
+            f"{call}: the model already holds LoRA adapters on {adapted[:5]} (add_lora ran on it before): adding more would "
+            "leave the first adapters frozen in the backbone. Call add_lora once, on the base model, with every layer to "
+            "adapt (targets=); to train the existing adapters, functionalize the model as it is."
+        )
     if isinstance(targets, type):
         targets = (targets,)
     if targets is None:
