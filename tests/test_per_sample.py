@@ -302,6 +302,31 @@ def test_common_mistakes_get_errors_with_the_fix(method, case):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
 
 
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method(method):
+    """Found by review: a write that is the same for every sample (a step counter, `self.n += 1`)
+    passed vmap and two_pass silently, the caller's buffers changing with each call (ghost refused)."""
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n += 1
+            return self.lin(x)
+
+    apply, params, buffers = vmapdp.functionalize(Counting())
+
+    def loss_fn(p, b, sample):
+        xi, yi = sample
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    with pytest.raises(RuntimeError, match=r"loss_fn writes in place into a tensor it did not create.*buffer"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, (torch.randn(4, 3), torch.zeros(4, dtype=torch.long)))
+
+
 def test_a_lazy_module_is_refused_until_it_has_run():
     model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are uninitialized.*Run the model once on a dummy batch first"):

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
 
 from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask, zero_rows
+from vmapdp._tree import leaves as _leaves
 from vmapdp.clipping import grad_norms
 from vmapdp.errors import explain_torch_error
 from vmapdp.functional import batched_attention
@@ -91,11 +93,17 @@ def _mapped(
         b = batch_size(args[-1], call=call)
         in_dims = (None,) * (len(args) - 1) + (0,)
         mapped = vmap(transform, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
+        # the shared tensors' version counters: vmap lets a write that is the same for every sample into a
+        # captured buffer through (a step counter, `self.n += 1`), which ghost's transform refuses (found by
+        # review: under vmap and two_pass the caller's buffers changed with each call, silently)
+        watched = [] if torch.compiler.is_compiling() else [(t, t._version) for t in _leaves(args[:-1]) if type(t) in (Tensor, nn.Parameter)]
         try:
             with batched_attention(args[nums[0]]):
                 grads, value = mapped(*args)
         except (RuntimeError, ValueError) as err:
             raise explain_runtime_error(call, err) from err
+        if any(t._version != v for t, v in watched):
+            raise RuntimeError(f"{call}: {_INPLACE_HELP} (The write has landed: the buffers passed in have changed.)")
         if has_aux:
             losses, aux = value
         else:
