@@ -1213,7 +1213,14 @@ def _one_rank_refused_worker(rank, world, init_file, out, unshard, case):
     its shards), then (mask) a good step on both ranks. Each rank's error and the step count after."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        params, buffers, data, loss_fn, opt = problem("mlp")
+        params, buffers, data, own_loss, opt = problem("mlp")
+        failing = {"now": (rank, case) == (0, "work")}
+
+        def loss_fn(p, b, sample):  # ("work": rank 0's model fails on its rows in the first step, after the check)
+            if failing["now"]:
+                raise RuntimeError("rank 0's model failed on its rows")
+            return own_loss(p, b, sample)
+
         sharding = Sharding(params, unshard=unshard)
         step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q, compile=False,
                                       method="ghost", sharding=sharding)
@@ -1221,7 +1228,8 @@ def _one_rank_refused_worker(rank, world, init_file, out, unshard, case):
         batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
         rows = 3 if (rank, case) == (0, "mask") else 4
         res = {"error": _error(lambda: step(state, batch, torch.ones(rows, dtype=torch.bool), buffers)), "after": None}
-        if case == "mask":
+        failing["now"] = False
+        if case in ("mask", "work"):
             res["after"] = step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step
         torch.save(res, os.path.join(out, f"refused-{rank}.pt"))
     finally:
@@ -1238,6 +1246,19 @@ def test_a_rank_whose_own_inputs_are_refused_makes_every_rank_raise(tmp_path, un
     r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] is not None and r0["error"].startswith("ValueError: step(state, batch, mask): mask"), r0["error"]
     assert r1["error"] is not None and "another rank failed" in r1["error"] and "nothing was released" in r1["error"], r1["error"]
+    assert r0["after"] == r1["after"] == 1
+
+
+def test_a_rank_whose_model_fails_on_its_rows_makes_every_rank_raise_after_the_reduction(tmp_path):
+    """Found by review: with unshard="step" (the whole model gathered before the forward), a rank
+    whose model raised on its rows left the other waiting in the reduce-scatter until the group's
+    timeout. It joins the reduction with zero sums, and every rank raises before the noise (as a
+    data-parallel step does); the next step runs on both. (unshard="use" gathers inside the forward:
+    not covered.)"""
+    mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "step", "work"), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
+    assert r0["error"] == "RuntimeError: rank 0's model failed on its rows", r0["error"]
+    assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"), r1["error"]
     assert r0["after"] == r1["after"] == 1
 
 

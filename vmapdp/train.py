@@ -1343,7 +1343,7 @@ def make_train_step(
             with seeded_randomness(seed, mask.device):
                 (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         except Exception as err:
-            if not distributed or sharding is not None:  # (sharded: the ranks' gathers inside the forward; not covered)
+            if not distributed or scattered:  # (unshard="use": the ranks' gathers inside the forward; not covered)
                 raise
             # the other ranks are in the reduction already: join it with nothing, then every rank raises in
             # _check_dealt_rows, before the noise (a model that raised on one rank's rows, or "auto"'s choice that
