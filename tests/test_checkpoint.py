@@ -116,6 +116,16 @@ def test_round_trip_keeps_every_field_and_steps_like_the_original(saved, tmp_pat
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".vmapdp-")] == []  # no temp files left
 
 
+def test_a_state_with_nan_params_is_refused_at_load(saved, tmp_path):
+    """Found by review: init_train_state refused NaN params but a checkpoint of them loaded (a run
+    that then released noise alone, every row dropped as non-finite)."""
+    path, state, *_ = saved
+    bad = state._replace(params={k: torch.full_like(v, float("nan")) for k, v in state.params.items()})
+    vmapdp.save_state(tmp_path / "nan.pt", bad)
+    with pytest.raises(ValueError, match=r"hold NaN or infinite values.*params had diverged; nothing was loaded"):
+        vmapdp.load_state(tmp_path / "nan.pt")
+
+
 def test_foreign_and_old_files_are_refused(saved, tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match=r"not a vmapdp checkpoint: the file does not start with the header .*plain torch.save file"):

@@ -20,7 +20,7 @@ import math
 import numbers
 import operator
 import warnings
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -603,3 +603,15 @@ def loss_is_differentiated(call: str, loss: Any) -> None:
         "private step would release its noise alone. Return the loss as a tensor computed from params, without detach or "
         "no_grad."
     )
+
+
+def finite_params(call: str, params: Mapping[str, torch.Tensor], fix: str) -> None:
+    """Refuse params holding NaN or infinite values (``params`` full values, the same on every rank):
+    every sample's gradient would be non-finite and dropped (``nonfinite='zero'``), and each step
+    would release noise alone while the model never learns (found by review: silently)."""
+    bad = [k for k, v in params.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(
+            f"{call}: params {bad[:5]} hold NaN or infinite values: every sample's gradient would be non-finite and "
+            f"dropped (nonfinite='zero'), and each step would release noise alone while the model never learns. {fix}"
+        )

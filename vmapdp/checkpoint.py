@@ -39,6 +39,7 @@ from typing import Any
 import optree
 import torch
 
+from vmapdp import _checks
 from vmapdp.accounting import Ledger
 from vmapdp.data import EVALUATION_ONLY_ID, SECURE_SAMPLER_ID
 from vmapdp.noise.privatizers import check_noise_position, noise_owner, unowned
@@ -393,6 +394,7 @@ def state_from_payload(
         t = int(noise_state["t"])
         owner = noise_owner(payload["noise_seed"], str(payload["run_id"]), payload["step"] - t) if t > 0 else torch.zeros(32, dtype=torch.uint8)
         noise_state = {**noise_state, "owner": owner}
+    _checks.finite_params(call, params, "The checkpoint was saved from a run whose params had diverged; nothing was loaded.")
     state = TrainState(params, payload["opt_state"], payload["noise_seed"], payload["step"], ledger, str(payload["run_id"]), budgets, methods, noise_state, clip_norm, sampler_id)
     check_noise_position(call, noise_state, payload["step"], period=None, fix="The checkpoint is inconsistent; nothing was loaded.")
     if like is not None:

@@ -240,13 +240,7 @@ def init_train_state(
         seed = secrets.randbits(128)
     run_id = params_digest(params)  # of the full params, sharded or not
     # (the full values, the same on every rank: a rank refusing its own shard alone would leave the others waiting)
-    bad = [k for k, v in params.items() if v.is_floating_point() and not bool(torch.isfinite(full_value(v)).all())]
-    if bad:
-        raise ValueError(
-            f"{call}: params {bad[:5]} hold NaN or infinite values: every sample's gradient would be non-finite and "
-            "dropped (nonfinite='zero'), and each step would release noise alone while the model never learns. "
-            "Initialise (or load) finite params."
-        )
+    _checks.finite_params(call, {k: full_value(v) for k, v in params.items()}, "Initialise finite params.")
     if sharding is None:  # (an FSDP2 DTensor gathered: the whole model on every rank)
         params = {k: full_value(v).detach().clone() for k, v in params.items()}
     else:  # copies of this rank's shards only (no full copy)
