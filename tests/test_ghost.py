@@ -780,6 +780,10 @@ _WRITES = {
     # any other write shows in the cast's version counter (an aten overload's name has no trailing _;
     # the write lands first, so on a cast here: float64 params, a float32 cast)
     "version counter": lambda p: torch.ops.aten.mul_.Tensor(p["W"].float(), torch.tensor(2.0)),
+    # found by the review of that fix: views the tracer does not follow (permute, select, diagonal...) of a
+    # cast or of the param itself; the probe runs on copies, so the caller's params stay unchanged
+    "an unfollowed view of a cast": lambda p: p["W"].float().permute(1, 0).mul_(2.0),
+    "an unfollowed view of the param": lambda p: p["W"].diagonal().mul_(2.0),
 }
 
 

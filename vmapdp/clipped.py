@@ -461,7 +461,9 @@ class ClippedGradSum:
         plan = self._plans.get(key)
         if plan is None:
             try:
-                plan = probe(self._ghost_form[1], {k: v.detach() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], self.randomness)
+                # on copies of the params: a write the probe refuses only once it has landed (a view it does not
+                # follow) must not change the caller's (found by review); one sample, no grads: under the step's peak
+                plan = probe(self._ghost_form[1], {k: v.detach().clone() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], self.randomness)
             except RuntimeError as err:
                 raise explain_runtime_error(_CALL, err) from err
             self._plans[key] = plan

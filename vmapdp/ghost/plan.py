@@ -391,9 +391,10 @@ class Run:
         if not self.probe:
             return self._call(func, args, kwargs)
         self._inspect(func, args, kwargs)
-        # any other write into a param, a cast or a view of one (a Python function of the user's that
-        # writes inside, where the mode does not see its ops) shows in the version counters
-        watched = [_version_of(t) for t in _arg_leaves((args, kwargs)) if isinstance(t, Tensor) and self._key(t) is not None]
+        # any other write into a param, a cast or a view of one shows in their version counters: a view the
+        # tracer does not follow (W.double().permute(1, 0).mul_(2); found by review), a Python function of the
+        # user's that writes inside, where the mode does not see its ops (a view shares its base's counter)
+        watched = [_version_of(t) for t, _ in self.known]
         out = self._call(func, args, kwargs)
         if any(t._version != v for t, v in watched):
             raise self._in_place(func)
