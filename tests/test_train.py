@@ -394,6 +394,10 @@ def test_run_id_is_the_digest_of_the_initial_params_and_survives_steps():
     assert a.run_id == b.run_id == vmapdp.train.params_digest(params) and len(a.run_id) == 64
     moved = dict(params, **{"0.bias": params["0.bias"] + 1e-6})
     assert vmapdp.init_train_state(moved, optim.sgd(0.5), seed=0).run_id != a.run_id
+    # found by review: the same params listed in another order got the same run id, and, noise streams
+    # going by position, two runs of one seed swapped streams between params (their difference cancelled it)
+    reordered = dict(reversed(list(params.items())))
+    assert vmapdp.init_train_state(reordered, optim.sgd(0.5), seed=0).run_id != a.run_id
     new, _ = make(loss_fn)(a, (x[:8], y[:8]), torch.ones(8, dtype=torch.bool), buffers)
     assert new.run_id == a.run_id
 
@@ -615,6 +619,7 @@ def test_the_run_id_needs_no_numpy(monkeypatch):
     h.update(repr(("b", "torch.float32", (0,))).encode())
     h.update(repr(("w", "torch.float32", (2, 3))).encode())
     h.update(struct.pack("<6f", *range(6)))
+    h.update(repr(("order", ("w", "b"))).encode())
     assert expected == h.hexdigest()
 
 

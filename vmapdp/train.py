@@ -173,12 +173,16 @@ def merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple
 
 
 def params_digest(params: dict[str, Tensor]) -> str:
-    """Hex SHA-256 of a params dict: names (sorted), dtypes, shapes and bytes (the run id of a state)."""
+    """Hex SHA-256 of a params dict: names, dtypes, shapes and bytes, and the names' order (the run
+    id of a state). The order counts: each leaf's noise stream is the one of its position, so two
+    runs of one seed whose dicts list the same params in another order would swap streams between
+    params, and the difference of their releases would cancel the noise (found by review)."""
     h = hashlib.sha256(b"vmapdp-params:")
     for k in sorted(params):
         v = full_value(params[k]).detach()  # (an FSDP2 DTensor gathered, one parameter at a time)
         h.update(repr((k, str(v.dtype), tuple(v.shape))).encode())
         h.update(tensor_bytes(v))
+    h.update(repr(("order", tuple(params))).encode())
     return h.hexdigest()
 
 
