@@ -117,6 +117,10 @@ def test_std_type_and_shape():
         add_noise({"w": torch.zeros(2)}, torch.ones(2))
     out = add_noise({"w": torch.zeros(2)}, torch.tensor(2.0), key=b"k")["w"]
     assert torch.equal(out, add_noise({"w": torch.zeros(2)}, 2.0, key=b"k")["w"])
+    # found by review: real noise cast to complex left the imaginary parts noiseless
+    for source in ({"key": b"k"}, {"secure": True}, {"generator": make_generator(0)}):
+        with pytest.raises(TypeError, match=r"leaves \[1\] are complex.*imaginary parts would be released without any.*view_as_real"):
+            add_noise({"a": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)}, 1.0, **source)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])

@@ -29,7 +29,7 @@ gradient, so it is privatised exactly like one, with the same clipper, noise and
     v = public_direction                                  # must not depend on private data
     hvps = per_sample_hvp(loss_fn)(params, buffers, batch, v)
     summed, norms = vmapdp.clip_and_sum(hvps, l2_clip_norm, mask=mask)
-    noisy = vmapdp.add_noise(summed, noise_multiplier * l2_clip_norm, generator)
+    noisy = vmapdp.add_noise(summed, noise_multiplier * l2_clip_norm, secure=True)  # (or key=: never a torch.Generator, predictable)
     ledger = ledger.record(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
 
 Sensitivity: after clipping, each sample's contribution has L2 norm ``<= l2_clip_norm`` and does

@@ -630,6 +630,12 @@ def add_noise(
     if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
         raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
+    complex_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_complex()]
+    if complex_leaves:  # (real noise cast to a complex dtype leaves the imaginary parts noiseless: found by review)
+        raise TypeError(
+            f"{call}: leaves {complex_leaves[:5]} are complex; the noise is real, and their imaginary parts would be released "
+            "without any. Noise the real and imaginary parts as real leaves: torch.view_as_real(z)."
+        )
     if offsets is None:
         starts = [0] * len(leaves)
     elif key is None:
