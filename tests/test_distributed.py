@@ -173,6 +173,13 @@ def _worker(rank, world, init_file, out_dir):
                                         compile=False, distributed=True, method="auto")
         k = 4 if vdist.rank() == 0 else 3
         res["auto_shape_error"] = _expect_error(lambda: shaped(st, gather(data, torch.arange(k)), torch.ones(k, dtype=torch.bool), buffers))
+        # and the choices a state records, which a rank replays without the collective: a rank whose state
+        # recorded none would race and wait in it while the other replays (found by review)
+        recorded, _ = shaped(st, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers)
+        fresh = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                       compile=False, distributed=True, method="auto")
+        mine = recorded if vdist.rank() == 0 else recorded._replace(methods=())
+        res["auto_methods_error"] = _expect_error(lambda: fresh(mine, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers))
         # per-sample grads past one rank's free memory (vmap's batch): that rank's refusal is raised on
         # every rank at the same-state check, not left to the others waiting in the reduction
         named_vmap = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
@@ -343,7 +350,7 @@ def test_auto_runs_rank_zeros_choice_on_every_rank(ranks):
 
 def test_ranks_stepping_different_states_fail_together(ranks):
     for r in ranks:
-        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes)" in r["seed_error"]
+        assert r["seed_error"] is not None and "disagree on the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes and the state's recorded choices)" in r["seed_error"]
         assert "same seed" in r["seed_error"]
 
 
@@ -372,6 +379,7 @@ def test_a_rank_whose_per_sample_work_raises_makes_every_rank_raise_after_the_re
     assert r0["after_auto_error"] == r1["after_auto_error"] == 1
     for r in (r0, r1):
         assert r["auto_shape_error"] is not None and "the ranks disagree on" in r["auto_shape_error"] and "batches of the same shapes" in r["auto_shape_error"], r["auto_shape_error"]
+        assert r["auto_methods_error"] is not None and "the ranks disagree on" in r["auto_methods_error"], r["auto_methods_error"]
 
 
 def test_ranks_with_different_ledgers_fail_together(ranks):

@@ -27,6 +27,7 @@ from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.clipping import check_rule, clip_and_sum, clip_factors, released_rows
 from vmapdp.errors import UnsupportedModuleError
+from vmapdp.functional import batched_attention
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
 from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
@@ -434,6 +435,8 @@ class ClippedGradSum:
         _checks.params_dict(_CALL, params, require_dict=False)
         if mask is not None:
             check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
+        if self.method in ("vmap", "two_pass"):
+            self._planned(args)  # (the loss checked once per shape, eagerly: traced, an eager call or prepare must have)
         if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
@@ -455,6 +458,13 @@ class ClippedGradSum:
         key = shape_key(args)
         if self.method in ("vmap", "two_pass"):
             if key not in self._plans:  # (no plan: the loss is checked once per shape)
+                if torch.compiler.is_compiling():
+                    raise ValueError(
+                        f"{_CALL}: traced by torch.compile (method={self.method!r}) for an input shape it has not seen eagerly: "
+                        "the check that the loss depends on its sample (a loss reading the dataset from outside would be "
+                        "released) cannot run under the tracer. Call fn.prepare(params, *shared, batch) (or fn once) eagerly "
+                        "first with batches of that shape; make_train_step does so itself."
+                    )
                 self._reads_its_sample(args)
                 self._plans[key] = None
             return key, None
@@ -484,7 +494,7 @@ class ClippedGradSum:
             _checks.loss_reads_its_sample(_CALL, loss)
             return loss
 
-        with torch.no_grad(), rng_kept(next(iter(params.values())).device):
+        with torch.no_grad(), rng_kept(next(iter(params.values())).device), batched_attention(params):
             try:
                 torch.func.vmap(fwd, randomness=self.randomness)(one)
             except RuntimeError as err:

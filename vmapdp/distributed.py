@@ -279,7 +279,7 @@ def check_step(call: str, noise_key: Any, *, error: BaseException | None = None)
     raised (see :func:`check_same`)."""
     check_same(
         call,
-        "the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes)",
+        "the state's noise seed and step (and its run, ledger, clip norm and noise state, and whether this process released the step before; a keyed sampler's stream_id; under method='auto', the batch's shapes and the state's recorded choices)",
         noise_key,
         fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S) with the same "
         "seed S and params on every rank (seed=None draws a different seed in each process), or load_state the "

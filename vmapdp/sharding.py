@@ -303,7 +303,7 @@ class Sharding:
         _dist.check_same(
             call,
             "the state's noise seed, step, run and ledger (and noise state, clip norm, the step's configuration, unshard, whether this process released the step before; "
-            "with unshard='use', physical_batch_size and norm_chunk_size; a keyed sampler's stream_id; under method='auto', the batch's shapes; the params' names in their order)",
+            "with unshard='use', physical_batch_size and norm_chunk_size; a keyed sampler's stream_id; under method='auto', the batch's shapes and the state's recorded choices; the params' names in their order)",
             (same, self.names),
             fix="Every rank must step the same TrainState: init_train_state(params, optimizer, seed=S, sharding=...) with the "
             "same seed S and params on every rank (seed=None draws a different seed in each process), or load_sharded the "

@@ -1325,8 +1325,10 @@ def make_train_step(
             _compared_sampler_id(sampler, sampler_id),
             # "auto" chooses once per chunk shape, in a collective: ranks whose chunks differ in shape would
             # reach it at different steps (one rank's new shape is another's known one) and wait in it
-            # (scattered: _same_chunks gives every rank the same chunks)
-            _chunk_shapes(batch, mask, shared, n, physical_batch_size) if method == "auto" and not scattered else None,
+            # (scattered: _same_chunks gives every rank the same chunks); and the choices the state records, which
+            # a rank replays without the collective (found by review: a rank whose state recorded none raced and
+            # waited in the collective while the other, replaying, was in the reduction)
+            (_chunk_shapes(batch, mask, shared, n, physical_batch_size), state.methods) if method == "auto" and not scattered else None,
         )
         if sharding is not None:  # and what sharded ranks hold or do per rank: the noise state's replicated part, the collectives
             same = same and same + (sharding.replicated(state.noise_state), sharding.unshard, chunking)
