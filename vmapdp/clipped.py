@@ -486,7 +486,7 @@ class ClippedGradSum:
         captured from outside was released by those compiled steps). Ghost's probe checks its own."""
         if torch.compiler.is_compiling():
             return
-        params = {k: v.detach() for k, v in args[0].items()}
+        params = optree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, args[0], namespace="torch")  # (any pytree)
         one = optree.tree_map(lambda t: t[:1], args[-1], namespace="torch")
 
         def fwd(sample: Any) -> Tensor:
@@ -494,7 +494,8 @@ class ClippedGradSum:
             _checks.loss_reads_its_sample(_CALL, loss)
             return loss
 
-        with torch.no_grad(), rng_kept(next(iter(params.values())).device), batched_attention(params):
+        device = next(t for t in optree.tree_leaves(params, namespace="torch") if isinstance(t, Tensor)).device
+        with torch.no_grad(), rng_kept(device), batched_attention(params):
             try:
                 torch.func.vmap(fwd, randomness=self.randomness)(one)
             except RuntimeError as err:
