@@ -429,12 +429,13 @@ def test_a_compiled_bfloat16_ghost_step_releases_each_sample_within_the_clip_nor
     assert min(released) > 0.99  # (each sample's gradient is far above the clip norm: clipped to it)
 
 
-@pytest.mark.parametrize("method", ["vmap", "two_pass"])
-def test_a_directly_compiled_vmap_or_two_pass_sum_checks_the_loss_reads_its_sample(method):
-    """Found by review: clipped_grad_sum(method="vmap" or "two_pass") compiled directly ran the loss
-    only under the tracer, where the per-sample wrapper's check is skipped, and released a loss that
-    read the dataset from outside. A shape not prepared eagerly is refused under the tracer (dynamo
-    reports it as the cause); prepare() checks the loss and refuses the bad one."""
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost", "auto"])
+def test_a_directly_compiled_sum_checks_the_loss_reads_its_sample(method):
+    """Found by review: clipped_grad_sum compiled directly ran the loss only under the tracer, where
+    the per-sample wrapper's check is skipped, and released a loss that read the dataset from
+    outside. With fullgraph, a shape not prepared eagerly is refused under the tracer (dynamo
+    reports it as the cause); without it, dynamo runs the planning eagerly but traced the check
+    itself (found by review: every method released it): the check is excluded from compilation."""
     x = torch.randn(8, 5)
     params = {"W": torch.randn(3, 5)}
 
@@ -445,14 +446,20 @@ def test_a_directly_compiled_vmap_or_two_pass_sum_checks_the_loss_reads_its_samp
         return F.linear(xi, p["W"]).square().mean()
 
     for loss_fn, bad in ((reads_the_dataset, True), (reads_its_sample, False)):
+        torch._dynamo.reset()  # (dynamo remembers the frames it fell back on: each case starts afresh)
         fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
         with pytest.raises(Exception) as info:
             torch.compile(fn, backend="eager", fullgraph=True)(params, x[:4])
         assert "has not seen eagerly" in f"{info.value} {info.value.__cause__!r}", info.value
+        torch._dynamo.reset()
         if bad:
+            with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample"):
+                torch.compile(fn, backend="eager")(params, x[:4])
             with pytest.raises(ValueError, match=r"loss_fn's value does not depend on its sample"):
                 fn.prepare(params, x[:4])
         else:
             fn.prepare(params, x[:4])
             summed, norms, _ = torch.compile(fn, backend="eager", fullgraph=True)(params, x[:4])
             torch.testing.assert_close(summed["W"], fn(params, x[:4])[0]["W"])
+            summed, norms, _ = torch.compile(fn, backend="eager")(params, x[:6])  # (a new shape, without fullgraph: planned eagerly)
+            torch.testing.assert_close(summed["W"], fn(params, x[:6])[0]["W"])

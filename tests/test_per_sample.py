@@ -263,6 +263,12 @@ def test_a_loss_that_does_not_depend_on_the_params_is_refused(method, how):
     fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
     with pytest.raises(ValueError, match=r"loss_fn's value does not depend on the parameters.*without detach or no_grad"):
         fn(params, buffers, (x, y))
+    # compiled, the loss runs under the tracer only (found by review: compiled vmap, two_pass and ghost
+    # steps released it); the step's eager prepare runs the check on one sample, before anything is compiled
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=5.0, sample_rate=0.1, compile="eager", method=method)
+    with pytest.raises(ValueError, match=r"loss_fn's value does not depend on the parameters"):
+        step(vmapdp.init_train_state(params, opt, seed=5), (x, y), torch.ones(6, dtype=torch.bool), buffers)
     summed, norms, _ = vmapdp.clipped_grad_sum(functools.partial(loss_fn, broken=False), l2_clip_norm=1.0, method=method)(params, buffers, (x, y))
     assert bool((norms > 0).all())
 
@@ -302,29 +308,74 @@ def test_common_mistakes_get_errors_with_the_fix(method, case):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
 
 
-@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
-def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method(method):
-    """Found by review: a write that is the same for every sample (a step counter, `self.n += 1`)
-    passed vmap and two_pass silently, the caller's buffers changing with each call (ghost refused)."""
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("n", torch.zeros(()))
 
-    class Counting(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(3, 2)
-            self.register_buffer("n", torch.zeros(()))
+    def forward(self, x):
+        self.n += 1
+        return self.lin(x)
 
-        def forward(self, x):
-            self.n += 1
-            return self.lin(x)
 
-    apply, params, buffers = vmapdp.functionalize(Counting())
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass", "auto"])
+@pytest.mark.parametrize("model", ["counter", "spectral_norm"])
+def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method_eager_and_compiled(method, model):
+    """Found by review: a write that is the same for every sample (a step counter, `self.n += 1`;
+    spectral_norm's power iteration in training mode) passed vmap and two_pass silently, the
+    caller's buffers changing with each call; compiled, every method released it (ghost's refusal
+    was torch's raw error). Refused before anything is released, naming the buffer and the fix;
+    in eval mode spectral_norm passes."""
+    torch.manual_seed(0)
+    module = _Counting() if model == "counter" else nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2)))
+    apply, params, buffers = vmapdp.functionalize(module)
+    batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
 
     def loss_fn(p, b, sample):
         xi, yi = sample
         return F.cross_entropy(apply(p, b, xi[None]), yi[None])
 
-    with pytest.raises(RuntimeError, match=r"loss_fn writes in place into a tensor it did not create.*buffer"):
-        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, (torch.randn(4, 3), torch.zeros(4, dtype=torch.long)))
+    written = r"loss_fn writes in place into " + (r"n" if model == "counter" else r"0.parametrizations.weight.0._u")
+    if model == "spectral_norm" and method in ("ghost", "auto"):  # (ghost's probe sees the write's out= first)
+        written = r"calls normalize\(\.\.\., out=\.\.\.\)"
+    with pytest.raises((RuntimeError, vmapdp.UnsupportedModuleError), match=rf"{written}.*model.eval\(\)"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile="eager", method=method)
+    state = vmapdp.init_train_state(params, opt, seed=1)
+    with pytest.raises((RuntimeError, vmapdp.UnsupportedModuleError), match=written):
+        step(state, batch, torch.ones(4, dtype=torch.bool), buffers)
+    if model == "spectral_norm":
+        module.eval()
+        before = {k: v.clone() for k, v in buffers.items()}
+        assert step(state, batch, torch.ones(4, dtype=torch.bool), buffers)[0].step == 1
+        assert all(torch.equal(before[k], buffers[k]) for k in buffers)
+
+
+def test_per_sample_grads_lets_a_write_the_same_for_every_sample_through_as_a_forward_does():
+    """per_sample_grads is not a private step: spectral_norm in training mode (its power iteration
+    updates u and v, from the weight alone) runs as in a batched forward, one update per call, and
+    the gradients are those of the one-sample losses at the updated u, v (found by review: the
+    buffer-write refusal had made per_sample_grads refuse it, pointing at validate, which found nothing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2))).double()
+    apply, params, buffers = vmapdp.functionalize(model)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+
+    def loss_fn(p, b, sample):
+        xi, yi = sample
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    before = {k: v.clone() for k, v in buffers.items()}
+    grads = vmapdp.per_sample_grads(loss_fn)(params, buffers, (x, y))
+    assert not torch.equal(before["0.parametrizations.weight.0._u"], buffers["0.parametrizations.weight.0._u"])
+    model.eval()  # (u, v as the vmapped forward left them: the reference at the same point)
+    leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+    for i in range(4):
+        ref = torch.autograd.grad(loss_fn(leaves, buffers, (x[i], y[i])), list(leaves.values()))
+        for (k, _), r in zip(params.items(), ref):
+            torch.testing.assert_close(grads[k][i], r)
 
 
 def test_a_lazy_module_is_refused_until_it_has_run():
@@ -459,3 +510,33 @@ def test_torch_recurrent_layers_work_without_fix(kind, method):
         summed, _, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1e6, method=method)(params, buffers, x)
         for k in params:
             torch.testing.assert_close(summed[k], ref[k].sum(0).to(summed[k].dtype), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost"])
+def test_a_float_that_changes_at_each_call_checks_the_loss_once(method):
+    """Found by review: the per-shape check keyed a Python float shared by the samples (a
+    temperature) by its value, so each call made a new key: one more forward of the check per call
+    and a record that grew without end (a step's state grew one entry per step). Floats are keyed
+    by type: the loss runs once for the check, then once per call."""
+    torch.manual_seed(0)
+    params = {"W": torch.randn(2, 3)}
+    calls = []
+
+    def loss_fn(p, temperature, sample):
+        calls.append(1)
+        xi, yi = sample
+        return F.cross_entropy(F.linear(xi[None], p["W"]) / temperature, yi[None])
+
+    batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
+    fn(params, 1.0, batch)
+    first = len(calls)
+    for t in (0.5, 2.0, 3.0):
+        fn(params, t, batch)
+    assert len(calls) - first == 3 * (first - 1), (first, len(calls))  # (each later call: its own runs, no check)
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile=False, method=method)
+    state = vmapdp.init_train_state(params, opt, seed=2)
+    for t in (1.0, 0.5, 2.0):
+        state, _ = step(state, batch, torch.ones(4, dtype=torch.bool), t)
+    assert len(state.methods) == 1, state.methods

@@ -27,11 +27,11 @@ from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.clipping import check_rule, clip_and_sum, clip_factors, released_rows
 from vmapdp.errors import UnsupportedModuleError
-from vmapdp.functional import batched_attention
+from vmapdp.functional import rng_kept
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
-from vmapdp.ghost.plan import Plan, coverage, probe, rng_kept
-from vmapdp.per_sample import explain_runtime_error, per_sample_grads
+from vmapdp.ghost.plan import Plan, coverage, probe
+from vmapdp.per_sample import check_on_one_sample, explain_runtime_error, per_sample_grads
 from vmapdp.precision import full_float32
 
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "eager_profile", "EagerProfile"]
@@ -196,16 +196,24 @@ def eager_profile(run: Callable[[], Any], device: torch.device, *, breakdown: di
 
 
 def shape_key(args: tuple) -> tuple:
-    """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes.
+    """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes;
+    other leaves by value (an int may choose the layers run), floats by type alone: a float that
+    changes at each call (a temperature) must not make a new plan, race and state record each time
+    (found by review); where one changes the ops run, ghost's real run refuses the plan's mismatch.
 
     Sorted by path, so that the key does not depend on the order optree lists dict entries in.
     """
     paths, leaves, _ = optree.tree_flatten_with_path(args, namespace="torch")
-    items = [
-        (repr(p), (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else (type(t).__name__, repr(t)))
-        for p, t in zip(paths, leaves)
-    ]
+    items = [(repr(p), _leaf_key(t)) for p, t in zip(paths, leaves)]
     return tuple(sorted(items))
+
+
+def _leaf_key(t: Any) -> tuple:
+    if isinstance(t, Tensor):
+        return (tuple(t.shape), t.dtype, t.device.type)
+    if isinstance(t, float):
+        return ("float",)
+    return (type(t).__name__, repr(t))
 
 
 class AutoChooser:
@@ -453,53 +461,32 @@ class ClippedGradSum:
             return self._by_ghost(params, shared, batch, mask, plan, sink)
 
     def _planned(self, args: tuple) -> tuple[tuple, Plan | None]:
+        """This input shape's key and plan (ghost's; None for vmap and two_pass), made eagerly once
+        per shape by ``_plan``. Under torch.compile a shape not planned eagerly is refused."""
         if batch_size(args[-1], call=_CALL) == 0:
             return (), None
         key = shape_key(args)
+        if key not in self._plans:
+            if torch.compiler.is_compiling():
+                raise ValueError(
+                    f"{_CALL}: traced by torch.compile (method={self.method!r}) for an input shape it has not seen eagerly: "
+                    "the checks of the loss on one sample (that it depends on its sample and on the params, and writes into "
+                    "none of its inputs) cannot run under the tracer. Call fn.prepare(params, *shared, batch) (or fn once) "
+                    "eagerly first with batches of that shape; make_train_step does so itself."
+                )
+            self._plans[key] = self._plan(args)
+        return key, self._plans[key]
+
+    @torch.compiler.disable  # (found by review: torch.compile without fullgraph ran _planned eagerly but traced this, skipping its checks)
+    def _plan(self, args: tuple) -> Plan | None:
+        """The loss run eagerly on one sample with ``check_on_one_sample``'s refusals; for ghost and
+        auto as ghost's probe, which returns the plan. The probe runs on copies of the params: a write
+        it refuses only once it has landed (a view it does not follow) leaves the caller's unchanged."""
+        params, shared, batch = args[0], tuple(args[1:-1]), args[-1]
         if self.method in ("vmap", "two_pass"):
-            if key not in self._plans:  # (no plan: the loss is checked once per shape)
-                if torch.compiler.is_compiling():
-                    raise ValueError(
-                        f"{_CALL}: traced by torch.compile (method={self.method!r}) for an input shape it has not seen eagerly: "
-                        "the check that the loss depends on its sample (a loss reading the dataset from outside would be "
-                        "released) cannot run under the tracer. Call fn.prepare(params, *shared, batch) (or fn once) eagerly "
-                        "first with batches of that shape; make_train_step does so itself."
-                    )
-                self._reads_its_sample(args)
-                self._plans[key] = None
-            return key, None
-        plan = self._plans.get(key)
-        if plan is None:
-            try:
-                # on copies of the params: a write the probe refuses only once it has landed (a view it does not
-                # follow) must not change the caller's (found by review); one sample, no grads: under the step's peak
-                plan = probe(self._ghost_form[1], {k: v.detach().clone() for k, v in args[0].items()}, tuple(args[1:-1]), args[-1], self.randomness)
-            except RuntimeError as err:
-                raise explain_runtime_error(_CALL, err) from err
-            self._plans[key] = plan
-        return key, plan
-
-    def _reads_its_sample(self, args: tuple) -> None:
-        """The loss on one sample, eagerly, must depend on it (``_checks.loss_reads_its_sample``): a
-        compiled ``vmap`` or ``two_pass`` step runs the loss only under the compiler's tracer, where
-        the per-sample wrapper's check cannot look (found by review: a loss reading the dataset
-        captured from outside was released by those compiled steps). Ghost's probe checks its own."""
-        if torch.compiler.is_compiling():
-            return
-        params = optree.tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, args[0], namespace="torch")  # (any pytree)
-        one = optree.tree_map(lambda t: t[:1], args[-1], namespace="torch")
-
-        def fwd(sample: Any) -> Tensor:
-            loss = self.loss_fn(params, *args[1:-1], sample)
-            _checks.loss_reads_its_sample(_CALL, loss)
-            return loss
-
-        device = next(t for t in optree.tree_leaves(params, namespace="torch") if isinstance(t, Tensor)).device
-        with torch.no_grad(), rng_kept(device), batched_attention(params):
-            try:
-                torch.func.vmap(fwd, randomness=self.randomness)(one)
-            except RuntimeError as err:
-                raise explain_runtime_error(_CALL, err) from err
+            check_on_one_sample(_CALL, params, shared, batch, self.randomness, lambda p, s, x: self.loss_fn(p, *s, x))
+            return None
+        return probe(self._ghost_form[1], params, shared, batch, self.randomness, call=_CALL)
 
     def _choose(self, key: tuple, plan: Plan | None, params, shared, batch, mask) -> str:
         """``"auto"``'s method for this input shape (while tracing for torch.compile nothing can be

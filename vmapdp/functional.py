@@ -226,6 +226,14 @@ def batched_attention(params: Any) -> contextlib.AbstractContextManager:
     return sdpa_kernel(SDPBackend.MATH)
 
 
+def rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """The global RNGs (CPU and ``device``'s) restored on exit: random layers (dropout) then draw
+    in the real run as if what ran inside (the one-sample checks, ghost's probe, auto's race) had
+    never run."""
+    # (device_type "cpu", not None, for a CPU device: torch 2.9's fork_rng cannot take None)
+    return torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type)
+
+
 def _quiet_transformers_logging_under_compile(module: nn.Module) -> None:
     """transformers logs one-time notes with ``logger.warning_once`` inside forwards (GPT-2 called
     with ``labels=``: "loss_type=None was set in the config"), and ``torch.compile(fullgraph=True)``

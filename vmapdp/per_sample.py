@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Literal
 
+import optree
 import torch
 from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
@@ -25,7 +26,7 @@ from vmapdp._tree import batch_size, check_mask, zero_rows
 from vmapdp._tree import leaves as _leaves
 from vmapdp.clipping import grad_norms
 from vmapdp.errors import explain_torch_error
-from vmapdp.functional import batched_attention
+from vmapdp.functional import batched_attention, rng_kept
 
 __all__ = ["per_sample_grads", "per_sample_grad_norms"]
 
@@ -93,17 +94,11 @@ def _mapped(
         b = batch_size(args[-1], call=call)
         in_dims = (None,) * (len(args) - 1) + (0,)
         mapped = vmap(transform, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)
-        # the shared tensors' version counters: vmap lets a write that is the same for every sample into a
-        # captured buffer through (a step counter, `self.n += 1`), which ghost's transform refuses (found by
-        # review: under vmap and two_pass the caller's buffers changed with each call, silently)
-        watched = [] if torch.compiler.is_compiling() else [(t, t._version) for t in _leaves(args[:-1]) if type(t) in (Tensor, nn.Parameter)]
         try:
             with batched_attention(args[nums[0]]):
                 grads, value = mapped(*args)
         except (RuntimeError, ValueError) as err:
             raise explain_runtime_error(call, err) from err
-        if any(t._version != v for t, v in watched):
-            raise RuntimeError(f"{call}: {_INPLACE_HELP} (The write has landed: the buffers passed in have changed.)")
         if has_aux:
             losses, aux = value
         else:
@@ -117,6 +112,80 @@ def _mapped(
         return grads, losses, aux, b
 
     return run
+
+
+@torch.compiler.disable  # (a compiled caller that reaches it falls back to eager for it: it must run for real)
+def check_on_one_sample(
+    call: str,
+    params: Any,
+    shared: tuple,
+    batch: Any,
+    randomness: str,
+    forward: Callable[[Any, tuple, Any], Any],
+) -> None:
+    """The loss, eagerly, on the batch's first sample, as a private step runs it (under ``vmap``,
+    with gradients tracked; on copies of the params; the global RNGs restored afterwards), and the
+    refusals no compiled run can make, since their checks look at the eager tensors:
+
+    * a loss that does not depend on its sample (``_checks.loss_reads_its_sample``);
+    * a loss that does not depend on the params (``_checks.loss_is_differentiated``);
+    * a forward that writes into the tensors passed to it (buffers): vmap lets a write that is the
+      same for every sample through (spectral_norm's power iteration in training mode, a call
+      counter), and a private step must not change its inputs (found by review: the caller's
+      buffers changed at each call of a vmap or two_pass step, silently).
+
+    ``forward(params, shared, sample) -> loss`` runs the loss (ghost's probe watches its ops
+    there). Private steps call it once per input shape before their first run (``clipped_grad_sum``
+    as it plans, so ``make_train_step``'s eager prepare), so a compiled step is covered too.
+    """
+    # gradients tracked on plain copies (not a transform's wrappers: ghost's probe finds its sites by functorch
+    # level); inside a transform of the caller's (clipped_grad_sum under their vmap) autograd cannot be asked
+    # for them, and the differentiating transform's own check (per-sample wrapper, ghost's engine) runs there
+    tracked = torch._C._functorch.peek_interpreter_stack() is None
+    copies = optree.tree_map(lambda t: _copy(t, tracked) if isinstance(t, Tensor) else t, params, namespace="torch")
+    paths, leaves, _ = optree.tree_flatten_with_path(tuple(shared), namespace="torch")
+    watched = [(path, t, t._version) for path, t in zip(paths, leaves) if type(t) in (Tensor, nn.Parameter)]
+    one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
+
+    def fwd(sample: Any) -> Tensor:
+        loss = forward(copies, shared, sample)
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"{call}: loss_fn returned {type(loss).__name__} where a loss tensor was expected; for (loss, aux) use "
+                "per_sample_grads(loss_fn, has_aux=True): clipped_grad_sum and make_train_step take the loss alone."
+            )
+        _checks.loss_reads_its_sample(call, loss)
+        if tracked:
+            _checks.loss_is_differentiated(call, loss)
+        return loss
+
+    device = next((t.device for t in _leaves(copies) if isinstance(t, Tensor)), torch.device("cpu"))
+    try:
+        with torch.enable_grad(), rng_kept(device), batched_attention(copies):
+            vmap(fwd, randomness=randomness)(one)
+    except RuntimeError as err:
+        raise explain_runtime_error(call, err) from err
+    written = [_path_name(path) for path, t, v in watched if t._version != v]
+    if written:
+        raise RuntimeError(
+            f"{call}: loss_fn writes in place into {', '.join(written[:5])}, passed to it: a buffer updated in the forward "
+            "(torch.nn.utils.spectral_norm's power iteration in training mode updates its u and v; a call counter). A "
+            "private step must not change its inputs: the state would change outside the step, and how often it is "
+            "written would depend on how many rows the private batch has. Call model.eval() for spectral_norm (u and v then stay as they are), or make the update outside the loss. (The write has "
+            "landed: those tensors have changed.)"
+        )
+
+
+def _copy(t: Tensor, tracked: bool) -> Tensor:
+    c = t.detach().clone()
+    return c.requires_grad_() if tracked and c.is_floating_point() else c
+
+
+def _path_name(path: tuple) -> str:
+    """``(0, 'bn.running_mean')`` -> ``"bn.running_mean"``: a shared leaf named by its keys (the
+    argument's position when it has none)."""
+    keys = [str(k) for k in path[1:]]
+    return ".".join(keys) if keys else f"the shared argument at position {path[0] + 1}"
 
 
 def explain_runtime_error(call: str, err: Exception) -> Exception:

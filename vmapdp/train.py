@@ -1186,11 +1186,12 @@ def make_train_step(
         and its shape digest; its plan made eagerly, once per shape, to keep the compiled graph free
         of it. ``recorded``: the state's choices (replayed by "auto")."""
         key = shape_key((params, *shared, chunk))
-        if key not in digests:
-            digests[key] = _shape_digest(key)
-        digest = digests[key]
+        digest = digests.get(key)
+        if digest is None:  # a new shape: the method named is prepared (its loss checked) once, before its first run
+            if method != "auto":
+                sum_fns[method].prepare(params, *shared, chunk)
+            digest = digests[key] = _shape_digest(key)
         if method != "auto":
-            sum_fns[method].prepare(params, *shared, chunk)
             return method, digest
         name = chooser.get(key)  # (a later chunk of this shape finds the plan made here)
         if name is None and _parse_ran(recorded.get(digest)) is not None:  # replay the state's choice: no race
@@ -1210,6 +1211,7 @@ def make_train_step(
                 return race({m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}, mask.device)
 
             name = chooser.choose(key, fastest)
+            sum_fns[name].prepare(params, *shared, chunk)  # (the winner's own check, before it runs compiled)
         ran = compiled_or_eager.get(key)
         if ran is None and random_layers:  # (as the step was made: compiled when compile)
             ran = compiled_or_eager.replay(key, name)

@@ -10,7 +10,6 @@ real run checks every call against the plan and refuses data-dependent control f
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import types
@@ -21,10 +20,8 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import vmap
 from torch.overrides import TorchFunctionMode
 
-from vmapdp._checks import loss_reads_its_sample
 from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
@@ -34,7 +31,7 @@ from vmapdp.ghost.rules import RULES
 from vmapdp.ghost.uses import Site, arg
 from vmapdp.ghost.views import VIEW_OPS, View, box_of
 
-__all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "rng_kept", "CONTROL_FLOW", "TRACED_THROUGH"]
+__all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "CONTROL_FLOW", "TRACED_THROUGH"]
 
 
 _CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
@@ -231,6 +228,7 @@ class Run:
         self.compiling = torch.compiler.is_compiling()
         self.key_of = {} if self.compiling else {id(v): k for k, v in params.items()}
         self.known = [(v, k) for k, v in params.items()]
+        self.born = [_version_of(v)[1] for v in params.values()] if plan is None else []  # (the probe's written())
         self.shape_of = {k: tuple(v.shape) for k, v in params.items()}
         # the views of params made so far (views.py), found by identity, not id(): under
         # torch.compile the id of an intermediate tensor can be reused. Each is [tensor, param key,
@@ -365,8 +363,8 @@ class Run:
                 f"ghost clipping: the model calls {getattr(func, '__name__', func)}(..., out=...), writing into a "
                 "tensor in place during the forward (torch.nn.utils.spectral_norm and "
                 "torch.nn.utils.parametrizations.spectral_norm do so in their power iteration); expected "
-                "out-of-place ops, because the forward is mapped over the batch. Remove the spectral norm "
-                "(or apply it outside the loss), or use method='vmap'."
+                "out-of-place ops, because the forward is mapped over the batch (every method refuses such writes). "
+                "Call model.eval() for spectral_norm (the power iteration stops: u and v stay as they are), or remove it."
             )
         if args and self._key(args[0]) is not None and _writes_in_place(func, args, kwargs):
             raise self._in_place(func)
@@ -381,7 +379,7 @@ class Run:
     def _in_place(self, func) -> UnsupportedModuleError:
         return UnsupportedModuleError(
             f"ghost clipping: the model writes in place into a parameter, a cast of one (W.double()) or a view of one "
-            f"({_name(func)}); ghost clipping traces each parameter's uses and runs them on its own copies, so the write would "
+            f"({_name(func) if func is not None else 'in a call the tracer does not see'}); ghost clipping traces each parameter's uses and runs them on its own copies, so the write would "
             "land elsewhere than the model's forward reads it (found by review: W.double().mul_(2) was differentiated "
             "as W.double()). Write out of place (w = W.double() * 2, F.relu(w) without inplace=True), or use method='vmap'."
         )
@@ -391,14 +389,30 @@ class Run:
         if not self.probe:
             return self._call(func, args, kwargs)
         self._inspect(func, args, kwargs)
-        # any other write into a param, a cast or a view of one shows in their version counters: a view the
-        # tracer does not follow (W.double().permute(1, 0).mul_(2); found by review), a Python function of the
-        # user's that writes inside, where the mode does not see its ops (a view shares its base's counter)
-        watched = [_version_of(t) for t, _ in self.known]
-        out = self._call(func, args, kwargs)
-        if any(t._version != v for t, v in watched):
+        # any other write into a param, a cast or a view of one shows in the version counters of the call's
+        # tensors (a view shares its base's counter): a view the tracer does not follow (W.double().permute(1, 0)
+        # .mul_(2); found by review); one the call does not take (a Python function of the user's writing into a
+        # param it captured) shows in the params' and casts' own counters, read once the forward is done (written)
+        watched = [_version_of(t) for t in _leaves((args, kwargs)) if isinstance(t, Tensor)]
+        try:
+            out = self._call(func, args, kwargs)
+        except RuntimeError as err:  # (the probe's params track gradients: autograd refuses writes into them or their views)
+            if "leaf Variable that requires grad" in str(err):
+                raise self._in_place(func) from err
+            raise
+        changed = [t for t, v in watched if t._version != v]
+        if changed and self._alias_known(changed):
             raise self._in_place(func)
         return out
+
+    def _alias_known(self, tensors: list[Tensor]) -> bool:
+        """Whether any of ``tensors`` shares memory with a param or a cast of one."""
+        known = {_version_of(t)[0].untyped_storage().data_ptr() for t, _ in self.known}
+        return any(t.untyped_storage().data_ptr() in known for t in tensors)
+
+    def written(self) -> bool:
+        """Probe, after the forward: whether a param or a cast of one has been written since it was known."""
+        return any(_version_of(t)[0]._version != v for (t, _), v in zip(self.known, self.born))
 
     def _call(self, func, args: tuple, kwargs: dict) -> Any:
         if func in _CASTS and args and self._key(args[0]) is not None and not kwargs.get("copy", False):
@@ -410,6 +424,8 @@ class Run:
                     if not self.compiling:
                         self.key_of[id(out)] = key
                     self.known.append((out, key))
+                    if self.probe:
+                        self.born.append(_version_of(out)[1])
                     self.aliases.append(out)
                 else:  # a cast of a view is the same view
                     twin = None if entry[4] is None else func(entry[4], *args[1:], **kwargs)
@@ -541,34 +557,27 @@ def run_loss(run: Run, loss_fn: Callable, params: dict[str, Tensor], shared: tup
         return loss_fn(params, *shared, sample)
 
 
-def rng_kept(device: torch.device) -> contextlib.AbstractContextManager:
-    """The global RNGs (CPU and ``device``'s) restored on exit: random layers (dropout) then draw
-    in the real run as if what ran inside (the probe, auto's race) had never run."""
-    # (device_type "cpu", not None, for a CPU device: torch 2.9's fork_rng cannot take None)
-    return torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type)
-
-
-def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str) -> Plan:
+def probe(loss_fn: Callable, params: dict[str, Tensor], shared: tuple, batch: Any, randomness: str, call: str = "ghost clipping") -> Plan:
     """Run the loss on one sample to learn which ops see which params (shapes only matter).
 
-    The global RNGs are restored afterwards (the probe's dropout draws are not the step's)."""
-    one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
+    It runs in ``per_sample.check_on_one_sample`` (on copies of the params, with its refusals of
+    a loss that ignores its sample or the params, or writes into its inputs); the global RNGs are
+    restored afterwards (the probe's dropout draws are not the step's)."""
+    from vmapdp.per_sample import check_on_one_sample
 
-    run = Run(params, None, [], {})
+    runs: list[Run] = []
 
-    def fwd(sample):
+    def forward(copies: dict[str, Tensor], shared: tuple, sample: Any) -> Tensor:
+        run = Run(copies, None, [], {})
         run.level = torch._C._functorch.maybe_get_level(_leaves(sample)[0])
-        loss = run_loss(run, loss_fn, params, shared, sample)
-        if not isinstance(loss, Tensor):
-            raise TypeError(
-                f"ghost clipping: loss_fn returned {type(loss).__name__} where a loss tensor was expected; for (loss, aux) "
-                "use per_sample_grads(loss_fn, has_aux=True): clipped_grad_sum and make_train_step take the loss alone."
-            )
-        loss_reads_its_sample("ghost clipping", loss)  # (the real run's taps would make any loss depend on the batch)
+        runs.append(run)
+        loss = run_loss(run, loss_fn, copies, shared, sample)
+        if run.written():
+            raise run._in_place(None)
         return loss
 
-    with torch.no_grad(), rng_kept(next(iter(params.values())).device):
-        vmap(fwd, randomness=randomness)(one)
+    check_on_one_sample(call, params, shared, batch, randomness, forward)
+    run = runs[-1]
     run.plan.other = sorted(run.other)
     return run.plan
 
