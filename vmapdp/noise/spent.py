@@ -53,6 +53,7 @@ class NoiseKeyReused(RuntimeError):
 _CHUNK = 4096  # steps per block of checksums
 
 
+_SMALL = 1 << 18  # bytes: leaves up to this size are checksummed together, in one pass
 _BLOCK = 1 << 20  # words weighted by one block of multipliers (cached per device: 4 MiB)
 _WEIGHTS: dict[torch.device, Tensor] = {}
 
@@ -112,8 +113,16 @@ def release_fingerprint(released: Any) -> Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.int64)
     device = leaves[0].device
-    sums = torch.stack([_bits_sum(x).to(device) for x in leaves]).to(torch.int64)
-    return (sums * torch.tensor(_multipliers(len(leaves)), dtype=torch.int64, device=device)).sum()
+    # the small leaves' bytes joined into one tensor, summed in one pass: a few kernel launches per leaf cost
+    # more than the sum itself (found by review: 80 small leaves took 1.2 ms, 0.5 with a plain sum)
+    is_small = [x.device == device and not x.is_sparse and x.numel() * x.element_size() <= _SMALL for x in leaves]
+    small = [x for x, s in zip(leaves, is_small) if s]
+    parts = [x for x, s in zip(leaves, is_small) if not s]
+    if small:
+        joined = torch.cat([x.detach().contiguous().reshape(-1).view(torch.uint8) for x in small])
+        parts.append(torch.cat([joined, joined.new_zeros(-joined.numel() % 4)]))  # (whole int32 words)
+    sums = torch.stack([_bits_sum(x).to(device) for x in parts]).to(torch.int64)
+    return (sums * torch.tensor(_multipliers(len(parts)), dtype=torch.int64, device=device)).sum()
 
 
 def _multipliers(n: int) -> list[int]:
