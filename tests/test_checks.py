@@ -226,3 +226,12 @@ def test_checks_module_basics():
         _checks.positive("f", "x", 0)
     with pytest.raises(ValueError, match=r"delta=0.01 must be below 1/num_samples = 1/100 = 0.01"):
         _checks.delta("f", 0.01, num_samples=100)
+
+
+def test_finite_params_reads_float8_params():
+    """Found by review: torch has no isfinite for float8 dtypes, and the NaN check crashed on them."""
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        _checks.finite_params("init_train_state", {"w": torch.randn(4).to(dtype)}, "fix")
+        bad = torch.tensor([1.0, float("nan")]).to(dtype)
+        with pytest.raises(ValueError, match=r"params \['w'\] hold NaN or infinite values.*fix"):
+            _checks.finite_params("init_train_state", {"w": bad}, "fix")
