@@ -1352,3 +1352,18 @@ def test_sliced_book_keeping_sums_compile_with_fullgraph(monkeypatch):
     compiled = torch.compile(lambda p, b, x: fn(p, b, x, mask=MASK[:4]), fullgraph=True, dynamic=False)
     got, want = compiled(params, buffers, batch), fn(params, buffers, batch, mask=MASK[:4])
     _assert_close(got[0], got[1], want[0], want[1], rtol=1e-5)
+
+
+def test_an_in_place_op_on_an_empty_tensor_is_not_a_write_into_an_empty_param():
+    """Found by review: the probe matched a write to its params by storage pointer, which every
+    empty storage shares: with a 0-element param, any in-place op on an empty tensor was refused."""
+    params = {"W": torch.randn(2, 3, dtype=torch.float64), "E": torch.zeros(0, dtype=torch.float64)}
+
+    def loss_fn(p, x):
+        pad = torch.zeros(0, dtype=torch.float64).add_(1.0)
+        return (F.linear(torch.cat([x, pad]), p["W"]) + p["E"].sum()).square().sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, x), C)
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, x)
+    _assert_close(summed, norms, *ref, rtol=1e-9)

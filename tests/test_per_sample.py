@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 import vmapdp
+from vmapdp import clipped
 from vmapdp.testing import assert_grads_close, microbatch_grads
 from zoo import CASES, setup
 
@@ -512,31 +513,104 @@ def test_torch_recurrent_layers_work_without_fix(kind, method):
             torch.testing.assert_close(summed[k], ref[k].sum(0).to(summed[k].dtype), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost"])
-def test_a_float_that_changes_at_each_call_checks_the_loss_once(method):
-    """Found by review: the per-shape check keyed a Python float shared by the samples (a
-    temperature) by its value, so each call made a new key: one more forward of the check per call
-    and a record that grew without end (a step's state grew one entry per step). Floats are keyed
-    by type: the loss runs once for the check, then once per call."""
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost", "auto"])
+def test_a_float_that_changes_at_each_call_races_and_records_once(method):
+    """Found by review: the per-shape record keyed a Python float shared by the samples (a
+    temperature) by its value, so each call made a new key: a new race and a state record that grew
+    one entry per step. The race and the record key floats by type; plans and the one-sample check
+    by value (a float may change what the loss reads: next test), at most _PLANS_KEPT of them."""
     torch.manual_seed(0)
     params = {"W": torch.randn(2, 3)}
-    calls = []
 
     def loss_fn(p, temperature, sample):
-        calls.append(1)
         xi, yi = sample
         return F.cross_entropy(F.linear(xi[None], p["W"]) / temperature, yi[None])
 
     batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
     fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
-    fn(params, 1.0, batch)
-    first = len(calls)
-    for t in (0.5, 2.0, 3.0):
-        fn(params, t, batch)
-    assert len(calls) - first == 3 * (first - 1), (first, len(calls))  # (each later call: its own runs, no check)
+    for t in range(clipped._PLANS_KEPT + 5):
+        fn(params, 1.0 + t, batch)
+    assert len(fn._plans) == clipped._PLANS_KEPT
+    assert len(fn.chosen_methods) == (1 if method == "auto" else 0)
     opt = vmapdp.optim.sgd(0.1)
     step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile=False, method=method)
     state = vmapdp.init_train_state(params, opt, seed=2)
     for t in (1.0, 0.5, 2.0):
         state, _ = step(state, batch, torch.ones(4, dtype=torch.bool), t)
     assert len(state.methods) == 1, state.methods
+
+
+X_OUT, Y_OUT = torch.randn(5, 3), torch.zeros(5, dtype=torch.long)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost", "auto"])
+def test_a_float_that_changes_what_the_loss_reads_is_checked_at_each_value(method):
+    """Found by review: with floats keyed by type, a flag above 0.5 that made the loss read a
+    captured dataset row skipped the one-sample check (ghost's plan saw the same site) and was
+    released by ghost eagerly and by every compiled step. A float that adds a layer still works."""
+    torch.manual_seed(0)
+    params = {"W": torch.randn(2, 3), "V": torch.randn(2, 2)}
+
+    def loss_fn(p, mix, sample):
+        xi, yi = sample
+        if mix > 0.5:
+            xi, yi = X_OUT[0], Y_OUT[0]
+        h = F.linear(xi[None], p["W"])
+        if mix > 0.2:  # (an extra layer: a plan of its own)
+            h = F.linear(torch.tanh(h), p["V"])
+        return F.cross_entropy(h, yi[None])
+
+    batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    opt = vmapdp.optim.sgd(0.1)
+    for compile in (False, "eager"):
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile=compile, method=method)
+        state = vmapdp.init_train_state(params, opt, seed=3 + bool(compile))
+        for mix in (0.1, 0.3):
+            state, _ = step(state, batch, torch.ones(4, dtype=torch.bool), mix)
+        with pytest.raises(ValueError, match=r"does not depend on its sample"):
+            step(state, batch, torch.ones(4, dtype=torch.bool), 1.0)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost", "auto"])
+def test_a_forward_that_writes_into_its_params_is_refused_eager_and_compiled(method):
+    """Found by review: a forward halving a param under no_grad (a max-norm constraint) passed
+    vmap and two_pass, eager and compiled, and the released params told how many chunks had run
+    (the private batch size), without noise. The one-sample check watches the params' copies."""
+    torch.manual_seed(0)
+    params = {"W": torch.randn(2, 3)}
+
+    def loss_fn(p, sample):
+        xi, yi = sample
+        with torch.no_grad():
+            p["W"].mul_(0.5)
+        return F.cross_entropy(F.linear(xi[None], p["W"]), yi[None])
+
+    batch = (torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    opt = vmapdp.optim.sgd(0.0)
+    for compile in (False, "eager"):
+        before = params["W"].clone()
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1, compile=compile, method=method, physical_batch_size=4)
+        with pytest.raises((RuntimeError, vmapdp.UnsupportedModuleError), match=r"writes in place into (the params \['W'\]|a parameter)"):
+            step(vmapdp.init_train_state(params, opt, seed=4), batch, torch.ones(8, dtype=torch.bool))
+        assert torch.equal(params["W"], before)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass"])
+def test_a_write_made_on_some_calls_only_is_refused_at_the_call_that_makes_it(method):
+    """Found by review: a buffer written every third call escaped the once-per-shape check under
+    vmap and two_pass (ghost's real run refused it): each eager call compares version counters."""
+    params = {"W": torch.randn(2, 3)}
+    ema, calls = torch.zeros(()), []
+
+    def loss_fn(p, b, sample):
+        calls.append(1)
+        if len(calls) % 3 == 0:
+            b.add_(1.0)
+        xi, yi = sample
+        return F.cross_entropy(F.linear(xi[None], p["W"]), yi[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)
+    batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(RuntimeError, match=r"writes in place into loss_fn's argument 2"):
+        for _ in range(4):
+            fn(params, ema, batch)

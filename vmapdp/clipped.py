@@ -31,7 +31,7 @@ from vmapdp.functional import rng_kept
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
 from vmapdp.ghost.plan import Plan, coverage, probe
-from vmapdp.per_sample import check_on_one_sample, explain_runtime_error, per_sample_grads
+from vmapdp.per_sample import check_on_one_sample, explain_runtime_error, per_sample_grads, refuse_writes, watch_writes
 from vmapdp.precision import full_float32
 
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "eager_profile", "EagerProfile"]
@@ -195,17 +195,36 @@ def eager_profile(run: Callable[[], Any], device: torch.device, *, breakdown: di
     return EagerProfile(share, clock.ops)
 
 
+_PLANS_KEPT = 64  # plans (and one-sample checks) a ClippedGradSum keeps, the most recent
+
+
 def shape_key(args: tuple) -> tuple:
-    """What a plan depends on: the arguments' leaves by path (param names included), shapes, dtypes;
-    other leaves by value (an int may choose the layers run), floats by type alone: a float that
-    changes at each call (a temperature) must not make a new plan, race and state record each time
-    (found by review); where one changes the ops run, ghost's real run refuses the plan's mismatch.
+    """What ``"auto"``'s choice and a step's record of it depend on: the arguments' leaves by path
+    (param names included), shapes, dtypes; other leaves by value (an int may choose the layers
+    run), floats by type alone: a float that changes at each call (a temperature) must not make a
+    new race and state record each time (found by review). (Plans and the one-sample check are
+    keyed by the floats' values too: ``_plan_key``.)
 
     Sorted by path, so that the key does not depend on the order optree lists dict entries in.
     """
+    return _keys(args)[0]
+
+
+def _keys(args: tuple) -> tuple[tuple, tuple]:
+    """``(shape_key(args), plan key)``: the plan key adds the floats' values, since a float may
+    change the ops the loss runs or which tensors they read (found by review: a flag above 0.5
+    made the loss read a captured dataset row, whose site looked the same to ghost's plan)."""
     paths, leaves, _ = optree.tree_flatten_with_path(args, namespace="torch")
-    items = [(repr(p), _leaf_key(t)) for p, t in zip(paths, leaves)]
-    return tuple(sorted(items))
+    key = tuple(sorted((repr(p), _leaf_key(t)) for p, t in zip(paths, leaves)))
+    floats = tuple(sorted((repr(p), t) for p, t in zip(paths, leaves) if isinstance(t, float)))
+    return key, ((key, floats) if floats else key)
+
+
+def _watched(params: Any, shared: tuple) -> list:
+    """Eagerly, the version counters a vmap or two_pass run must leave as they are: a write made on
+    some calls only escapes the one-sample check (found by review: a counter written every third
+    call). Compiled, nothing (the check before the first compiled run covers what it can)."""
+    return [] if torch.compiler.is_compiling() else watch_writes(params, shared)
 
 
 def _leaf_key(t: Any) -> tuple:
@@ -461,12 +480,13 @@ class ClippedGradSum:
             return self._by_ghost(params, shared, batch, mask, plan, sink)
 
     def _planned(self, args: tuple) -> tuple[tuple, Plan | None]:
-        """This input shape's key and plan (ghost's; None for vmap and two_pass), made eagerly once
-        per shape by ``_plan``. Under torch.compile a shape not planned eagerly is refused."""
+        """This input shape's key (``shape_key``) and plan (ghost's; None for vmap and two_pass),
+        made eagerly by ``_plan`` once per shape and floats' values. Under torch.compile a shape not
+        planned eagerly is refused."""
         if batch_size(args[-1], call=_CALL) == 0:
             return (), None
-        key = shape_key(args)
-        if key not in self._plans:
+        key, plan_key = _keys(args)
+        if plan_key not in self._plans:
             if torch.compiler.is_compiling():
                 raise ValueError(
                     f"{_CALL}: traced by torch.compile (method={self.method!r}) for an input shape it has not seen eagerly: "
@@ -474,8 +494,11 @@ class ClippedGradSum:
                     "none of its inputs) cannot run under the tracer. Call fn.prepare(params, *shared, batch) (or fn once) "
                     "eagerly first with batches of that shape; make_train_step does so itself."
                 )
-            self._plans[key] = self._plan(args)
-        return key, self._plans[key]
+            plan = self._plan(args)
+            if len(self._plans) >= _PLANS_KEPT:  # (the oldest dropped: a float that changes at each call makes a key per call)
+                del self._plans[next(iter(self._plans))]
+            self._plans[plan_key] = plan
+        return key, self._plans[plan_key]
 
     @torch.compiler.disable  # (found by review: torch.compile without fullgraph ran _planned eagerly but traced this, skipping its checks)
     def _plan(self, args: tuple) -> Plan | None:
@@ -517,7 +540,9 @@ class ClippedGradSum:
 
     def _by_vmap(self, params, shared, batch, mask):
         self._fits("vmap", batch_size(batch, call=_CALL), params, mask)
+        watched = _watched(params, shared)
         grads, losses = self._grads_fn(params, *shared, batch, mask=mask)
+        refuse_writes(_CALL, watched)
         summed, norms = clip_and_sum(grads, self.l2_clip_norm, mask=mask, rule=self.rule, stability=self.stability, nonfinite=self.nonfinite)
         return summed, norms, losses
 
@@ -532,6 +557,7 @@ class ClippedGradSum:
         self._fits("two_pass", min(b, size), params, mask)
         real = torch.ones(b, dtype=torch.bool) if mask is None else mask
         norms, losses, summed = [], [], None
+        watched = _watched(params, shared)
         for s in range(0, b, size):
             chunk = optree.tree_map(lambda t: t[s : s + size], batch, namespace="torch")
             g, lo = self._grads_fn(params, *shared, chunk)
@@ -540,6 +566,7 @@ class ClippedGradSum:
             norms.append(n)
             losses.append(lo)
             g = part = None  # one chunk's per-sample grads at a time (not `del`: part is a closure cell, whose del dynamo cannot trace)
+        refuse_writes(_CALL, watched)
         norms_t = torch.cat(norms)
         if self.nonfinite == "raise":  # (after all chunks: the error names the rows of the whole batch)
             released_rows(norms_t, real.to(norms_t.device), self.nonfinite, _CALL)

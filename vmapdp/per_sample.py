@@ -143,8 +143,7 @@ def check_on_one_sample(
     # for them, and the differentiating transform's own check (per-sample wrapper, ghost's engine) runs there
     tracked = torch._C._functorch.peek_interpreter_stack() is None
     copies = optree.tree_map(lambda t: _copy(t, tracked) if isinstance(t, Tensor) else t, params, namespace="torch")
-    paths, leaves, _ = optree.tree_flatten_with_path(tuple(shared), namespace="torch")
-    watched = [(path, t, t._version) for path, t in zip(paths, leaves) if type(t) in (Tensor, nn.Parameter)]
+    watched = watch_writes(copies, shared)
     one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
 
     def fwd(sample: Any) -> Tensor:
@@ -165,15 +164,7 @@ def check_on_one_sample(
             vmap(fwd, randomness=randomness)(one)
     except RuntimeError as err:
         raise explain_runtime_error(call, err) from err
-    written = [_path_name(path) for path, t, v in watched if t._version != v]
-    if written:
-        raise RuntimeError(
-            f"{call}: loss_fn writes in place into {', '.join(written[:5])}, passed to it: a buffer updated in the forward "
-            "(torch.nn.utils.spectral_norm's power iteration in training mode updates its u and v; a call counter). A "
-            "private step must not change its inputs: the state would change outside the step, and how often it is "
-            "written would depend on how many rows the private batch has. Call model.eval() for spectral_norm (u and v then stay as they are), or make the update outside the loss. (The write has "
-            "landed: those tensors have changed.)"
-        )
+    refuse_writes(call, watched)
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:
@@ -181,11 +172,52 @@ def _copy(t: Tensor, tracked: bool) -> Tensor:
     return c.requires_grad_() if tracked and c.is_floating_point() else c
 
 
-def _path_name(path: tuple) -> str:
-    """``(0, 'bn.running_mean')`` -> ``"bn.running_mean"``: a shared leaf named by its keys (the
-    argument's position when it has none)."""
-    keys = [str(k) for k in path[1:]]
-    return ".".join(keys) if keys else f"the shared argument at position {path[0] + 1}"
+def watch_writes(params: Any, shared: tuple) -> list[tuple[bool, str, Tensor, int]]:
+    """``(is_param, name, tensor, version)`` of the plain tensors among ``params`` and ``shared``,
+    for :func:`refuse_writes` after a run of the loss (an in-place write bumps a version counter)."""
+    out = []
+    for is_param, tree in ((True, params), (False, tuple(shared))):
+        paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace="torch")
+        out += [(is_param, _path_name(path, is_param), t, t._version) for path, t in zip(paths, leaves) if type(t) in (Tensor, nn.Parameter)]
+    return out
+
+
+def refuse_writes(call: str, watched: list[tuple[bool, str, Tensor, int]]) -> None:
+    """Refuse, naming them, writes into the tensors :func:`watch_writes` recorded. A private step
+    must not change its inputs: vmap lets through a write that is the same for every sample, and
+    how often it lands follows how many chunks the private batch needed (found by review: a forward
+    halving a param under no_grad released params that told the batch size, without noise; the
+    caller's buffers changed at each call of a vmap or two_pass step)."""
+    params = [name for is_param, name, t, v in watched if is_param and t._version != v]
+    if params:
+        raise RuntimeError(
+            f"{call}: loss_fn writes in place into the params {params[:5]} (under torch.no_grad(), or through .data: a "
+            "max-norm or decay constraint in the forward). The released params would record how many times the forward "
+            "ran, which follows the private batch's size, without noise. Apply the constraint out of place inside the "
+            "loss (w = W * scale), or to the params between steps, outside the loss."
+        )
+    buffers = [name for is_param, name, t, v in watched if not is_param and t._version != v]
+    if buffers:
+        raise RuntimeError(
+            f"{call}: loss_fn writes in place into {', '.join(buffers[:5])}, passed to it: a buffer updated in the forward "
+            "(torch.nn.utils.spectral_norm's power iteration in training mode updates its u and v; a call counter). A "
+            "private step must not change its inputs: the state would change outside the step, and how often it is "
+            "written would follow the private batch's size. For spectral_norm: model.eval() (u and v then stay as "
+            "they are, so sigma stops following the weights, and dropout is off too), or run the power iteration "
+            "between steps, outside the loss (a forward of the module in training mode under torch.no_grad() on any "
+            "input updates u and v from the weights alone). Otherwise make the update outside the loss. (The write "
+            "has landed: those tensors have changed.)"
+        )
+
+
+def _path_name(path: tuple, is_param: bool) -> str:
+    """A leaf named by its keys: ``'bn.running_mean'`` (dicts of named tensors), else by the
+    position of loss_fn's argument and the indices in it (``"loss_fn's argument 2[0]"``)."""
+    keys = path if is_param else path[1:]
+    if keys and all(isinstance(k, str) for k in keys):
+        return ".".join(keys)
+    where = "loss_fn's argument 1 (params)" if is_param else f"loss_fn's argument {path[0] + 2}"
+    return where + "".join(f"[{k!r}]" for k in keys)
 
 
 def explain_runtime_error(call: str, err: Exception) -> Exception:

@@ -1183,13 +1183,13 @@ def make_train_step(
 
     def method_for(recorded: dict[str, str], params, shared, chunk, mask) -> tuple[str, str]:
         """What the chunk runs (``"<method>"`` or, chosen by a compiled "auto", ``"<method> eager"``)
-        and its shape digest; its plan made eagerly, once per shape, to keep the compiled graph free
-        of it. ``recorded``: the state's choices (replayed by "auto")."""
+        and its shape digest; its plan made (and the loss checked) eagerly, once per shape and floats'
+        values, to keep the compiled graph free of it. ``recorded``: the state's choices (replayed by "auto")."""
         key = shape_key((params, *shared, chunk))
+        if method != "auto":  # (prepared before its run: planned and checked once per shape and floats' values)
+            sum_fns[method].prepare(params, *shared, chunk)
         digest = digests.get(key)
-        if digest is None:  # a new shape: the method named is prepared (its loss checked) once, before its first run
-            if method != "auto":
-                sum_fns[method].prepare(params, *shared, chunk)
+        if digest is None:
             digest = digests[key] = _shape_digest(key)
         if method != "auto":
             return method, digest
@@ -1199,7 +1199,6 @@ def make_train_step(
             name = chooser.replay(key, _parse_ran(ran)[0])
             compiled_or_eager.replay(key, ran)
             runner(ran)
-            sum_fns[name].prepare(params, *shared, chunk)
         elif name is None:
 
             def fastest() -> str:
@@ -1211,7 +1210,7 @@ def make_train_step(
                 return race({m: functools.partial(runner(f"{m} eager"), params, mask, shared, chunk) for m in names}, mask.device)
 
             name = chooser.choose(key, fastest)
-            sum_fns[name].prepare(params, *shared, chunk)  # (the winner's own check, before it runs compiled)
+        sum_fns[name].prepare(params, *shared, chunk)  # (the winner's own plan and check, before it runs compiled)
         ran = compiled_or_eager.get(key)
         if ran is None and random_layers:  # (as the step was made: compiled when compile)
             ran = compiled_or_eager.replay(key, name)

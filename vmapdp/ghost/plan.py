@@ -407,8 +407,8 @@ class Run:
 
     def _alias_known(self, tensors: list[Tensor]) -> bool:
         """Whether any of ``tensors`` shares memory with a param or a cast of one."""
-        known = {_version_of(t)[0].untyped_storage().data_ptr() for t, _ in self.known}
-        return any(t.untyped_storage().data_ptr() in known for t in tensors)
+        known = {s.data_ptr() for s in (_version_of(t)[0].untyped_storage() for t, _ in self.known) if s.nbytes()}
+        return any(t.untyped_storage().data_ptr() in known for t in tensors if t.untyped_storage().nbytes())  # (empty ones share a pointer)
 
     def written(self) -> bool:
         """Probe, after the forward: whether a param or a cast of one has been written since it was known."""
