@@ -1367,3 +1367,24 @@ def test_an_in_place_op_on_an_empty_tensor_is_not_a_write_into_an_empty_param():
     ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, x), C)
     summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, x)
     _assert_close(summed, norms, *ref, rtol=1e-9)
+
+
+def test_a_loss_that_stops_reading_its_sample_after_the_probe_is_refused_by_the_eager_run():
+    """Found by review: a flag outside the loss's arguments that switched it to a captured dataset
+    row after the probe was released by eager ghost (the taps make any loss depend on the batch, and
+    the site looked the same to the plan). The probe records which sites' inputs depend on the
+    sample; the real run refuses one that no longer does."""
+    params = {"W": torch.randn(2, 3, dtype=torch.float64)}
+    x_out = torch.randn(5, 3, dtype=torch.float64)
+    switched = []
+
+    def loss_fn(p, xi):
+        return F.linear(x_out[0] if switched else xi, p["W"]).square().sum()
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    x = torch.randn(4, 3, dtype=torch.float64)
+    ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, x), C)
+    _assert_close(*fn(params, x)[:2], *ref, rtol=1e-9)
+    switched.append(True)
+    with pytest.raises(ValueError, match=r"does not depend on its sample"):
+        fn(params, x)

@@ -19,6 +19,7 @@ from torch.func import vjp, vmap
 
 from vmapdp._checks import loss_is_differentiated
 from vmapdp._tree import acc_dtype, batch_size, check_mask, rows, sq_norms, zero_rows
+from vmapdp._tree import leaves as _leaves
 from vmapdp.clipping import weighted_sum
 from vmapdp.ghost import limits
 from vmapdp.ghost.cross import crossed_sq_norms
@@ -327,6 +328,8 @@ def _tapped_uses(
 
     def fwd(taps, expanded, sample):
         run = Run(params, plan, taps, expanded)
+        if not run.compiling:  # (the sites' inputs are checked against the probe's: see Plan.batched)
+            run.level = torch._C._functorch.maybe_get_level(_leaves(sample)[0])
         loss = run_loss(run, loss_fn, params, shared, sample)
         loss_is_differentiated(call, loss)
         if run.n != len(plan.sites) or run.n_cand != len(plan.candidates) or run.n_view != len(plan.views):

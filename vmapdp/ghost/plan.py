@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from vmapdp._checks import loss_reads_its_sample
 from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
@@ -76,6 +77,7 @@ class Plan:
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
     views: list[tuple[Callable, tuple[View, ...] | None]] = field(default_factory=list)  # per view op on a param: its outputs' views (None: not boxes)
     traced_through: bool = False  # the loss called nn.MultiheadAttention's forward (TRACED_THROUGH)
+    batched: list[bool] = field(default_factory=list)  # per site: did its input depend on the sample? (the eager real run checks it)
 
     def describe(self, params: dict[str, Tensor]) -> str:
         """What ghost clipping covers of ``params`` and what it leaves to per-sample views, by name
@@ -239,7 +241,7 @@ class Run:
         self.plan = plan if plan is not None else Plan()
         self.taps = taps
         self.expanded = expanded
-        self.level = level  # the functorch level of vmapdp's vmap (probe only)
+        self.level = level  # the functorch level of vmapdp's vmap (probe; eager real runs)
         self.saved: list[Tensor] = []
         self.versions: list[tuple[Tensor, int]] = []
         self.n = 0  # sites seen so far
@@ -454,6 +456,7 @@ class Run:
                 self._uncovered(keys, f"{_name(func)} inside a transform of the loss's own")
                 return out
             self.plan.sites.append(Site(func, wk, bk, tuple(out.shape), out.dtype, meta, views))
+            self.plan.batched.append(isinstance(x, Tensor) and torch._C._functorch.maybe_get_level(x) == self.level)
             return out
         if index >= len(self.plan.candidates):
             raise self._mismatch()
@@ -464,6 +467,10 @@ class Run:
         out = func(*args, **kwargs)
         if self.n >= len(self.plan.sites) or self.plan.sites[self.n] != Site(func, wk, bk, tuple(out.shape), out.dtype, meta, views):
             raise self._mismatch()
+        if not self.compiling and self.plan.batched[self.n] and isinstance(x, Tensor) and torch._C._functorch.maybe_get_level(x) != self.level:
+            # the probe's input depended on the sample, this one does not: the loss reads something else now (a flag
+            # outside its arguments switched it to a captured dataset row; found by review); the taps would hide it
+            loss_reads_its_sample("ghost clipping", x)
         tap = self.taps[self.n]
         self.n += 1
         if torch.compiler.is_compiling():
