@@ -614,3 +614,79 @@ def test_a_write_made_on_some_calls_only_is_refused_at_the_call_that_makes_it(me
     with pytest.raises(RuntimeError, match=r"writes in place into loss_fn's argument 2"):
         for _ in range(4):
             fn(params, ema, batch)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost"])
+@pytest.mark.parametrize("when", ["later", "compiled only"])
+def test_a_compiled_step_refuses_a_write_the_eager_check_did_not_see(method, when):
+    """Found by review: compiled vmap and two_pass steps watched no version counter, so a write into
+    a param made on later steps only (or only under the compiler) landed on every chunk and the new
+    params told how many chunks ran. The compiled chunk's call is watched eagerly."""
+    torch.manual_seed(0)
+    params = {"W": torch.ones(2, 3)}
+    armed = []
+
+    def loss_fn(p, sample):
+        if armed if when == "later" else torch.compiler.is_compiling():
+            with torch.no_grad():
+                p["W"].mul_(0.5)
+        xi, yi = sample
+        return F.cross_entropy(F.linear(xi[None], p["W"]), yi[None])
+
+    batch, mask = (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), torch.ones(8, dtype=torch.bool)
+    opt = vmapdp.optim.sgd(0.0)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1, compile="eager", method=method, physical_batch_size=4)
+    state = vmapdp.init_train_state(params, opt, seed=5)
+    if when == "later":
+        state, _ = step(state, batch, mask)
+        armed.append(True)  # (dynamo guards on the flag it read: the same step recompiles, the shape already checked)
+    match = r"writes in place into the params \['W'\]" if method != "ghost" else None  # (ghost: torch's own error while tracing)
+    with pytest.raises(Exception, match=match):
+        step(state, batch, mask)
+
+
+def test_a_float_that_changes_at_each_compiled_step_gets_the_fix():
+    """Found by review: torch.compile specializes a Python float shared argument, compiles a graph
+    per value and fails at its recompile limit with its own error; the error names the fix."""
+    params = {"W": torch.randn(2, 3)}
+
+    def loss_fn(p, temperature, sample):
+        xi, yi = sample
+        return F.cross_entropy(F.linear(xi[None], p["W"]) / temperature, yi[None])
+
+    batch, mask = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long)), torch.ones(4, dtype=torch.bool)
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile="eager", method="vmap")
+    state = vmapdp.init_train_state(params, opt, seed=6)
+    with pytest.raises(RuntimeError, match=r"recompiled until torch.compile's limit.*Pass it as a 0-dim tensor"):
+        for t in range(20):
+            state, _ = step(state, batch, mask, 1.0 + t)
+    torch._dynamo.reset()
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile="eager", method="vmap")
+    state = vmapdp.init_train_state(params, opt, seed=7)
+    for t in range(12):  # (as a tensor: one graph)
+        state, _ = step(state, batch, mask, torch.tensor(1.0 + t))
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass", "ghost", "auto"])
+def test_a_loss_that_stops_reading_its_sample_at_a_later_compiled_step_is_refused(method):
+    """Found by review: a flag outside the loss's arguments that switched it to a captured dataset
+    row at a later step was released by every compiled step (its shape was checked once, at the
+    first). torch.compile traces anew when the flag changes (a guard fails), and the step runs the
+    eager one-sample check again then, before anything is released."""
+    torch.manual_seed(0)
+    params = {"W": torch.randn(2, 3)}
+    switched = []
+
+    def loss_fn(p, sample):
+        xi, yi = (X_OUT[0], Y_OUT[0]) if switched else sample
+        return F.cross_entropy(F.linear(xi[None], p["W"]), yi[None])
+
+    batch, mask = (torch.randn(8, 3), torch.zeros(8, dtype=torch.long)), torch.ones(8, dtype=torch.bool)
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1, compile="eager", method=method)
+    state, _ = step(vmapdp.init_train_state(params, opt, seed=8), batch, mask)
+    state, _ = step(state, batch, mask)
+    switched.append(True)
+    with pytest.raises(ValueError, match=r"does not depend on its sample"):
+        step(state, batch, mask)

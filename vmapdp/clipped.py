@@ -315,7 +315,11 @@ def clipped_grad_sum(
     samples), and drops masked and non-finite rows exactly (see :func:`vmapdp.clip_and_sum` for ``rule``, ``stability`` and ``nonfinite``).
 
     Returns a :class:`ClippedGradSum`: call it, ``fn.prepare(*args)`` to plan a shape outside
-    ``torch.compile``, ``fn.l2_sensitivity`` for the noise scale.
+    ``torch.compile``, ``fn.l2_sensitivity`` for the noise scale. Compiled directly, the loss's
+    eager checks (it reads its sample and the params, writes into none of its inputs) run once per
+    shape, at ``prepare`` or the first call; what changes later under the compiled graph only
+    (a write made on later calls, a flag outside the arguments) is not seen. ``make_train_step``
+    watches each compiled call and checks again whenever torch.compile traces anew: prefer it.
     """
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
@@ -435,6 +439,13 @@ class ClippedGradSum:
     def prepare(self, *args: Any) -> Plan | None:
         """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
         return self._planned(args)[1]
+
+    def recheck(self, *args: Any) -> None:
+        """Run the eager one-sample check of the loss again, whatever was planned: a compiled caller
+        calls it after torch.compile traced the loss anew (a guard on state outside the arguments
+        failed: a flag may have changed what the loss reads; found by review)."""
+        if batch_size(args[-1], call=_CALL) > 0:
+            self._plan(args)
 
     def __call__(self, *args: Any, mask: Tensor | None = None, sink: Callable[[str, Tensor], Tensor] | None = None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """``(summed, norms, losses)`` of ``fn(params, *shared, batch)``. ``sink(name, sum)``, if

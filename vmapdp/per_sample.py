@@ -194,7 +194,9 @@ def refuse_writes(call: str, watched: list[tuple[bool, str, Tensor, int]]) -> No
             f"{call}: loss_fn writes in place into the params {params[:5]} (under torch.no_grad(), or through .data: a "
             "max-norm or decay constraint in the forward). The released params would record how many times the forward "
             "ran, which follows the private batch's size, without noise. Apply the constraint out of place inside the "
-            "loss (w = W * scale), or to the params between steps, outside the loss."
+            "loss (w = W * scale), or to the params between steps, outside the loss. (The write has landed: those params "
+            "have changed; take them from the last checkpoint. Another thread writing into them during the run is "
+            "refused the same way.)"
         )
     buffers = [name for is_param, name, t, v in watched if not is_param and t._version != v]
     if buffers:
@@ -206,7 +208,7 @@ def refuse_writes(call: str, watched: list[tuple[bool, str, Tensor, int]]) -> No
             "they are, so sigma stops following the weights, and dropout is off too), or run the power iteration "
             "between steps, outside the loss (a forward of the module in training mode under torch.no_grad() on any "
             "input updates u and v from the weights alone). Otherwise make the update outside the loss. (The write "
-            "has landed: those tensors have changed.)"
+            "has landed: those tensors have changed. Another thread writing into them during the run is refused the same way.)"
         )
 
 

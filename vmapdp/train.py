@@ -52,6 +52,7 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
+from vmapdp.per_sample import refuse_writes, watch_writes
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
@@ -769,15 +770,24 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
         if graphs not in made:
             how = _compile_kwargs(backend, graphs, mask.device.type)
             made[graphs] = torch.compile(_fresh_function(chunk_sums), fullgraph=True, dynamic=False, backend=backend, **how)
+        # the version counters around the compiled call, eagerly: a write into a param or buffer that the eager
+        # one-sample check did not see (made on later calls only, or only under the compiler) lands on every chunk,
+        # and the new params would tell how many chunks ran (found by review: released by compiled vmap and two_pass)
+        watched = watch_writes(params, shared)
+        traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         try:
             if not graphs:
-                return made[graphs](params, mask, shared, chunk)
+                out = made[graphs](params, mask, shared, chunk)
+                _checked_after(sum_fn, params, shared, chunk, watched, traced)
+                return out
             # each call is a step of Inductor's CUDA graph trees (the marker is process-wide: a caller's own
             # "reduce-overhead" functions share it), and its replay writes the outputs into the graph's
             # own memory, which the next replay (the next chunk's) overwrites: the sums are copied out
             # before anything adds them up
             torch.compiler.cudagraph_mark_step_begin()
-            return optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
+            out = optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
+            _checked_after(sum_fn, params, shared, chunk, watched, traced)
+            return out
         except Exception as err:
             explained = _explain_compile_error(err)
             if explained is None:
@@ -785,6 +795,17 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
             raise explained from err
 
     return compiled
+
+
+def _checked_after(sum_fn: Callable, params: Any, shared: tuple, chunk: Any, watched: list, traced: int) -> None:
+    """After a compiled chunk, eagerly, before anything is released: no param or buffer written
+    (``refuse_writes``), and where torch.compile traced anew during the call (a guard failed: a flag
+    the loss reads outside its arguments changed), the one-sample check of the loss run again
+    (found by review: a loss that stopped reading its sample at a later step was released by every
+    compiled step, its shape checked once)."""
+    refuse_writes("step(state, batch, mask)", watched)
+    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != traced and hasattr(sum_fn, "recheck"):
+        sum_fn.recheck(params, *shared, chunk)
 
 
 def _cuda_graphs(params: dict[str, Tensor], mask: Tensor) -> bool:
@@ -826,6 +847,13 @@ def _explain_compile_error(err: BaseException) -> BaseException | None:
         return RuntimeError(
             _checks.optree_untraceable("step(state, batch, mask): the compiled step (compile=True) failed", torch.__version__, optree.__version__)
             + f" (torch said: {str(err).splitlines()[0][:200]})"
+        )
+    if "recompile" in type(err).__name__.lower() or "recompile_limit" in str(err):
+        return RuntimeError(
+            "step(state, batch, mask): the compiled step was recompiled until torch.compile's limit: an argument it "
+            "specializes on changes from step to step (a Python float or int passed as a shared argument, such as a "
+            "temperature: each value compiles a graph of its own). Pass it as a 0-dim tensor (torch.tensor(t)), or "
+            f"use compile=False. (torch said: {str(err).splitlines()[0][:200]})"
         )
     return None
 
