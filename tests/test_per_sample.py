@@ -688,5 +688,6 @@ def test_a_loss_that_stops_reading_its_sample_at_a_later_compiled_step_is_refuse
     state, _ = step(vmapdp.init_train_state(params, opt, seed=8), batch, mask)
     state, _ = step(state, batch, mask)
     switched.append(True)
-    with pytest.raises(ValueError, match=r"does not depend on its sample"):
-        step(state, batch, mask)
+    for _ in range(2):  # (a retry finds no compiled graph to reuse: found by review, the cached one released it)
+        with pytest.raises(ValueError, match=r"does not depend on its sample"):
+            step(state, batch, mask)

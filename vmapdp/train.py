@@ -789,6 +789,10 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
             _checked_after(sum_fn, params, shared, chunk, watched, traced)
             return out
         except Exception as err:
+            # the graphs compiled so far are dropped: the one that ran a refused loss would be found in the cache
+            # by a retry, which traces nothing and so checks nothing (found by review: a caller catching the
+            # error released every later step); the next call compiles afresh, and is checked
+            made.pop(graphs, None)
             explained = _explain_compile_error(err)
             if explained is None:
                 raise
@@ -852,8 +856,8 @@ def _explain_compile_error(err: BaseException) -> BaseException | None:
         return RuntimeError(
             "step(state, batch, mask): the compiled step was recompiled until torch.compile's limit: an argument it "
             "specializes on changes from step to step (a Python float or int passed as a shared argument, such as a "
-            "temperature: each value compiles a graph of its own). Pass it as a 0-dim tensor (torch.tensor(t)), or "
-            f"use compile=False. (torch said: {str(err).splitlines()[0][:200]})"
+            "temperature, or a Python global the loss reads: each value compiles a graph of its own). Pass it as a "
+            f"0-dim tensor (torch.tensor(t)), or use compile=False. (torch said: {str(err).splitlines()[0][:200]})"
         )
     return None
 

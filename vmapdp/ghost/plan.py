@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from vmapdp._checks import loss_reads_its_sample
 from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
@@ -470,7 +469,13 @@ class Run:
         if not self.compiling and self.plan.batched[self.n] and isinstance(x, Tensor) and torch._C._functorch.maybe_get_level(x) != self.level:
             # the probe's input depended on the sample, this one does not: the loss reads something else now (a flag
             # outside its arguments switched it to a captured dataset row; found by review); the taps would hide it
-            loss_reads_its_sample("ghost clipping", x)
+            raise ValueError(
+                f"ghost clipping: the input of the layer using {wk!r} ({_name(func)}) depended on the sample when the loss "
+                "was probed and does not now: the loss reads something else than it did (a flag outside its arguments "
+                "switched it, or the module went from train to eval mode), and the rows it reads may not be the "
+                "sample's. Pass such a flag as an argument of the loss (each value is then probed), build the step (or "
+                "clipped_grad_sum) anew after model.train()/eval(), or use method='vmap', which checks every call."
+            )
         tap = self.taps[self.n]
         self.n += 1
         if torch.compiler.is_compiling():
