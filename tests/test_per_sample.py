@@ -14,7 +14,7 @@ from torch.func import functional_call
 import vmapdp
 from vmapdp import clipped
 from vmapdp.testing import assert_grads_close, microbatch_grads
-from zoo import CASES, setup
+from zoo import CASES, BufferCounter, setup
 
 IDS = [c.name for c in CASES]
 
@@ -309,17 +309,6 @@ def test_common_mistakes_get_errors_with_the_fix(method, case):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
 
 
-class _Counting(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 2)
-        self.register_buffer("n", torch.zeros(()))
-
-    def forward(self, x):
-        self.n += 1
-        return self.lin(x)
-
-
 @pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass", "auto"])
 @pytest.mark.parametrize("model", ["counter", "spectral_norm"])
 def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method_eager_and_compiled(method, model):
@@ -329,7 +318,7 @@ def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method_eager_an
     was torch's raw error). Refused before anything is released, naming the buffer and the fix;
     in eval mode spectral_norm passes."""
     torch.manual_seed(0)
-    module = _Counting() if model == "counter" else nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2)))
+    module = BufferCounter() if model == "counter" else nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2)))
     apply, params, buffers = vmapdp.functionalize(module)
     batch = (torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
 
@@ -337,7 +326,7 @@ def test_a_forward_that_writes_into_a_buffer_is_refused_by_every_method_eager_an
         xi, yi = sample
         return F.cross_entropy(apply(p, b, xi[None]), yi[None])
 
-    written = r"loss_fn writes in place into " + (r"n" if model == "counter" else r"0.parametrizations.weight.0._u")
+    written = r"loss_fn writes in place into " + (r"count" if model == "counter" else r"0.parametrizations.weight.0._u")
     if model == "spectral_norm" and method in ("ghost", "auto"):  # (ghost's probe sees the write's out= first)
         written = r"calls normalize\(\.\.\., out=\.\.\.\)"
     with pytest.raises((RuntimeError, vmapdp.UnsupportedModuleError), match=rf"{written}.*model.eval\(\)"):

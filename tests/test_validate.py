@@ -27,6 +27,7 @@ from vmapdp.validation import (
     group_norm_groups,
     validate,
 )
+from zoo import BufferCounter
 
 F64 = torch.float64
 
@@ -58,19 +59,6 @@ def clean_model() -> nn.Module:
         nn.Unflatten(1, (2, 4)),
         nn.TransformerEncoderLayer(4, 2, 8, batch_first=True),
     )
-
-
-class BufferCounter(nn.Module):
-    """Counts forward calls in a registered buffer (in place)."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(3, 3)
-        self.register_buffer("count", torch.zeros(()))
-
-    def forward(self, x):
-        self.count += 1
-        return self.linear(x)
 
 
 class RunningMean(nn.Module):

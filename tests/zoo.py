@@ -61,6 +61,19 @@ class TiedLM(nn.Module):
         return self.out(h.mean(1))  # [N, vocab]
 
 
+class BufferCounter(nn.Module):
+    """Counts forward calls in a registered buffer (in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return self.linear(x)
+
+
 class CalledTwice(nn.Module):
     """The same Linear applied twice (gradient contributions from both calls must add)."""
 

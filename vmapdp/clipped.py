@@ -203,7 +203,7 @@ def shape_key(args: tuple) -> tuple:
     (param names included), shapes, dtypes; other leaves by value (an int may choose the layers
     run), floats by type alone: a float that changes at each call (a temperature) must not make a
     new race and state record each time (found by review). (Plans and the one-sample check are
-    keyed by the floats' values too: ``_plan_key``.)
+    keyed by the floats' values too: ``_keys``.)
 
     Sorted by path, so that the key does not depend on the order optree lists dict entries in.
     """

@@ -52,16 +52,16 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
-from vmapdp.per_sample import refuse_writes, watch_writes
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, race, shape_key, two_pass_chunk
+from vmapdp.clipped import METHODS, AutoChooser, ClippedGradSum, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, race, shape_key, two_pass_chunk
 from vmapdp.data import EVALUATION_ONLY_ID
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
 from vmapdp.noise import spent as _spent
 from vmapdp.noise.privatizers import check_noise_owner, check_noise_position, is_correlated_state
+from vmapdp.per_sample import refuse_writes, watch_writes
 from vmapdp.precision import full_float32, mixed_precision
 from vmapdp.sharding import Sharding, full_value
 
@@ -801,14 +801,14 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
     return compiled
 
 
-def _checked_after(sum_fn: Callable, params: Any, shared: tuple, chunk: Any, watched: list, traced: int) -> None:
+def _checked_after(sum_fn: ClippedGradSum, params: Any, shared: tuple, chunk: Any, watched: list, traced: int) -> None:
     """After a compiled chunk, eagerly, before anything is released: no param or buffer written
     (``refuse_writes``), and where torch.compile traced anew during the call (a guard failed: a flag
     the loss reads outside its arguments changed), the one-sample check of the loss run again
     (found by review: a loss that stopped reading its sample at a later step was released by every
     compiled step, its shape checked once)."""
     refuse_writes("step(state, batch, mask)", watched)
-    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != traced and hasattr(sum_fn, "recheck"):
+    if torch._dynamo.utils.counters["stats"]["unique_graphs"] != traced:
         sum_fn.recheck(params, *shared, chunk)
 
 
