@@ -180,6 +180,23 @@ def _worker(rank, world, init_file, out_dir):
                                        compile=False, distributed=True, method="auto")
         mine = recorded if vdist.rank() == 0 else recorded._replace(methods=())
         res["auto_methods_error"] = _expect_error(lambda: fresh(mine, gather(data, torch.arange(4)), torch.ones(4, dtype=torch.bool), buffers))
+        # a rank failing in its first chunk after "auto"'s collective choice, while the others run their
+        # second: rank 0's choice (vmap, by the fake clock) does not fit rank 1's memory; every rank raises
+        # after the reduction (a step's chunks share one shape, so no later chunk holds a collective)
+        chunked = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                         physical_batch_size=3, compile=False, distributed=True, method="auto")
+        six = gather(data, torch.arange(6) + 6 * vdist.rank())
+        real_available = clipped.available_bytes
+        clipped.available_bytes = (lambda device: 1) if vdist.rank() == 1 else real_available
+        clipped._elapsed = lambda name, run, device: (run(), 1.0 if name == "vmap" else 2.0)[1]
+        try:
+            chunked(st, six, torch.ones(6, dtype=torch.bool), buffers)
+            res["chunk_error"] = None
+        except (ValueError, RuntimeError, MemoryError) as err:
+            res["chunk_error"] = f"{type(err).__name__}: {err}"
+        finally:
+            clipped.available_bytes, clipped._elapsed = real_available, real_elapsed
+        res["after_chunk_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
         # per-sample grads past one rank's free memory (vmap's batch): that rank's refusal is raised on
         # every rank at the same-state check, not left to the others waiting in the reduction
         named_vmap = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
@@ -380,6 +397,18 @@ def test_a_rank_whose_per_sample_work_raises_makes_every_rank_raise_after_the_re
     for r in (r0, r1):
         assert r["auto_shape_error"] is not None and "the ranks disagree on" in r["auto_shape_error"] and "batches of the same shapes" in r["auto_shape_error"], r["auto_shape_error"]
         assert r["auto_methods_error"] is not None and "the ranks disagree on" in r["auto_methods_error"], r["auto_methods_error"]
+
+
+def test_a_rank_failing_in_an_early_chunk_after_autos_choice_makes_every_rank_raise(ranks):
+    """Under "auto" the ranks choose each chunk shape's method in a collective; a rank whose run of
+    the chosen method fails in its first chunk joins the reduction while the others finish their
+    chunks, and every rank raises there (the failing one its own error); the group stays usable."""
+    r0, r1 = ranks
+    assert r1["chunk_error"] is not None and "vmap" in r1["chunk_error"] and "another rank" not in r1["chunk_error"], r1["chunk_error"]
+    assert r0["chunk_error"] is not None and r0["chunk_error"].startswith(
+        "RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"
+    ), r0["chunk_error"]
+    assert r0["after_chunk_error"] == r1["after_chunk_error"] == 1
 
 
 def test_ranks_with_different_ledgers_fail_together(ranks):
