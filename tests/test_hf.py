@@ -383,6 +383,45 @@ def test_make_private_trains_a_transformers_model_on_dict_rows(name):
         assert torch.equal(p.detach(), trainer.state.params[k])
 
 
+class ListRows(Rows):
+    """The same rows as a tokenizer returns them without return_tensors: Python lists."""
+
+    def __getitem__(self, i):
+        return transformers.BatchEncoding({k: v.tolist() for k, v in super().__getitem__(i).items()})
+
+
+def test_make_private_takes_rows_of_python_lists_as_tensors_and_names_unequal_lengths():
+    """Found by review: default_collate transposed each row's list into per-position tensors and
+    the loss failed with "list indices must be integers". Rows of lists now train exactly as rows
+    of tensors; rows of different lengths are refused with the fix, before anything is released."""
+    runs = []
+    for cls in (Rows, ListRows):
+        torch.manual_seed(0)
+        m = MODELS["gpt2"]().eval()
+        trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), cls(dataset(16).batch), batch_size=4, l2_clip_norm=1.0,
+                                      noise_multiplier=1.0, delta=1e-3, compile=False, method="ghost", seed=0)
+        next(iter(trainer.train_epoch()))
+        runs.append(trainer.state.params)
+    for k, v in runs[0].items():
+        assert torch.equal(runs[1][k], v), k
+
+    class Ragged(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = list(range(1, 2 + i % 3))
+            return transformers.BatchEncoding({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ids})
+
+    m = MODELS["gpt2"]().eval()
+    trainer = vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), Ragged(), batch_size=4, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                  delta=1e-3, compile=False, method="ghost", seed=0)
+    before = {k: v.clone() for k, v in trainer.state.params.items()}
+    with pytest.raises(ValueError, match=r"rows hold 'input_ids' of different shapes .*padding='max_length'.*Nothing was released"):
+        next(iter(trainer.train_epoch()))
+    assert trainer.state.step == 0 and all(torch.equal(v, before[k]) for k, v in trainer.state.params.items())
+
+
 def test_make_private_refuses_a_collate_that_pads_to_the_longest_row():
     """A batch's padded length must not depend on its rows (see the test above and hf.sample_loss):
     a collate that pads to the longest row is refused before the first release; one that pads to a

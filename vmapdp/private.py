@@ -468,6 +468,18 @@ def _collate_mappings(rows: list) -> dict:
                 "them would drop the keys its first row lacks. Give every row the same keys (pad a field some rows "
                 "lack, e.g. token_type_ids of zeros). Nothing was released for this step."
             )
+    # a tokenizer's rows without return_tensors hold Python lists, which default_collate transposes into a list
+    # of per-position tensors (the loss then failed on a list; found by review): each row's list becomes a tensor
+    dicts = [{k: torch.as_tensor(v) if isinstance(v, (list, tuple)) else v for k, v in d.items()} for d in dicts]
+    for k, v in dicts[0].items():
+        other = next((d[k] for d in dicts[1:] if isinstance(v, Tensor) and isinstance(d[k], Tensor) and d[k].shape != v.shape), None)
+        if other is not None:
+            raise ValueError(
+                f"make_private: the dataset's rows hold {k!r} of different shapes ({tuple(v.shape)} and {tuple(other.shape)}): "
+                "a batch stacks one tensor per key. Pad every row to one length when tokenizing (tokenizer(..., "
+                "padding='max_length', max_length=L, truncation=True)); padding each batch to its longest row would "
+                "make a sample's shape depend on the others. Nothing was released for this step."
+            )
     return torch.utils.data.default_collate(dicts)
 
 
