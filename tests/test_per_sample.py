@@ -680,3 +680,79 @@ def test_a_loss_that_stops_reading_its_sample_at_a_later_compiled_step_is_refuse
     for _ in range(2):  # (a retry finds no compiled graph to reuse: found by review, the cached one released it)
         with pytest.raises(ValueError, match=r"does not depend on its sample"):
             step(state, batch, mask)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass", "auto"])
+def test_a_loss_reading_a_captured_row_through_dropout_is_refused(method):
+    """Found by review: with randomness="different" a dropout mask is drawn per sample, so it is
+    batched on its own, and a loss that read only a captured dataset row (the typo the check is
+    for) looked as if it read its sample: every method released it, eager and compiled, and the
+    released sum moved with a row outside the batch. The checks draw the same for every sample."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Dropout(0.1), nn.Linear(8, 2)))
+
+    def loss_fn(p, b, sample):
+        return F.cross_entropy(apply(p, b, X_OUT[0][None]), Y_OUT[0][None])
+
+    batch = (torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"does not depend on its sample"):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method, randomness="different")(params, buffers, batch)
+    opt = vmapdp.optim.sgd(0.1)
+    for compile in (False, "eager"):
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1,
+                                      compile=compile, method=method, randomness="different")
+        with pytest.raises(ValueError, match=r"does not depend on its sample"):
+            step(vmapdp.init_train_state(params, opt, seed=9), batch, torch.ones(8, dtype=torch.bool), buffers)
+
+
+@pytest.mark.parametrize("randomness", ["error", "different"])
+def test_ghost_refuses_a_flag_switch_hidden_by_the_copy_of_an_uncovered_param(randomness):
+    """Found by review: ghost's eager run compares each covered layer's input with the probe's
+    (batched by the sample or not), but a param no rule covers runs as per-sample copies, so
+    ``lin(sigmoid(gate) * row)`` is batched through the copy of ``gate`` even when ``row`` is a
+    captured dataset row: a flag switched after the probe released a sum of that row alone. Such
+    runs (and per-sample random draws) check one forward of the plain loss on every eager call."""
+    torch.manual_seed(0)
+
+    class Gated(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Parameter(torch.zeros(3))  # used through sigmoid: no ghost rule, a per-sample copy
+            self.lin = nn.Linear(3, 2)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.lin(self.drop(torch.sigmoid(self.gate) * x))
+
+    model = Gated()
+    if randomness == "error":
+        model.eval()
+    apply, params, buffers = vmapdp.functionalize(model)
+    switched = []
+
+    def loss_fn(p, b, sample):
+        xi, yi = (X_OUT[0], Y_OUT[0]) if switched else sample
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost", randomness=randomness)
+    batch = (torch.randn(8, 3), torch.zeros(8, dtype=torch.long))
+    assert "gate" in fn.prepare(params, buffers, batch).other
+    fn(params, buffers, batch)
+    switched.append(True)
+    with pytest.raises(ValueError, match=r"does not depend on its sample"):
+        fn(params, buffers, batch)
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass"])
+def test_the_one_sample_check_does_not_write_into_the_callers_batch(method):
+    """Found by review: the check ran on a view of the batch's first row, so a loss normalising its
+    sample in place wrote into the caller's batch, and vmap's run then divided that row twice."""
+    params = {"W": torch.randn(2, 3)}
+
+    def loss_fn(p, sample):
+        xi, yi = sample
+        return F.cross_entropy(F.linear(xi.div_(2.0)[None], p["W"]), yi[None])
+
+    x = torch.ones(4, 3)
+    vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method).prepare(params, (x, torch.zeros(4, dtype=torch.long)))
+    assert torch.equal(x, torch.ones(4, 3))

@@ -31,7 +31,7 @@ from vmapdp.functional import rng_kept
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
 from vmapdp.ghost.plan import Plan, coverage, probe
-from vmapdp.per_sample import check_on_one_sample, explain_runtime_error, per_sample_grads, refuse_writes, watch_writes
+from vmapdp.per_sample import check_on_one_sample, check_reads_its_sample, explain_runtime_error, per_sample_grads, refuse_writes, watch_writes
 from vmapdp.precision import full_float32
 
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "eager_profile", "EagerProfile"]
@@ -475,15 +475,20 @@ class ClippedGradSum:
             check_mask(mask, batch_size(batch, call=_CALL), call=_CALL)
         if self.method in ("vmap", "two_pass"):
             self._planned(args)  # (the loss checked once per shape, eagerly: traced, an eager call or prepare must have)
-        if self.method == "vmap" or batch_size(batch, call=_CALL) == 0:
+        if batch_size(batch, call=_CALL) == 0:
+            return _sunk(self._by_vmap(params, shared, batch, mask), sink)
+        if self.method == "vmap":
+            self._reads_its_sample("vmap", None, args)
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
         eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if self.method == "two_pass":
+                self._reads_its_sample("two_pass", None, args)
                 return _sunk(self._by_two_pass(params, shared, batch, mask), sink)
             key, plan = self._planned(args)
             chosen = self._choose(key, plan, params, shared, batch, mask) if self.method == "auto" else "ghost"
+            self._reads_its_sample(chosen, plan, args)
             if chosen == "vmap":
                 return _sunk(self._by_vmap(params, shared, batch, mask), sink)
             if chosen == "two_pass":
@@ -521,6 +526,18 @@ class ClippedGradSum:
             check_on_one_sample(_CALL, params, shared, batch, self.randomness, lambda p, s, x: self.loss_fn(p, *s, x))
             return None
         return probe(self._ghost_form[1], params, shared, batch, self.randomness, call=_CALL)
+
+    def _reads_its_sample(self, method: str, plan: Plan | None, args: tuple) -> None:
+        """Before an eager run of ``method`` whose own check that the loss depends on its sample is
+        blurred (per-sample random draws; ghost's per-sample copies of params it does not cover),
+        that check on one sample (``check_reads_its_sample``: one forward on one row). Elsewhere
+        the run checks it itself: vmap and two_pass on the per-sample losses, ghost on each covered
+        layer's input (``Plan.batched``); a compiled run is checked again whenever it is traced anew."""
+        if torch.compiler.is_compiling():
+            return
+        blurred = self.randomness == "different" or (method == "ghost" and plan is not None and bool(plan.other))
+        if blurred:
+            check_reads_its_sample(_CALL, self.loss_fn, args[0], tuple(args[1:-1]), args[-1], self.randomness)
 
     def _choose(self, key: tuple, plan: Plan | None, params, shared, batch, mask) -> str:
         """``"auto"``'s method for this input shape (while tracing for torch.compile nothing can be

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 import optree
 import torch
 from torch import Tensor, nn
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value, vjp, vmap
 
 from vmapdp import _checks
 from vmapdp._tree import batch_size, check_mask, zero_rows
@@ -134,6 +134,12 @@ def check_on_one_sample(
       counter), and a private step must not change its inputs (found by review: the caller's
       buffers changed at each call of a vmap or two_pass step, silently).
 
+    Random layers draw the same for every sample here (``randomness="same"`` where the step's is
+    ``"different"``): a dropout mask drawn per sample is itself batched, and made the loss look as
+    if it read its sample when it read only a captured dataset row (found by review: released by
+    every method). The sample is a copy of the first row (a loss writing into its sample in place
+    wrote into the caller's batch, and that row was then written twice; found by review).
+
     ``forward(params, shared, sample) -> loss`` runs the loss (ghost's probe watches its ops
     there). Private steps call it once per input shape before their first run (``clipped_grad_sum``
     as it plans, so ``make_train_step``'s eager prepare), so a compiled step is covered too.
@@ -144,7 +150,7 @@ def check_on_one_sample(
     tracked = torch._C._functorch.peek_interpreter_stack() is None
     copies = optree.tree_map(lambda t: _copy(t, tracked) if isinstance(t, Tensor) else t, params, namespace="torch")
     watched = watch_writes(copies, shared)
-    one = optree.tree_map(lambda t: t[:1], batch, namespace="torch")
+    one = _first_row(batch)
 
     def fwd(sample: Any) -> Tensor:
         loss = forward(copies, shared, sample)
@@ -161,10 +167,47 @@ def check_on_one_sample(
     device = next((t.device for t in _leaves(copies) if isinstance(t, Tensor)), torch.device("cpu"))
     try:
         with torch.enable_grad(), rng_kept(device), batched_attention(copies):
-            vmap(fwd, randomness=randomness)(one)
+            vmap(fwd, randomness=_same_draws(randomness))(one)
     except RuntimeError as err:
         raise explain_runtime_error(call, err) from err
     refuse_writes(call, watched)
+
+
+@torch.compiler.disable
+def check_reads_its_sample(call: str, loss_fn: Callable[..., Any], params: Any, shared: tuple, batch: Any, randomness: str) -> None:
+    """Refuse, eagerly, a loss whose value does not depend on its sample, from one forward of the
+    plain loss on the first row (under ``vmap``, the params differentiated as in a private step,
+    random layers drawing the same for every sample, the global RNGs restored; no backward).
+
+    For each run whose own view of this is blurred, and so cannot tell a loss that switched to
+    data from elsewhere after the one-sample check of its shape (a flag outside its arguments):
+    per-sample random draws (``randomness="different"``: a dropout mask is batched whatever the
+    loss reads) and ghost clipping's per-sample copies of the params it does not cover (a gate
+    ``sigmoid(g) * x``, batched through the copy of ``g``). Found by review: both released a loss
+    that read only a captured dataset row."""
+    one = _first_row(batch)
+
+    def fwd(sample: Any) -> Tensor:
+        loss = vjp(lambda p: loss_fn(p, *shared, sample), params)[0]
+        _checks.loss_reads_its_sample(call, loss)
+        return loss
+
+    device = next((t.device for t in _leaves(params) if isinstance(t, Tensor)), torch.device("cpu"))
+    try:
+        with torch.enable_grad(), rng_kept(device), batched_attention(params):
+            vmap(fwd, randomness=_same_draws(randomness))(one)
+    except RuntimeError as err:
+        raise explain_runtime_error(call, err) from err
+
+
+def _first_row(batch: Any) -> Any:
+    return optree.tree_map(lambda t: t[:1].clone(), batch, namespace="torch")
+
+
+def _same_draws(randomness: str) -> str:
+    """The randomness of a check of what the loss reads: random layers draw the same for every
+    sample (a per-sample draw is batched on its own)."""
+    return "same" if randomness == "different" else randomness
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:
