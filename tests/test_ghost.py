@@ -1373,18 +1373,28 @@ def test_a_loss_that_stops_reading_its_sample_after_the_probe_is_refused_by_the_
     """Found by review: a flag outside the loss's arguments that switched it to a captured dataset
     row after the probe was released by eager ghost (the taps make any loss depend on the batch, and
     the site looked the same to the plan). The probe records which sites' inputs depend on the
-    sample; the real run refuses one that no longer does."""
+    sample; the real run refuses one that no longer does, even where the loss still reads its
+    sample elsewhere (a conditioning input dropped by a flag); a loss that reads it nowhere is
+    refused before the run, by the one-row check every eager ghost call makes."""
     params = {"W": torch.randn(2, 3, dtype=torch.float64)}
     x_out = torch.randn(5, 3, dtype=torch.float64)
     switched = []
 
-    def loss_fn(p, xi):
+    def partly(p, xi):
+        return F.linear(x_out[0] if switched else xi, p["W"]).square().sum() + xi.sum()
+
+    def wholly(p, xi):
         return F.linear(x_out[0] if switched else xi, p["W"]).square().sum()
 
-    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
     x = torch.randn(4, 3, dtype=torch.float64)
-    ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, x), C)
-    _assert_close(*fn(params, x)[:2], *ref, rtol=1e-9)
-    switched.append(True)
-    with pytest.raises(ValueError, match=r"input of the layer using 'W' \(torch.linear\) depended on the sample when the loss was probed and does not now.*Pass such a flag as an argument"):
-        fn(params, x)
+    for loss_fn, refusal in (
+        (partly, r"input of the layer using 'W' \(torch.linear\) depended on the sample when the loss was probed and does not now.*Pass such a flag as an argument"),
+        (wholly, r"loss_fn's value does not depend on its sample"),
+    ):
+        switched.clear()
+        fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+        ref = vmapdp.clip_and_sum(vmapdp.testing.microbatch_grads(loss_fn, params, x), C)
+        _assert_close(*fn(params, x)[:2], *ref, rtol=1e-9)
+        switched.append(True)
+        with pytest.raises(ValueError, match=refusal):
+            fn(params, x)

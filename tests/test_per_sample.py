@@ -756,3 +756,37 @@ def test_the_one_sample_check_does_not_write_into_the_callers_batch(method):
     x = torch.ones(4, 3)
     vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method).prepare(params, (x, torch.zeros(4, dtype=torch.long)))
     assert torch.equal(x, torch.ones(4, 3))
+
+
+def test_ghost_refuses_a_flag_switch_hidden_by_the_tap_of_an_earlier_layer():
+    """Found while fixing the review's finding above: ghost's taps (added to every covered
+    layer's output) make everything after that layer batched, so a layer whose input joins the
+    sample with such an output (features plus a learned positional embedding) looked batched
+    after a flag switched the loss to a captured dataset row. Every eager ghost call checks one
+    forward of the plain loss."""
+    torch.manual_seed(0)
+
+    class Features(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Embedding(4, 3)
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):  # x: [1, 4, 3]
+            return self.lin(x + self.pos(torch.arange(4))).mean(1)
+
+    apply, params, buffers = vmapdp.functionalize(Features())
+    rows = torch.randn(5, 4, 3)
+    switched = []
+
+    def loss_fn(p, b, sample):
+        xi, yi = (rows[0], Y_OUT[0]) if switched else sample
+        return F.cross_entropy(apply(p, b, xi[None]), yi[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="ghost")
+    batch = (torch.randn(8, 4, 3), torch.zeros(8, dtype=torch.long))
+    assert not fn.prepare(params, buffers, batch).other  # every param covered: no per-sample copies
+    fn(params, buffers, batch)
+    switched.append(True)
+    with pytest.raises(ValueError, match=r"does not depend on its sample"):
+        fn(params, buffers, batch)

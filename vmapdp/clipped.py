@@ -529,14 +529,17 @@ class ClippedGradSum:
 
     def _reads_its_sample(self, method: str, plan: Plan | None, args: tuple) -> None:
         """Before an eager run of ``method`` whose own check that the loss depends on its sample is
-        blurred (per-sample random draws; ghost's per-sample copies of params it does not cover),
-        that check on one sample (``check_reads_its_sample``: one forward on one row). Elsewhere
-        the run checks it itself: vmap and two_pass on the per-sample losses, ghost on each covered
-        layer's input (``Plan.batched``); a compiled run is checked again whenever it is traced anew."""
+        blurred, that check on one sample (``check_reads_its_sample``: one forward on one row):
+        under per-sample random draws (a dropout mask is batched on its own), and for every ghost
+        run (its taps make everything after a covered layer batched, and its per-sample copies of
+        params it does not cover everything after their use: ``Plan.batched`` stays, as a second
+        line). vmap and two_pass otherwise check it themselves, on the per-sample losses; a compiled
+        run is checked again whenever it is traced anew. (Measured 2026-11-29: a tiny GPT-2 with
+        dropout, batch 16 x 64, 47.8 -> 52.2 ms with ghost, 39.6 -> 42.1 ms with vmap; the IMDb
+        LSTM's check 16.5 ms against its 325 ms ghost step at batch 128.)"""
         if torch.compiler.is_compiling():
             return
-        blurred = self.randomness == "different" or (method == "ghost" and plan is not None and bool(plan.other))
-        if blurred:
+        if self.randomness == "different" or method == "ghost":
             check_reads_its_sample(_CALL, self.loss_fn, args[0], tuple(args[1:-1]), args[-1], self.randomness)
 
     def _choose(self, key: tuple, plan: Plan | None, params, shared, batch, mask) -> str:

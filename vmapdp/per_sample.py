@@ -182,9 +182,10 @@ def check_reads_its_sample(call: str, loss_fn: Callable[..., Any], params: Any, 
     For each run whose own view of this is blurred, and so cannot tell a loss that switched to
     data from elsewhere after the one-sample check of its shape (a flag outside its arguments):
     per-sample random draws (``randomness="different"``: a dropout mask is batched whatever the
-    loss reads) and ghost clipping's per-sample copies of the params it does not cover (a gate
-    ``sigmoid(g) * x``, batched through the copy of ``g``). Found by review: both released a loss
-    that read only a captured dataset row."""
+    loss reads) and ghost clipping (its taps make everything after a covered layer batched, its
+    per-sample copies of the params it does not cover everything after their use: a gate
+    ``sigmoid(g) * x``). Found by review: these released a loss that read only a captured
+    dataset row."""
     one = _first_row(batch)
 
     def fwd(sample: Any) -> Tensor:
