@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -400,6 +401,21 @@ def check_per_sample_grads_fit(call: str, method: str, rows: int, params: Any, *
     )
 
 
+_LATER_CHUNK = threading.local()  # (make_train_step: the later chunks of a step, whose first was checked)
+
+
+@contextlib.contextmanager
+def one_check_per_step(later: bool):
+    """Within it (``later``), eager runs skip ``ClippedGradSum``'s per-call check that the loss
+    reads its sample: ``make_train_step`` runs its later chunks of a step so, the first checked."""
+    before = getattr(_LATER_CHUNK, "on", False)
+    _LATER_CHUNK.on = later
+    try:
+        yield
+    finally:
+        _LATER_CHUNK.on = before
+
+
 @dataclass(frozen=True, eq=False)
 class ClippedGradSum:
     """``fn(params, *shared, batch, mask=None) -> (summed, norms, losses)``: see :func:`clipped_grad_sum`.
@@ -478,17 +494,17 @@ class ClippedGradSum:
         if batch_size(batch, call=_CALL) == 0:
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         if self.method == "vmap":
-            self._reads_its_sample("vmap", None, args)
+            self._reads_its_sample("vmap", args)
             return _sunk(self._by_vmap(params, shared, batch, mask), sink)
         # (compiled, the caller holds it open: make_train_step does, around the compiled chunk)
         eager = not torch.compiler.is_compiling()
         with full_float32(next(iter(params.values())).device.type) if eager else contextlib.nullcontext():
             if self.method == "two_pass":
-                self._reads_its_sample("two_pass", None, args)
+                self._reads_its_sample("two_pass", args)
                 return _sunk(self._by_two_pass(params, shared, batch, mask), sink)
             key, plan = self._planned(args)
             chosen = self._choose(key, plan, params, shared, batch, mask) if self.method == "auto" else "ghost"
-            self._reads_its_sample(chosen, plan, args)
+            self._reads_its_sample(chosen, args)
             if chosen == "vmap":
                 return _sunk(self._by_vmap(params, shared, batch, mask), sink)
             if chosen == "two_pass":
@@ -527,17 +543,20 @@ class ClippedGradSum:
             return None
         return probe(self._ghost_form[1], params, shared, batch, self.randomness, call=_CALL)
 
-    def _reads_its_sample(self, method: str, plan: Plan | None, args: tuple) -> None:
+    def _reads_its_sample(self, method: str, args: tuple) -> None:
         """Before an eager run of ``method`` whose own check that the loss depends on its sample is
         blurred, that check on one sample (``check_reads_its_sample``: one forward on one row):
         under per-sample random draws (a dropout mask is batched on its own), and for every ghost
         run (its taps make everything after a covered layer batched, and its per-sample copies of
         params it does not cover everything after their use: ``Plan.batched`` stays, as a second
         line). vmap and two_pass otherwise check it themselves, on the per-sample losses; a compiled
-        run is checked again whenever it is traced anew. (Measured 2026-11-29: a tiny GPT-2 with
-        dropout, batch 16 x 64, 47.8 -> 52.2 ms with ghost, 39.6 -> 42.1 ms with vmap; the IMDb
-        LSTM's check 16.5 ms against its 325 ms ghost step at batch 128.)"""
-        if torch.compiler.is_compiling():
+        run is checked again whenever it is traced anew. It is a call of the loss of its own,
+        before the run: a loss that changes what it reads between two calls by itself (a call
+        counter, Python's ``random``) is not caught. ``make_train_step`` checks the first chunk of
+        each step only (``one_check_per_step``). Cost, measured 2026-11-29 (eager, 2 cores): a
+        tiny GPT-2 with dropout (16 x 64 tokens) +9-14% with ghost, +6-16% with vmap; a CNN at batch
+        128 +8%; the IMDb LSTM 16.5 ms against its 325 ms ghost step at batch 128."""
+        if torch.compiler.is_compiling() or getattr(_LATER_CHUNK, "on", False):
             return
         if self.randomness == "different" or method == "ghost":
             check_reads_its_sample(_CALL, self.loss_fn, args[0], tuple(args[1:-1]), args[-1], self.randomness)

@@ -168,7 +168,7 @@ def check_on_one_sample(
     device = next((t.device for t in _leaves(copies) if isinstance(t, Tensor)), torch.device("cpu"))
     try:
         with torch.enable_grad(), rng_kept(device), batched_attention(copies):
-            vmap(fwd, randomness=_same_draws(randomness))(one)
+            _mapped_once(fwd, one, randomness)
     except RuntimeError as err:
         raise explain_runtime_error(call, err) from err
     refuse_writes(call, watched)
@@ -200,7 +200,7 @@ def check_reads_its_sample(call: str, loss_fn: Callable[..., Any], params: Any, 
             # (one row: torch's per-sample fallback for ops without a batching rule, embedding_bag's, which ghost
             # runs as an embedding and a reduction, costs nothing here; its "performance drop" warning is not the user's)
             warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the batching rule")
-            vmap(fwd, randomness=_same_draws(randomness))(one)
+            _mapped_once(fwd, one, randomness)
     except RuntimeError as err:
         raise explain_runtime_error(call, err) from err
 
@@ -209,10 +209,20 @@ def _first_row(batch: Any) -> Any:
     return optree.tree_map(lambda t: t[:1].clone(), batch, namespace="torch")
 
 
-def _same_draws(randomness: str) -> str:
-    """The randomness of a check of what the loss reads: random layers draw the same for every
-    sample (a per-sample draw is batched on its own)."""
-    return "same" if randomness == "different" else randomness
+def _mapped_once(fwd: Callable[[Any], Any], one: Any, randomness: str) -> None:
+    """``fwd`` mapped over the one-row ``one`` for a check of what the loss reads, random layers
+    drawing the same for every sample (a per-sample draw is batched on its own). torch cannot
+    draw "same" from a per-sample parameter (``torch.normal(mu, std)``, ``torch.bernoulli(p)``,
+    a ``torch.distributions`` sample): such a loss is checked with the step's per-sample draws,
+    which a dropout layer blurs (found by review: refusing it with torch's error broke losses
+    that ran before). ``mu + std * torch.randn_like(mu)`` or ``torch.rand_like(p) < p`` draw alike
+    and are checked exactly."""
+    try:
+        vmap(fwd, randomness="same" if randomness == "different" else randomness)(one)
+    except RuntimeError as err:
+        if randomness != "different" or "same randomness with a batched tensor input" not in str(err):
+            raise
+        vmap(fwd, randomness=randomness)(one)
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:

@@ -55,7 +55,7 @@ from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
-from vmapdp.clipped import METHODS, AutoChooser, ClippedGradSum, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, race, shape_key, two_pass_chunk
+from vmapdp.clipped import METHODS, AutoChooser, ClippedGradSum, auto_candidates, check_per_sample_grads_fit, clipped_grad_sum, eager_profile, one_check_per_step, race, shape_key, two_pass_chunk
 from vmapdp.data import EVALUATION_ONLY_ID
 from vmapdp.ghost import limits as ghost_limits
 from vmapdp.noise import Privatizer, gaussian_privatizer
@@ -1264,7 +1264,9 @@ def make_train_step(
         for start in range(0, n, size):
             chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
             chunk_mask = mask[start : start + size]
-            with full_float32(mask.device.type):  # no TF32 on CUDA (the race included): the norm/sum margins assume float32
+            # (no TF32 on CUDA, the race included: the norm/sum margins assume float32; the per-call check that the loss
+            # reads its sample on the step's first chunk only: nothing of the caller's runs between its chunks)
+            with full_float32(mask.device.type), one_check_per_step(start > 0):
                 name, digest = method_for(recorded, params, shared, chunk, chunk_mask)
                 part = runner(name)(params, chunk_mask, shared, chunk)
             recorded[digest] = name
