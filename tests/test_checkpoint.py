@@ -310,7 +310,8 @@ def test_a_secure_samplers_checkpoint_resumes_only_on_the_callers_word(make, sav
     Epoch samplers keep their assignment in the checkpoint, but a new epoch is drawn fresh."""
     _, state, _, _, _ = saved
     s = make()
-    s.sample()
+    for _ in range(state.step):  # (the sampler in step with the state: one drawn past it is refused at the save)
+        s.sample()
     path = tmp_path / "secure.pt"
     vmapdp.save_state(path, state, sampler=s)
     with pytest.raises(ValueError, match=r"saved with a secure sampler"):
@@ -402,3 +403,22 @@ def test_another_torch_optimizers_checkpoint_is_refused_at_its_first_update(tmp_
     vmapdp.noise.spent.forget_spent_keys()
     loaded = vmapdp.load_state(tmp_path / "s.pt", like=vmapdp.init_train_state(params, rms, seed=7))
     assert run(rms)(loaded, *batches[2], buffers)[0].step == 3
+
+
+def test_a_sampler_drawn_past_the_state_is_refused_at_the_save(saved, tmp_path):
+    """Found by review (rev4/a03): saved between a draw and its step, the checkpoint held a sampler
+    past its batch; resumed, that batch could not be drawn again, and another batch was released
+    under the step's noise key (the two releases of one step differed by 0.127, without noise)."""
+    path, state, sampler_state, _, _ = saved
+    ahead = sampler()
+    ahead.load_state_dict(sampler_state)
+    ahead.sample()  # the batch of the state's next step, drawn before the save
+    out = tmp_path / "ahead.pt"
+    with pytest.raises(ValueError, match=r"the sampler has drawn 3 batches but the state has taken 2 steps: 1 drawn batch\(es\) not stepped yet.*Save after the step.*Nothing was written"):
+        vmapdp.save_state(out, state, sampler=ahead)
+    assert not out.exists()
+    behind = sampler()
+    behind.sample()
+    with pytest.raises(ValueError, match=r"the sampler is behind the state"):
+        vmapdp.save_state(out, state, sampler=behind)
+    vmapdp.save_state(out, state, sampler=sampler())  # (a sampler that has drawn nothing: given for its events only)

@@ -108,6 +108,19 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
             f"{call}: the state's correlated-noise state has no owner (noise_state['owner']) though it has noised "
             f"{int(ns['t'])} steps: its buffers are not bound to their run. Save the state the step returned. Nothing was written."
         )
+    drawn = None if sampler is None else getattr(sampler, "steps_drawn", None)
+    if drawn and drawn != state.step:
+        # (found by review: saved between a draw and its step, the checkpoint held a sampler past its batch; resumed,
+        # that batch could not be drawn again, and any other batch was released under the step's noise key)
+        raise ValueError(
+            f"{call}: the sampler has drawn {drawn} batches but the state has taken {state.step} steps: "
+            + (f"{drawn - state.step} drawn batch(es) not stepped yet. A run resumed from this checkpoint could not draw that "
+               "batch again, and would release another batch under the same step's noise. Save after the step (or before "
+               "drawing its batch)." if drawn > state.step else
+               "the sampler is behind the state (another sampler, or one restored from an older checkpoint). Save the sampler "
+               "that drew the state's batches.")
+            + " Nothing was written."
+        )
     return {
         "format": _FORMAT,
         "version": _VERSION,

@@ -164,7 +164,8 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
 
     Raises:
         ValueError: (on every rank, before anything is written) ``path`` exists, the ranks
-            disagree on the state's step, run or ledger, or the state does not fit ``sharding``.
+            disagree on the state's step, run or ledger, the state does not fit ``sharding``, or
+            the sampler has drawn a batch the state has not stepped.
         RuntimeError: a rank failed while writing; ``path`` was not created.
     """
     path = os.path.abspath(os.fspath(path))
@@ -172,7 +173,6 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     _dist.require_initialized(call)
     _checks.sharding(call, sharding)
     secret = _ckpt.checked_key(call, key)
-    payload = _ckpt.state_payload(call, state, sampler)
     sharding.check_local(call, state.params)
     clip = None if state.clip_norm is None else float(state.clip_norm)
     _dist.check_same(
@@ -183,6 +183,11 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     )
     exists = os.path.exists(path)
     _fail_together(call, ValueError(f"{call}: {path} exists; a checkpoint is never overwritten. Save under a new name (checkpoint_path(root, state.step)).") if exists else None, "the existence check")
+    try:  # (a sampler drawn past the state is refused there: on every rank, none left waiting in the next collective)
+        payload, error = _ckpt.state_payload(call, state, sampler), None
+    except ValueError as err:
+        payload, error = None, err
+    _fail_together(call, error, "the check of the state and its sampler")
     tmp = path + _TMP + format(_dist.broadcast_int(secrets.randbits(62)), "x")
     sd = _state_dict(call, state, sharding, copy=False)
     import torch.distributed.checkpoint as dcp
