@@ -454,8 +454,7 @@ def test_a_fresh_sampler_on_a_resumed_run_is_refused(tmp_path):
     _, step = make(BANDED, s, recording_sgd([]))
     idx, mask = s.sample()
     step(half, gather((X, Y), idx), mask)
-    secure = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, secure=True)
-    secure.sample()
+    secure = CyclicPoissonSampler(N_DATA, Q, cycle=CYCLE, steps=STEPS, secure=True)  # (its groups drawn, no batch: the state is at step 0)
     opt = optim.sgd(0.1)
     state = vmapdp.init_train_state(PARAMS, opt, seed=SEED)
     path = tmp_path / "secure.pt"
@@ -528,7 +527,9 @@ def test_a_noise_state_of_another_step_is_refused_by_the_step_and_by_load(tmp_pa
     with pytest.raises(ValueError, match=r"has noised 3 steps but the state is at step 5 \(runs of 8 steps"):  # (one step behind)
         step2(half._replace(noise_state={**half.noise_state, "t": torch.tensor(3)}, step=5), gather((X, Y), idx), mask)
     path = tmp_path / "mixed.pt"
-    vmapdp.save_state(path, half._replace(noise_state={**half.noise_state, "t": torch.tensor(5)}), sampler=s)
+    s4 = sampler()  # (the sampler at the state's step: one drawn past it is refused at the save)
+    [s4.sample() for _ in range(4)]
+    vmapdp.save_state(path, half._replace(noise_state={**half.noise_state, "t": torch.tensor(5)}), sampler=s4)
     with pytest.raises(ValueError, match="has noised 5 steps but the state is at step 4.*inconsistent; nothing was loaded"):
         vmapdp.load_state(path, sampler=sampler())
 
@@ -648,14 +649,16 @@ def test_a_checkpoint_saved_before_noise_owners_loads_and_resumes(tmp_path):
         idx, mask = s.sample()
         state, _ = step(state, gather((X, Y), idx), mask)
     legacy = state._replace(noise_state={k: v for k, v in state.noise_state.items() if k != "owner"})
+    at_state = CyclicPoissonSampler(N_DATA, Q, cycle=4, steps=4, key=b"mf-legacy")
+    at_state.load_state_dict(s.state_dict())  # (the sampler at the state's step, for the files below)
     idx, mask = s.sample()
     with pytest.raises(ValueError, match=r"the noise state has no owner.*read it through load_state"):
         step(legacy, gather((X, Y), idx), mask)
     with pytest.raises(ValueError, match=r"has no owner .* though it has noised 2 steps.*Nothing was written"):
-        vmapdp.save_state(tmp_path / "old.pt", legacy, sampler=s)  # (another review: stripped, saved, loaded: rebound)
+        vmapdp.save_state(tmp_path / "old.pt", legacy, sampler=at_state)  # (another review: stripped, saved, loaded: rebound)
     from vmapdp import checkpoint as ckpt  # an older version's file: written without the check
 
-    ckpt.write_payload(tmp_path / "old.pt", {**ckpt.state_payload("save", state, s), "noise_state": legacy.noise_state}, None)
+    ckpt.write_payload(tmp_path / "old.pt", {**ckpt.state_payload("save", state, at_state), "noise_state": legacy.noise_state}, None)
     again = CyclicPoissonSampler(N_DATA, Q, cycle=4, steps=4, key=b"mf-legacy")
     loaded = vmapdp.load_state(tmp_path / "old.pt", like=fresh, sampler=again)
     assert torch.equal(loaded.noise_state["owner"], state.noise_state["owner"])

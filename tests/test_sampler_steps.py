@@ -381,3 +381,25 @@ def test_a_state_read_with_ignore_sampler_is_for_evaluation_only(tmp_path):
     with pytest.raises(ValueError, match=r"read with load_state\(\.\.\., ignore_sampler=True\), for evaluation only.*Nothing was released"):
         vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sample_rate=0.25, expected_batch_size=6.0, compile=False)(
             evaluation, gather(data, indices), mask, buffers)
+
+
+def test_a_state_a_sampler_stepped_is_refused_by_a_step_given_no_sampler():
+    """Found by review (rev4/a06b): a run sampled at rate 0.25 and continued by a step told
+    sample_rate=0.01 alone was charged at 0.01 (epsilon 2.93 where its steps cost 4.99 in that
+    review's run); the state records its sampler's id, and a step with no sampler to check now
+    refuses it. A state that no sampler stepped goes on with sample_rate= alone."""
+    params, buffers, data, loss_fn = problem()
+    kw = dict(l2_clip_norm=1.0, noise_multiplier=NOISE, expected_batch_size=6.0, compile=False, method="vmap")
+    sampler = PoissonSampler(N, 0.25, steps=2, key=b"run-key")
+    by_sampler = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sampler=sampler, **kw)
+    by_rate = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), sample_rate=0.01, **kw)
+    state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
+    indices, mask = sampler.sample()
+    state, _ = by_sampler(state, gather(data, indices), mask, buffers)
+    assert state.sampler_id
+    indices, mask = sampler.sample()
+    with pytest.raises(ValueError, match=r"this state's 1 steps were drawn by a sampler .* but this step is given none .*Nothing was released"):
+        by_rate(state, gather(data, indices), mask, buffers)
+    assert by_sampler(state, gather(data, indices), mask, buffers)[0].step == 2
+    fresh = vmapdp.init_train_state(params, optim.sgd(0.1), seed=1)
+    assert by_rate(fresh, gather(data, indices), mask, buffers)[0].step == 1

@@ -533,6 +533,15 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
             "the same position. Resume the run's own sampler with the state (save_state(..., sampler=) and "
             "load_state(..., sampler=)), or make it with the same key=. Nothing was released."
         )
+    if sampler is None and recorded:
+        # (found by review: a run sampled at rate 0.2 and continued with sample_rate=0.01 alone reported epsilon 2.93
+        # where its steps cost 4.99; a secure epoch sampler's run continued so repeated a lost step with another batch)
+        raise ValueError(
+            f"{call}: this state's {step} steps were drawn by a sampler (its id is recorded in state.sampler_id), but this step "
+            "is given none (sample_rate= alone): it could not check that its batches continue that sampling, and the ledger "
+            "would charge whatever rate it is told. Give the step the run's sampler (make_train_step(..., sampler=), resumed "
+            "with load_state(..., sampler=)). Nothing was released."
+        )
     recorded = ident if ident is not None else recorded
     if drawn is None or (not drawn and not bound):  # (a secure Poisson sampler: its identity only)
         return recorded
