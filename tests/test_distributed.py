@@ -84,6 +84,15 @@ def _expect_error(fn):
     return None
 
 
+def _caught(fn):
+    """``fn()``'s refusal as "Type: message" (ValueError, RuntimeError or MemoryError), or None."""
+    try:
+        fn()
+    except (ValueError, RuntimeError, MemoryError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
@@ -190,10 +199,7 @@ def _worker(rank, world, init_file, out_dir):
         clipped.available_bytes = (lambda device: 1) if vdist.rank() == 1 else real_available
         clipped._elapsed = lambda name, run, device: (run(), 1.0 if name == "vmap" else 2.0)[1]
         try:
-            chunked(st, six, torch.ones(6, dtype=torch.bool), buffers)
-            res["chunk_error"] = None
-        except (ValueError, RuntimeError, MemoryError) as err:
-            res["chunk_error"] = f"{type(err).__name__}: {err}"
+            res["chunk_error"] = _caught(lambda: chunked(st, six, torch.ones(6, dtype=torch.bool), buffers))
         finally:
             clipped.available_bytes, clipped._elapsed = real_available, real_elapsed
         res["after_chunk_error"] = one(st, rows, torch.ones(4, dtype=torch.bool), buffers)[0].step
@@ -204,10 +210,7 @@ def _worker(rank, world, init_file, out_dir):
         real_available = clipped.available_bytes
         clipped.available_bytes = (lambda device: 1) if vdist.rank() == 1 else real_available
         try:
-            named_vmap(st, rows, torch.ones(4, dtype=torch.bool), buffers)
-            res["memory_error"] = None
-        except (ValueError, RuntimeError, MemoryError) as err:
-            res["memory_error"] = f"{type(err).__name__}: {err}"
+            res["memory_error"] = _caught(lambda: named_vmap(st, rows, torch.ones(4, dtype=torch.bool), buffers))
         finally:
             clipped.available_bytes = real_available
         # same seed and step, another ledger on rank 1 (a state restored from another run's checkpoint):
