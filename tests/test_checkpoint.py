@@ -39,6 +39,13 @@ def sampler(key=b"sampler-key"):
     return PoissonSampler(N, Q, 2, key=key)
 
 
+def at_step(s, state):
+    """``s`` drawn to ``state``'s step (a checkpoint's sampler must be at the state's step)."""
+    for _ in range(state.step):
+        s.sample()
+    return s
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A small state after two steps: with a sampler, a ledger, a budget and a recorded method."""
@@ -185,7 +192,7 @@ def test_every_field_edited_in_place_is_refused(saved, tmp_path, field):
 
 def test_a_keyed_checkpoint_refuses_a_forger_who_recomputes_the_hash(saved, tmp_path):
     path, state, _, _, _ = saved
-    s = sampler()
+    s = at_step(sampler(), state)
     keyed = tmp_path / "keyed.pt"
     vmapdp.save_state(keyed, state, sampler=s, key=KEY)
     assert vmapdp.load_state(keyed, sampler=sampler(), key=KEY).step == 2
@@ -325,7 +332,7 @@ def test_a_secure_noise_runs_checkpoint_resumes_only_on_the_callers_word(saved, 
     release of the same sums (their average halves the noise variance) that the ledger lacks."""
     path, state, _, _, _ = saved
     secure_state = state._replace(noise_seed=None)
-    s = sampler(key=b"k" * 16)
+    s = at_step(sampler(key=b"k" * 16), state)
     out = tmp_path / "secure_noise.pt"
     vmapdp.save_state(out, secure_state, sampler=s)
     with pytest.raises(ValueError, match=r"saved with secure noise .*saved_after_last_step=True"):
@@ -421,4 +428,6 @@ def test_a_sampler_drawn_past_the_state_is_refused_at_the_save(saved, tmp_path):
     behind.sample()
     with pytest.raises(ValueError, match=r"the sampler is behind the state"):
         vmapdp.save_state(out, state, sampler=behind)
-    vmapdp.save_state(out, state, sampler=sampler())  # (a sampler that has drawn nothing: given for its events only)
+    with pytest.raises(ValueError, match=r"has drawn none of the state's batches \(one given to the step for its events only\?\)"):
+        vmapdp.save_state(out, state, sampler=sampler())  # (found by review: an events-only sampler saved for the one that drew)
+    vmapdp.save_state(out, state, sampler=at_step(sampler(), state))

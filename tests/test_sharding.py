@@ -1306,3 +1306,54 @@ def test_a_rank_whose_state_is_not_its_shards_makes_every_rank_raise_at_the_chec
     r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] is not None and "the state was sharded for another world size or layout" in r0["error"], r0["error"]
     assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed"), r1["error"]
+
+
+def _secure_resume_worker(rank, world, init_file, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        from vmapdp.data import FixedSizeSampler
+
+        torch.manual_seed(0)
+        apply, params, buffers = vmapdp.functionalize(nn.Linear(4, 3))
+        g = torch.Generator().manual_seed(1)
+        data = (torch.randn(24, 4, generator=g), torch.randint(0, 3, (24,), generator=g))
+        opt, sharding = optim.sgd(0.1), Sharding(params)
+
+        def run(state, sampler, steps):
+            step = vmapdp.make_train_step(lambda p, b, s: F.cross_entropy(apply(p, b, s[0][None]), s[1][None]), opt, l2_clip_norm=1.0,
+                                          noise_multiplier=1.0, sampler=sampler, physical_batch_size=vdist.local_capacity(sampler.capacity),
+                                          compile=False, method="vmap", sharding=sharding)
+            batches = vdist.sharded(sampler)
+            for _ in range(steps):
+                indices, mask = next(batches)
+                state, _ = step(state, gather(data, indices), mask, buffers)
+            return state
+
+        forget_spent_keys()
+        first = FixedSizeSampler(24, 6, steps=8, secure=True)
+        state = run(vmapdp.init_train_state(params, opt, seed=7, sharding=sharding), first, 2)
+        sc.save_sharded(os.path.join(out, "c2"), state, sharding, sampler=first)
+        resumed = FixedSizeSampler(24, 6, steps=8, secure=True)
+        like = vmapdp.init_train_state(params, opt, seed=7, sharding=sharding)
+        state = sc.load_sharded(os.path.join(out, "c2"), like=like, sharding=sharding, sampler=resumed, saved_after_last_step=True)
+        state = run(state, resumed, 2)
+        error = None
+        try:
+            sc.save_sharded(os.path.join(out, "c4"), state, sharding, sampler=resumed)
+        except (ValueError, RuntimeError) as err:
+            error = f"{type(err).__name__}: {err}"
+        torch.save({"error": error, "drawn": resumed.steps_drawn, "step": state.step}, os.path.join(out, f"secure-{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def test_a_resumed_secure_sharded_run_saves_again(tmp_path):
+    """Found by review: the save's check of the sampler's position ran on every rank, but a secure
+    sampler draws on rank 0 alone and the others keep the count the last load gave them, so a
+    resumed run could never save again ("the sampler is behind the state"). Only rank 0's sampler
+    state is written, and only rank 0's is checked."""
+    mp.spawn(_secure_resume_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"secure-{r}.pt", weights_only=True) for r in range(2))
+    assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
+    assert (r0["drawn"], r0["step"], r1["drawn"]) == (4, 4, 2)
+    assert os.path.isdir(tmp_path / "c4")

@@ -95,8 +95,10 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
     write_payload(path, state_payload(call, state, sampler), secret)
 
 
-def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str, Any]:
-    """The fields of ``state`` (and the sampler's state) as the dict a checkpoint file holds."""
+def state_payload(call: str, state: TrainState, sampler: Any = None, *, check_sampler: bool = True) -> dict[str, Any]:
+    """The fields of ``state`` (and the sampler's state) as the dict a checkpoint file holds.
+    ``check_sampler``: refuse a sampler not at the state's step (``save_sharded``: on the rank
+    whose sampler state is written only)."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
     ns = state.noise_state
@@ -108,19 +110,23 @@ def state_payload(call: str, state: TrainState, sampler: Any = None) -> dict[str
             f"{call}: the state's correlated-noise state has no owner (noise_state['owner']) though it has noised "
             f"{int(ns['t'])} steps: its buffers are not bound to their run. Save the state the step returned. Nothing was written."
         )
-    drawn = None if sampler is None else getattr(sampler, "steps_drawn", None)
-    if drawn and drawn != state.step:
+    drawn = None if sampler is None or not check_sampler else getattr(sampler, "steps_drawn", None)
+    if drawn is not None and drawn != state.step and (drawn or state.step):
         # (found by review: saved between a draw and its step, the checkpoint held a sampler past its batch; resumed,
-        # that batch could not be drawn again, and any other batch was released under the step's noise key)
-        raise ValueError(
-            f"{call}: the sampler has drawn {drawn} batches but the state has taken {state.step} steps: "
-            + (f"{drawn - state.step} drawn batch(es) not stepped yet. A run resumed from this checkpoint could not draw that "
-               "batch again, and would release another batch under the same step's noise. Save after the step (or before "
-               "drawing its batch)." if drawn > state.step else
-               "the sampler is behind the state (another sampler, or one restored from an older checkpoint). Save the sampler "
-               "that drew the state's batches.")
-            + " Nothing was written."
-        )
+        # that batch could not be drawn again, and any other batch was released under the step's noise key; and a
+        # sampler given to the step for its events only, which drew nothing, saved in place of the one that drew)
+        if drawn > state.step:
+            why = (f"{drawn - state.step} drawn batch(es) not stepped yet. A run resumed from this checkpoint could not draw "
+                   "that batch again, and would release another batch under the same step's noise. Save after the step, or "
+                   "before drawing its batch (a step refused after its draw, by a budget say: restore the sampler's "
+                   "state_dict() from before the draw, as make_private does, or save without sampler= for evaluation only).")
+        elif drawn == 0:
+            why = ("this sampler has drawn none of the state's batches (one given to the step for its events only?). Save the "
+                   "sampler that drew them, so that a resumed run repeats the lost steps with the same batches.")
+        else:
+            why = ("the sampler is behind the state (another sampler, or one restored from an older checkpoint). Save the "
+                   "sampler that drew the state's batches.")
+        raise ValueError(f"{call}: the sampler has drawn {drawn} batches but the state has taken {state.step} steps: {why} Nothing was written.")
     return {
         "format": _FORMAT,
         "version": _VERSION,

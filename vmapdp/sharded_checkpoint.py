@@ -183,8 +183,11 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     )
     exists = os.path.exists(path)
     _fail_together(call, ValueError(f"{call}: {path} exists; a checkpoint is never overwritten. Save under a new name (checkpoint_path(root, state.step)).") if exists else None, "the existence check")
-    try:  # (a sampler drawn past the state is refused there: on every rank, none left waiting in the next collective)
-        payload, error = _ckpt.state_payload(call, state, sampler), None
+    # (a sampler not at the state's step is refused there, on every rank, none left waiting in the next collective; checked
+    # on rank 0, whose sampler state is written: a secure sampler draws there alone, and the others' stay where the last
+    # load put them; found by review)
+    try:
+        payload, error = _ckpt.state_payload(call, state, sampler, check_sampler=_dist.rank() == 0), None
     except ValueError as err:
         payload, error = None, err
     _fail_together(call, error, "the check of the state and its sampler")

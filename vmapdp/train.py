@@ -539,8 +539,9 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
         raise ValueError(
             f"{call}: this state's {step} steps were drawn by a sampler (its id is recorded in state.sampler_id), but this step "
             "is given none (sample_rate= alone): it could not check that its batches continue that sampling, and the ledger "
-            "would charge whatever rate it is told. Give the step the run's sampler (make_train_step(..., sampler=), resumed "
-            "with load_state(..., sampler=)). Nothing was released."
+            "would charge whatever rate it is told. Give the step the run's sampler (make_train_step(..., sampler=)): the one "
+            "saved with the state (load_state(..., sampler=)), or one made with the same key= and drawn to the state's step; a "
+            "secure sampler's run cannot be continued without its own. Nothing was released."
         )
     recorded = ident if ident is not None else recorded
     if drawn is None or (not drawn and not bound):  # (a secure Poisson sampler: its identity only)
