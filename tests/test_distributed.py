@@ -593,3 +593,34 @@ def test_a_rank_refusing_its_inputs_raises_its_own_error_when_the_check_itself_f
     res = torch.load(tmp_path / "peer-gone.pt", weights_only=True)
     assert res["type"] == "ValueError" and res["error"].startswith("step(state, batch, mask): mask"), res
     assert res["cause"] is not None and "RuntimeError" in res["cause"], res
+
+
+def _secure_epochs_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        from vmapdp.data import ShuffledSampler
+
+        params, buffers, data, loss_fn = problem()
+        sampler = ShuffledSampler(N, 12, epochs=2, secure=True)
+        opt = optim.sgd(0.1)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sampler,
+                                      physical_batch_size=vdist.local_capacity(sampler.capacity), compile=False, distributed=True, method="vmap")
+        state = vmapdp.init_train_state(params, opt, seed=3)
+        for indices, mask in vdist.sharded(sampler):
+            state, _ = step(state, gather(data, indices), mask, buffers)
+        torch.save({"step": state.step, "ledger": state.ledger.to_json(), "params": state.params}, os.path.join(out_dir, f"epochs{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+def test_a_secure_epoch_sampler_runs_through_sharded_on_every_rank(tmp_path):
+    """Found by review: with a secure shuffled sampler rank 0 draws each batch and broadcasts it,
+    and the other ranks' samplers, which drew nothing, could not give the step's event (whether it
+    opened an epoch): their first step raised. They follow rank 0's position now; every rank
+    records the same ledger (two epochs charged) and ends with the same params."""
+    mp.spawn(_secure_epochs_worker, args=(WORLD, str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    r0, r1 = (torch.load(tmp_path / f"epochs{r}.pt", weights_only=False) for r in range(WORLD))
+    assert r0["step"] == r1["step"] == 2 * (N // 12)
+    assert r0["ledger"] == r1["ledger"]
+    assert sum(e.get("epochs", 0) for e in __import__("json").loads(r0["ledger"])["events"]) == 2
+    _assert_trees_equal(r0["params"], r1["params"])

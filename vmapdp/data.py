@@ -531,6 +531,15 @@ class _EpochSampler(_KeyedSampler):
         self._step += 1
         return _padded(self, idx, self.capacity, chunks=self._chunks)
 
+    def _follow_draw(self) -> None:
+        """Move to the next step as if this sampler had drawn it, without drawing: a secure
+        sampler's batches are drawn on rank 0 and broadcast (``vmapdp.distributed.sharded``), and
+        every rank records the step's event, which says whether it opened an epoch (found by
+        review: the other ranks' secure epoch samplers had drawn nothing, and their first step
+        raised). The epoch's assignment stays rank 0's alone."""
+        self._opened_epoch = self._step % self.steps_per_epoch == 0
+        self._step += 1
+
     def event(self, noise_multiplier: float):
         """The accounting event of the step last returned by :meth:`sample` (record it before
         releasing that step), saying whether the step opened an epoch: an

@@ -439,6 +439,8 @@ def sharded(sampler: Any, *, rank: int | None = None, world_size: int | None = N
     for _ in range(sampler.steps):
         if collective and sampler.secure:
             batch = _broadcast_batch(sampler.sample() if dist.get_rank() == 0 else None)
+            if dist.get_rank() != 0 and hasattr(sampler, "_follow_draw"):  # (an epoch sampler: its position names the event)
+                sampler._follow_draw()
         else:
             batch = sampler.sample()
         yield shard(*batch, sampler.capacity, rank=r, world_size=w)
