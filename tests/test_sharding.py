@@ -937,6 +937,8 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         sharding = Sharding(params)
+        with pytest.raises(TypeError, match=r"state must be a vmapdp\.TrainState, got dict"):  # (found by review: an AttributeError)
+            sc.save_sharded(tmp_path / "not-a-state", {"params": params}, sharding)
         with pytest.raises(ValueError, match=r"unshard='layer'.*one of 'step', 'use'"):
             Sharding(params, unshard="layer")
         per_use = Sharding(params, unshard="use")
