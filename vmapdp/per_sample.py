@@ -14,6 +14,7 @@ Everything here is pure and traceable: it runs under ``torch.compile(fullgraph=T
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, Callable, Literal
 
@@ -151,7 +152,6 @@ def check_on_one_sample(
     tracked = torch._C._functorch.peek_interpreter_stack() is None
     copies = optree.tree_map(lambda t: _copy(t, tracked) if isinstance(t, Tensor) else t, params, namespace="torch")
     watched = watch_writes(copies, shared)
-    one = _first_row(batch)
 
     def fwd(sample: Any) -> Tensor:
         loss = forward(copies, shared, sample)
@@ -165,12 +165,7 @@ def check_on_one_sample(
             _checks.loss_is_differentiated(call, loss)
         return loss
 
-    device = next((t.device for t in _leaves(copies) if isinstance(t, Tensor)), torch.device("cpu"))
-    try:
-        with torch.enable_grad(), rng_kept(device), batched_attention(copies):
-            _mapped_once(fwd, one, randomness)
-    except RuntimeError as err:
-        raise explain_runtime_error(call, err) from err
+    _on_first_row(call, fwd, batch, copies, randomness)
     refuse_writes(call, watched)
 
 
@@ -187,42 +182,41 @@ def check_reads_its_sample(call: str, loss_fn: Callable[..., Any], params: Any, 
     per-sample copies of the params it does not cover everything after their use: a gate
     ``sigmoid(g) * x``). Found by review: these released a loss that read only a captured
     dataset row."""
-    one = _first_row(batch)
 
     def fwd(sample: Any) -> Tensor:
         loss = vjp(lambda p: loss_fn(p, *shared, sample), params)[0]
         _checks.loss_reads_its_sample(call, loss)
         return loss
 
+    # (one row: torch's per-sample fallback for ops without a batching rule, embedding_bag's, which ghost runs as an
+    # embedding and a reduction, costs nothing here; its "performance drop" warning is not the user's)
+    _on_first_row(call, fwd, batch, params, randomness, quiet=True)
+
+
+def _on_first_row(call: str, fwd: Callable[[Any], Any], batch: Any, params: Any, randomness: str, *, quiet: bool = False) -> None:
+    """``fwd`` mapped over a copy of the batch's first row for a check of what the loss reads:
+    gradients enabled, the global RNGs of the params' device restored, attention batched as the
+    engines run it, torch's errors explained; ``quiet``: without torch's "performance drop"
+    warning. Random layers draw the same for every sample (a per-sample draw is batched on its
+    own). torch cannot draw "same" from a per-sample parameter (``torch.normal(mu, std)``,
+    ``torch.bernoulli(p)``, a ``torch.distributions`` sample): such a loss is checked with the
+    step's per-sample draws, which a dropout layer blurs (found by review: refusing it with
+    torch's error broke losses that ran before). ``mu + std * torch.randn_like(mu)`` or
+    ``torch.rand_like(p) < p`` draw alike and are checked exactly."""
+    one = optree.tree_map(lambda t: t[:1].clone(), batch, namespace="torch")
     device = next((t.device for t in _leaves(params) if isinstance(t, Tensor)), torch.device("cpu"))
     try:
-        with torch.enable_grad(), rng_kept(device), batched_attention(params), warnings.catch_warnings():
-            # (one row: torch's per-sample fallback for ops without a batching rule, embedding_bag's, which ghost
-            # runs as an embedding and a reduction, costs nothing here; its "performance drop" warning is not the user's)
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the batching rule")
-            _mapped_once(fwd, one, randomness)
+        with torch.enable_grad(), rng_kept(device), batched_attention(params), warnings.catch_warnings() if quiet else contextlib.nullcontext():
+            if quiet:
+                warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented the batching rule")
+            try:
+                vmap(fwd, randomness="same" if randomness == "different" else randomness)(one)
+            except RuntimeError as err:
+                if randomness != "different" or "same randomness with a batched tensor input" not in str(err):
+                    raise
+                vmap(fwd, randomness=randomness)(one)
     except RuntimeError as err:
         raise explain_runtime_error(call, err) from err
-
-
-def _first_row(batch: Any) -> Any:
-    return optree.tree_map(lambda t: t[:1].clone(), batch, namespace="torch")
-
-
-def _mapped_once(fwd: Callable[[Any], Any], one: Any, randomness: str) -> None:
-    """``fwd`` mapped over the one-row ``one`` for a check of what the loss reads, random layers
-    drawing the same for every sample (a per-sample draw is batched on its own). torch cannot
-    draw "same" from a per-sample parameter (``torch.normal(mu, std)``, ``torch.bernoulli(p)``,
-    a ``torch.distributions`` sample): such a loss is checked with the step's per-sample draws,
-    which a dropout layer blurs (found by review: refusing it with torch's error broke losses
-    that ran before). ``mu + std * torch.randn_like(mu)`` or ``torch.rand_like(p) < p`` draw alike
-    and are checked exactly."""
-    try:
-        vmap(fwd, randomness="same" if randomness == "different" else randomness)(one)
-    except RuntimeError as err:
-        if randomness != "different" or "same randomness with a batched tensor input" not in str(err):
-            raise
-        vmap(fwd, randomness=randomness)(one)
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:
