@@ -95,12 +95,16 @@ def save_state(path: str | os.PathLike, state: TrainState, *, sampler: Any = Non
     write_payload(path, state_payload(call, state, sampler), secret)
 
 
+def require_train_state(call: str, state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
+
+
 def state_payload(call: str, state: TrainState, sampler: Any = None, *, check_sampler: bool = True) -> dict[str, Any]:
     """The fields of ``state`` (and the sampler's state) as the dict a checkpoint file holds.
     ``check_sampler``: refuse a sampler not at the state's step (``save_sharded``: on the rank
     whose sampler state is written only)."""
-    if not isinstance(state, TrainState):
-        raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
+    require_train_state(call, state)
     ns = state.noise_state
     if unowned(ns) and int(ns["t"]) > 0:
         # (a state stepped by this version has one: loading binds an owner-less one to the run it is read into,

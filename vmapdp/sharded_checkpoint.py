@@ -173,8 +173,7 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     _dist.require_initialized(call)
     _checks.sharding(call, sharding)
     secret = _ckpt.checked_key(call, key)
-    if not isinstance(state, TrainState):  # (before its fields are read: state_payload checks it later, after the collectives)
-        raise TypeError(f"{call}: state must be a vmapdp.TrainState, got {type(state).__name__}.")
+    _ckpt.require_train_state(call, state)  # (before its fields are read: state_payload comes after the collectives)
     sharding.check_local(call, state.params)
     clip = None if state.clip_norm is None else float(state.clip_norm)
     _dist.check_same(

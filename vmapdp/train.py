@@ -788,14 +788,13 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
         try:
             if not graphs:
                 out = made[graphs](params, mask, shared, chunk)
-                _checked_after(sum_fn, params, shared, chunk, watched, traced)
-                return out
-            # each call is a step of Inductor's CUDA graph trees (the marker is process-wide: a caller's own
-            # "reduce-overhead" functions share it), and its replay writes the outputs into the graph's
-            # own memory, which the next replay (the next chunk's) overwrites: the sums are copied out
-            # before anything adds them up
-            torch.compiler.cudagraph_mark_step_begin()
-            out = optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
+            else:
+                # each call is a step of Inductor's CUDA graph trees (the marker is process-wide: a caller's own
+                # "reduce-overhead" functions share it), and its replay writes the outputs into the graph's
+                # own memory, which the next replay (the next chunk's) overwrites: the sums are copied out
+                # before anything adds them up
+                torch.compiler.cudagraph_mark_step_begin()
+                out = optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
             _checked_after(sum_fn, params, shared, chunk, watched, traced)
             return out
         except Exception as err:
