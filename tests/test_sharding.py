@@ -1255,13 +1255,93 @@ def test_a_rank_whose_model_fails_on_its_rows_makes_every_rank_raise_after_the_r
     """Found by review: with unshard="step" (the whole model gathered before the forward), a rank
     whose model raised on its rows left the other waiting in the reduce-scatter until the group's
     timeout. It joins the reduction with zero sums, and every rank raises before the noise (as a
-    data-parallel step does); the next step runs on both. (unshard="use" gathers inside the forward:
-    not covered.)"""
+    data-parallel step does); the next step runs on both. (unshard="use": the next test.)"""
     mp.spawn(_one_rank_refused_worker, args=(2, str(tmp_path / "init"), str(tmp_path), "step", "work"), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"refused-{r}.pt", weights_only=True) for r in range(2))
     assert r0["error"] == "RuntimeError: rank 0's model failed on its rows", r0["error"]
     assert r1["error"] is not None and r1["error"].startswith("RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"), r1["error"]
     assert r0["after"] == r1["after"] == 1
+
+
+def _fails_inside_worker(rank, world, init_file, out, method):
+    """``unshard="use"`` steps of the MLP (written with F.linear on the params) on 4 rows per rank in
+    which one rank fails inside its chunk, where the ranks' gathers and reduce-scatters run: before
+    its first gather ("start", rank 0's loss), after its first layer ("middle", rank 0's loss, after
+    the first gather), at a nonfinite row ("nonfinite", rank 1's row, ``nonfinite="raise"``: after
+    the norms), after its last reduce-scatter ("late", rank 0). After each, a good step from the same
+    state. Each case's errors and the step count after it."""
+    _init(rank, world, init_file)
+    try:
+        params, buffers, data, _, opt = problem("mlp")
+        failing = {"now": None}
+
+        def loss_fn(p, b, sample):
+            x, y = sample
+            if failing["now"] == "start":
+                raise RuntimeError("rank 0's model failed on its rows")
+            h = torch.tanh(F.linear(x[None], p["0.weight"], p["0.bias"]))
+            if failing["now"] == "middle":
+                raise RuntimeError("rank 0's model failed after its first layer")
+            return F.cross_entropy(F.linear(h, p["2.weight"], p["2.bias"]), y[None])
+
+        sharding = Sharding(params, unshard="use")
+        scatter, last = sharding.reduce_scatter_one, sharding.names[-1]
+
+        def late(name, full):  # rank 0 fails after its last reduce-scatter of the chunk
+            out = scatter(name, full)
+            if failing["now"] == "late" and name == last:
+                raise RuntimeError("rank 0 failed after its last reduce-scatter")
+            return out
+
+        sharding.reduce_scatter_one = late
+        steps = {
+            nonfinite: vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q,
+                                              compile=False, method=method, sharding=sharding, nonfinite=nonfinite)
+            for nonfinite in ("zero", "raise")
+        }
+        state = vmapdp.init_train_state(params, opt, seed=SEED, sharding=sharding)
+        batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
+        mask = torch.ones(4, dtype=torch.bool)
+        res = {}
+        for case in ("start", "middle", "nonfinite", "late"):
+            forget_spent_keys()
+            failing["now"] = case if rank == 0 and case != "nonfinite" else None
+            x = batch[0].clone()
+            if case == "nonfinite" and rank == 1:
+                x[2, 1] = float("nan")
+            try:
+                steps["raise" if case == "nonfinite" else "zero"](state, (x, batch[1]), mask, buffers)
+                error = None
+            except Exception as err:  # (nonfinite="raise": a FloatingPointError)
+                error = f"{type(err).__name__}: {err}"
+            failing["now"] = None
+            forget_spent_keys()
+            res[case] = (error, steps["zero"](state, batch, mask, buffers)[0].step)
+        torch.save(res, os.path.join(out, f"inside-{rank}.pt"))
+    finally:
+        vdist.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ghost", "vmap", "two_pass"])
+def test_gathering_on_use_a_rank_that_fails_inside_its_chunk_makes_every_rank_raise(tmp_path, method):
+    """With unshard="use" the gathers and reduce-scatters run inside the forward and backward: a rank
+    whose model raised there (or ``nonfinite="raise"`` found a row, or anything after its last
+    reduce-scatter) left the others waiting in their next collective until the group's timeout.
+    Now every collective of the chunks first asks whether a rank failed (Sharding.failures_told):
+    the failed rank raises its own error, the other that another rank failed, nothing is released,
+    and the next step runs on both (their collectives still pair up)."""
+    mp.spawn(_fails_inside_worker, args=(2, str(tmp_path / "init"), str(tmp_path), method), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"inside-{r}.pt", weights_only=True) for r in range(2))
+    other = "RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"
+    assert r0["start"][0] == "RuntimeError: rank 0's model failed on its rows", r0["start"]
+    assert r0["middle"][0] == "RuntimeError: rank 0's model failed after its first layer", r0["middle"]
+    assert r0["late"][0] == "RuntimeError: rank 0 failed after its last reduce-scatter", r0["late"]
+    assert r1["nonfinite"][0] is not None and r1["nonfinite"][0].startswith("FloatingPointError") and "samples [2]" in r1["nonfinite"][0], r1["nonfinite"]
+    for r, case in ((1, "start"), (1, "middle"), (1, "late"), (0, "nonfinite")):
+        error = (r0, r1)[r][case][0]
+        assert error is not None and error.startswith(other) and "nothing was released" in error, (r, case, error)
+    for res in (r0, r1):
+        assert all(after == 1 for _, after in res.values()), res
 
 
 def _uneven_rows_worker(rank, world, init_file, out, unshard):

@@ -53,9 +53,10 @@ is the trained model. The module keeps its FSDP2 shards while vmapdp trains its 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import optree
 import torch
@@ -113,6 +114,7 @@ class Sharding:
         self.shapes = {k: tuple(params[k].shape) for k in self.names}
         self.dtypes = {k: params[k].dtype for k in self.names}
         self.numels = {k: math.prod(self.shapes[k]) for k in self.names}
+        self._told = False  # inside failures_told(): each collective of a step's chunks first asks whether a rank failed
 
     def __repr__(self) -> str:
         return f"Sharding({len(self.names)} params, {sum(self.numels.values())} elements, rank {self.rank} of {self.world_size}, unshard={self.unshard!r})"
@@ -233,6 +235,7 @@ class Sharding:
         """The full value of one parameter from every rank's shard of it (one ``all_gather``)."""
         if self.world_size == 1 or not _dist.is_initialized():
             return shard.reshape(self.shapes[name])
+        self._all_fine()
         c = self.chunk(name)
         mine = shard if shard.numel() == c else torch.cat([shard, shard.new_zeros(c - shard.numel())])
         every = torch.empty(self.world_size * c, dtype=shard.dtype, device=shard.device)
@@ -255,12 +258,62 @@ class Sharding:
         flat = full.detach().reshape(-1)
         if self.world_size == 1 or not _dist.is_initialized():
             return flat.clone()
+        self._all_fine()
         c = self.chunk(name)
         rows = flat if flat.numel() == self.world_size * c else torch.cat([flat, flat.new_zeros(self.world_size * c - flat.numel())])
         mine = torch.empty(c, dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_single(mine, rows.contiguous(), op=dist.ReduceOp.SUM)
         start, stop = self.bounds(name)
         return mine[: stop - start].clone() if stop - start < c else mine
+
+    @contextlib.contextmanager
+    def failures_told(self, call: str) -> Iterator[None]:
+        """Around a step's chunks with ``unshard="use"``, whose gathers and reduce-scatters run inside
+        the forward and backward: a rank whose part raises (its model fails on its rows,
+        ``nonfinite="raise"``, memory) tells the others at their next collective instead of leaving
+        them waiting in it until the process group's timeout. Before each of them (:meth:`gather_one`,
+        :meth:`reduce_scatter_one`) and once at the end, every rank joins one ``all_reduce(MAX)`` of
+        whether it failed; a failed rank joins it once with its failure and raises its own error, the
+        others raise a RuntimeError there. The ranks make the same collectives in the same order (the
+        same-state check and ``_same_chunks`` see to it), so a failure between two of them meets the
+        others at the next one, and one after the last meets them at the end. The price: one tiny
+        ``all_reduce`` per gather and per reduce-scatter (and, on CUDA, a wait for it on the host)."""
+        if self.unshard != "use" or self.world_size == 1 or not _dist.is_initialized():
+            yield
+            return
+        self._told = True
+        try:
+            yield
+        except _PeerFailed:
+            raise RuntimeError(
+                f"{call}: another rank failed while computing its clipped sums (its error is raised there); this rank "
+                "stopped at its next gather or reduce-scatter, before the noise: nothing was released on any rank."
+            ) from None
+        except BaseException:
+            self._told = False
+            with contextlib.suppress(Exception):  # (a collective that itself failed, a peer gone: this rank's error is the one to see)
+                self._all_fine(failed=True)
+            raise
+        else:
+            try:
+                self._all_fine()
+            except _PeerFailed:
+                raise RuntimeError(
+                    f"{call}: another rank failed while computing its clipped sums, after its last gather (its error is raised "
+                    "there); this rank stopped with it, before the noise: nothing was released on any rank."
+                ) from None
+        finally:
+            self._told = False
+
+    def _all_fine(self, failed: bool = False) -> None:
+        """Inside :meth:`failures_told` (or told ``failed``): one ``all_reduce(MAX)`` of whether a rank
+        failed; :class:`_PeerFailed` if another did."""
+        if not (self._told or failed):
+            return
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=_dist._comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not failed and int(flag.item()):
+            raise _PeerFailed()
 
     def write_to_module(self, module: nn.Module, local: Mapping[str, Tensor]) -> None:
         """Write the params whose shards ``local`` holds (``state.params``) into ``module``: a
@@ -322,6 +375,12 @@ class Sharding:
         if not checked:
             self.check_step(call, same, _leaves(stats)[0].device)
         return (dict(summed) if scattered else self.reduce_scatter(summed)), _dist.all_reduce_sum(stats)
+
+
+class _PeerFailed(Exception):
+    """Another rank failed inside the step's chunks (:meth:`Sharding.failures_told`). Not a
+    RuntimeError, so that no handler of the methods' own errors (which explain or retry some
+    RuntimeErrors) takes it for one of theirs."""
 
 
 aten = torch.ops.aten

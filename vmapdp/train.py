@@ -1089,10 +1089,11 @@ def make_train_step(
             return loss_fn(params, *rest) / clip_norm
 
         sum_clip = 1.0
-    sum_fns = {
-        m: clipped_grad_sum(sum_loss, l2_clip_norm=sum_clip, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
-        for m in methods
-    }
+
+    def new_sum_fn(m: str) -> ClippedGradSum:
+        return clipped_grad_sum(sum_loss, l2_clip_norm=sum_clip, method=m, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness)
+
+    sum_fns = {m: new_sum_fn(m) for m in methods}
     l2_sensitivity = sum_fns[methods[0]].l2_sensitivity  # what one sample can move the clipped sum by
     # with adaptive clipping the privatizer sees the sum in units of the threshold, and the gradient's share of the noise
     grad_noise = noise_multiplier if adaptive_clipping is None else adaptive_clipping.gradient_noise_multiplier(noise_multiplier)
@@ -1184,9 +1185,7 @@ def make_train_step(
         compiled = compile and not eager
         if (name, compiled) not in chunk_fns:
             if name not in sum_fns:
-                sum_fns[name] = clipped_grad_sum(
-                    sum_loss, l2_clip_norm=sum_clip, method=name, norm_chunk_size=norm_chunk_size, rule=rule, nonfinite=nonfinite, randomness=randomness
-                )
+                sum_fns[name] = new_sum_fn(name)
             chunk_fns[name, compiled] = chunk_fn(sum_fns[name], backend=backend if compiled else None)
         return chunk_fns[name, compiled]
 
@@ -1270,16 +1269,18 @@ def make_train_step(
         size = physical_batch_size or max(n, 1)
         _check_rows(n, size)  # (the step checks it before its same-state check; scattered: _same_chunks padded to a multiple)
         total, recorded = None, dict(state.methods)
-        for start in range(0, n, size):
-            chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
-            chunk_mask = mask[start : start + size]
-            # (no TF32 on CUDA, the race included: the norm/sum margins assume float32; the per-call check that the loss
-            # reads its sample on the step's first chunk only: nothing of the caller's runs between its chunks)
-            with full_float32(mask.device.type), one_check_per_step(start > 0):
-                name, digest = method_for(recorded, params, shared, chunk, chunk_mask)
-                part = runner(name)(params, chunk_mask, shared, chunk)
-            recorded[digest] = name
-            total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
+        # (unshard="use": the gathers and reduce-scatters run inside the chunks; a rank that fails there tells the others)
+        with sharding.failures_told("step(state, batch, mask)") if scattered else contextlib.nullcontext():
+            for start in range(0, n, size):
+                chunk = optree.tree_map(lambda x: x[start : start + size], batch, namespace="torch")
+                chunk_mask = mask[start : start + size]
+                # (no TF32 on CUDA, the race included: the norm/sum margins assume float32; the per-call check that the loss
+                # reads its sample on the step's first chunk only: nothing of the caller's runs between its chunks)
+                with full_float32(mask.device.type), one_check_per_step(start > 0):
+                    name, digest = method_for(recorded, params, shared, chunk, chunk_mask)
+                    part = runner(name)(params, chunk_mask, shared, chunk)
+                recorded[digest] = name
+                total = part if total is None else optree.tree_map(torch.add, total, part, namespace="torch")
         if total is None:  # an empty batch: the step still releases noise
             total = zero_sums(state, params, mask.device)
         return total, tuple(sorted(recorded.items()))
@@ -1387,7 +1388,12 @@ def make_train_step(
             with seeded_randomness(seed, mask.device):
                 (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
         except Exception as err:
-            if not distributed or scattered:  # (unshard="use": the ranks' gathers inside the forward; not covered)
+            if scattered:  # every rank raises here at once (Sharding.failures_told), each stopped at its own point of a
+                # first call's work (one rank's plan probed and kept, another's not): all start the next step cold, or their
+                # gathers would differ (found while testing: the next step's gathers paired up wrongly and gloo aborted)
+                sum_fns.update({m: new_sum_fn(m) for m in sum_fns})
+                chunk_fns.clear()
+            if not distributed or scattered:
                 raise
             # the other ranks are in the reduction already: join it with nothing, then every rank raises in
             # _check_dealt_rows, before the noise (a model that raised on one rank's rows, or "auto"'s choice that
