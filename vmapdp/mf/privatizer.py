@@ -41,7 +41,7 @@ from vmapdp import _checks
 from vmapdp._tree import acc_dtype
 from vmapdp.mf.accounting import mf_event, noise_sensitivity
 from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
-from vmapdp.mf.streaming import next_noise, state_rows
+from vmapdp.mf.streaming import MAX_RECURSION_GAIN, next_noise, recursion_gain, state_rows
 from vmapdp.noise.gaussian import _keyed_normals
 from vmapdp.noise.privatizers import Privatizer, is_correlated_state
 
@@ -53,6 +53,11 @@ def describe(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> str:
     if isinstance(strategy, BandedToeplitz):
         return repr(("banded", tuple(c.hex() for c in strategy.coeffs), steps))
     return repr(("blt", tuple(x.hex() for x in strategy.theta), tuple(x.hex() for x in strategy.omega), steps))
+
+
+def _shown(strategy: BandedToeplitz | BufferedToeplitz) -> str:
+    text = repr(strategy)
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _fingerprint(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> torch.Tensor:
@@ -80,7 +85,9 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
             it is refused.
 
     Raises:
-        TypeError / ValueError: a bad strategy or ``steps``; at ``make_train_step``, a sampler or
+        TypeError / ValueError: a bad strategy or ``steps``, or a strategy whose streamed
+        ``C^{-1} z`` grows over ``steps`` until float32 rounds the fresh draws away
+        (:func:`vmapdp.mf.streaming.recursion_gain` above ``MAX_RECURSION_GAIN``); at ``make_train_step``, a sampler or
         noise multiplier without an analysis (the message names the fix); at a step, a state not
         made with this privatizer, or a step past ``steps``.
     """
@@ -88,6 +95,16 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
     if not isinstance(strategy, (BandedToeplitz, BufferedToeplitz)):
         raise TypeError(f"{call}: strategy must be a vmapdp.mf.BandedToeplitz or BufferedToeplitz, got {type(strategy).__name__}.")
     steps = _checks.positive_int(call, "steps", steps, meaning="steps is the length of the run the noise is built for")
+    gain = recursion_gain(strategy, steps)
+    if not gain <= MAX_RECURSION_GAIN:  # (found by review: BandedToeplitz((1.0, 2.0)) rounded every fresh draw away by step 39)
+        raise ValueError(
+            f"{call}: {_shown(strategy)} streams C^-1 z with terms that grow to {gain:.3g} times each step's fresh "
+            f"draw over {steps} steps (at most {MAX_RECURSION_GAIN:g} is taken): in float32 the fresh draws would be "
+            "rounded away and the noise released would be a function of the earlier noise, which the accounting (exact "
+            "arithmetic) does not assume. Use a strategy whose inverse stays bounded: a banded one whose polynomial "
+            "c_0 + c_1 x + ... has no root in the unit disk, a BLT with every |theta| < 1 whose inverse's theta "
+            "(strategy.inverse()) are in (-1, 1); vmapdp.mf.optimal_banded, optimal_blt and sqrt_prefix are."
+        )
     rows = state_rows(strategy)
 
     def init(params: Any) -> dict:

@@ -20,9 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
+from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz, toeplitz_inverse, toeplitz_multiply
 
-__all__ = ["state_rows", "next_noise"]
+__all__ = ["state_rows", "next_noise", "recursion_gain", "MAX_RECURSION_GAIN"]
+
+# the largest recursion_gain correlated_noise takes: float32's rounding of the subtracted terms stays
+# within 2**-14 of the step's draw (float64 leaves: 2**-43)
+MAX_RECURSION_GAIN = 2.0**10
 
 
 def state_rows(strategy: BandedToeplitz | BufferedToeplitz) -> int:
@@ -53,6 +57,38 @@ def next_noise(strategy: BandedToeplitz | BufferedToeplitz, z: Tensor, buffer: T
     theta = torch.tensor(strategy.theta, dtype=buffer.dtype, device=buffer.device).view(-1, *([1] * z.dim()))
     y = z - _weighted_rows(strategy.omega, buffer)
     return y, theta * buffer + y
+
+
+def recursion_gain(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> float:
+    """How large, over a run of ``steps``, the terms :func:`next_noise` subtracts from the step's
+    draw ``z_t`` get, in units of ``z_t`` (their standard deviations summed, exact float64 impulse
+    responses): banded ``sum_{k>=1} |c_k| ||d||_2`` (``d``: the first column of ``C^{-1}``, the
+    response of the kept ``y``); BLT ``sum_i |omega_i| ||e_i||_2`` (``e_i = g_i * d``, ``g_i =
+    theta_i^k``: the response of buffer ``i``). The recursion rounds each term to the noise dtype,
+    so each step's fresh draw is kept to about ``gain * 2**-24`` of itself in float32. A strategy
+    whose ``C^{-1}`` grows (a banded polynomial with a root in the unit disk, a BLT inverse with
+    ``|theta| > 1``) or whose buffers grow (``|theta| > 1``: ``inf`` at once) has a gain that grows without bound:
+    after enough steps the fresh draw is rounded away and the noise released is a function of the
+    earlier noise, which the accountant (exact arithmetic) does not know. ``inf`` where the float64
+    responses overflow."""
+    n = steps
+    if isinstance(strategy, BandedToeplitz):
+        if strategy.band == 1:
+            return 0.0
+        d = toeplitz_inverse(strategy.toeplitz_coeffs(n), n)
+        gain = sum(abs(c) for c in strategy.coeffs[1:]) * float(torch.linalg.vector_norm(d))
+    else:
+        if strategy.buffers == 0:
+            return 0.0
+        if any(abs(theta) > 1.0 for theta in strategy.theta):  # (a buffer grows geometrically: y = z - omega s cancels
+            return float("inf")  # ever larger terms, and an unused one overflows; the FFT below would lose them too)
+        d = toeplitz_inverse(strategy.toeplitz_coeffs(n), n)
+        k = torch.arange(n, dtype=torch.float64)
+        gain = 0.0
+        for theta, omega in zip(strategy.theta, strategy.omega):
+            g = torch.tensor(theta, dtype=torch.float64) ** k  # (inf past float64's range: the gain is then inf)
+            gain += abs(omega) * float(torch.linalg.vector_norm(toeplitz_multiply(g, d, n)))
+    return gain if gain == gain else float("inf")  # (NaN: an overflow inside the FFT)
 
 
 def _weighted_rows(weights: tuple[float, ...], buffer: Tensor) -> Tensor:
