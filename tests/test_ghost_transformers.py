@@ -218,6 +218,30 @@ def test_views_and_batched_params_are_covered_and_exact(form):
     _close((summed, norms), (by_vmap[0], by_vmap[1]), 1e-10)
 
 
+def test_a_block_selected_by_a_tensor_argument_is_refused_when_it_moves_and_exact_by_python_ints():
+    """Found by review: the plan records the block of a param each view op selects (``pos[s:s+T]``)
+    and is cached per input shape; with ``s = int(start)`` for a 0-dim tensor argument (keyed by its
+    shape only) a later call at another offset put the gradient on the probed rows, silently
+    (relative error 1.41 against the oracle). A view op whose selecting arguments differ from the
+    probe's is refused with the fix; the same offsets as Python ints are each probed, and exact."""
+    g = torch.Generator().manual_seed(0)
+    params = {"pos": torch.randn(16, 3, generator=g, dtype=torch.float64), "head": torch.randn(2, 3, generator=g, dtype=torch.float64)}
+
+    def loss(p, start, x):
+        s = int(start)
+        return F.linear(torch.tanh(x + p["pos"][s : s + 4]), p["head"]).square().mean()
+
+    x = torch.randn(6, 4, 3, generator=g, dtype=torch.float64)
+    fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
+    fn(params, torch.tensor(0), x)
+    with pytest.raises(ValueError, match=r"selects another part of the param 'pos'.*slice\(8, 12.*slice\(0, 4.*Python int"):
+        fn(params, torch.tensor(8), x)
+    for start in (0, 8, 0):
+        summed, norms, _ = fn(params, start, x)
+        _close((summed, norms), vmapdp.clip_and_sum(microbatch_grads(loss, params, start, x), C), 1e-10)
+        assert summed["pos"][start : start + 4].abs().sum() > 0 and summed["pos"].abs().sum(1).nonzero().flatten().tolist() == list(range(start, start + 4))
+
+
 class _Attention(torch.nn.Module):
     """``nn.MultiheadAttention`` in its three in-projection forms: self-attention, key = value
     (``split``: q and kv), cross (``chunk``: q, k, v; with ``add_bias_kv``: ``repeat`` and ``cat``),

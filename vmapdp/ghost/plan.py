@@ -74,7 +74,8 @@ class Plan:
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
-    views: list[tuple[Callable, tuple[View, ...] | None]] = field(default_factory=list)  # per view op on a param: its outputs' views (None: not boxes)
+    # per view op on a param: the op, its outputs' views (None: not boxes) and its other arguments (which select the boxes)
+    views: list[tuple[Callable, tuple[View, ...] | None, Any]] = field(default_factory=list)
     traced_through: bool = False  # the loss called nn.MultiheadAttention's forward (TRACED_THROUGH)
     batched: list[bool] = field(default_factory=list)  # per site: did its input depend on the sample? (the eager real run checks it)
 
@@ -509,19 +510,28 @@ class Run:
                 if len(views) != len(leaves) or None in views:
                     views = None
             if views is None:
-                self.plan.views.append((func, None))
+                self.plan.views.append((func, None, None))
                 if _has_tensor(out):
                     self._uncovered(keys, _name(func))
                 return out
-            self.plan.views.append((func, views))
+            self.plan.views.append((func, views, _selection(args, kwargs)))
             self.views += [[t, key, v, j, None] for t, j, v in zip(leaves, idx, views)]
             return out
         if self.n_view >= len(self.plan.views) or self.plan.views[self.n_view][0] != func:
             raise self._mismatch()
-        views = self.plan.views[self.n_view][1]
+        _, views, selection = self.plan.views[self.n_view]
         self.n_view += 1
         if views is None:
             return self._other_use(func, args, kwargs, keys)
+        if not _same(_selection(args, kwargs), selection):
+            # (found by review: W[s:s+T] with s = int(a 0-dim tensor argument), keyed by its shape only: every call took
+            # the probe's rows, and the gradient went to them, silently)
+            raise ValueError(
+                f"ghost clipping: {_name(func)} selects another part of the param {key!r} than when the loss was probed "
+                f"(arguments {_shown(_selection(args, kwargs))} against {_shown(selection)}): the plan would put the "
+                "gradient on the probed part. Pass what selects it (an offset, an index) as a Python int argument of "
+                "the loss, which is probed for each value (a tensor's value is not), or use method='vmap'."
+            )
         out = func(*args, **kwargs)
         leaves = _leaves(out)
         if len(leaves) != len(views) or any(tuple(t.shape) != v.shape for t, v in zip(leaves, views)):
@@ -529,6 +539,24 @@ class Run:
         twins = _leaves(func(*self._swap(tuple(args)), **self._swap(kwargs))) if key in self.expanded else [None] * len(leaves)
         self.views += [[t, key, v, None, e] for t, v, e in zip(leaves, views, twins)]
         return out
+
+
+def _selection(args: tuple, kwargs: dict) -> tuple:
+    """A view op's arguments other than the tensor it views (Python values: slices, ints, lists,
+    dims, shapes), which decide the part of the param each output is."""
+    return (tuple(args[1:]), tuple(sorted(kwargs.items())))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # (an array among them: elementwise ==)
+        return repr(a) == repr(b)
+
+
+def _shown(selection: tuple) -> str:
+    text = repr(selection)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _name(func: Callable) -> str:
