@@ -86,6 +86,22 @@ def test_blocks_float32(name):
     assert all(v.dtype == torch.float32 for v in summed.values())
 
 
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_blocks_compiled_equal_eager(name):
+    """Ghost under torch.compile(fullgraph=True) (dynamo's capture, backend "eager": the graph
+    Inductor would get) runs every block and equals the eager run. Found by review: dynamo inlines
+    F.rms_norm, so the compiled run saw torch.rms_norm where the probe had seen F.rms_norm, and
+    every compiled ghost step of a model with nn.RMSNorm (the Llama block) was refused."""
+    loss_fn, params, buffers, batch = _block(name, 3, 4, dtype=torch.float32)
+    mask = torch.tensor([True, False, True])
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")
+    want = fn(params, buffers, batch, mask=mask)
+    got = torch.compile(lambda p, b, x: fn(p, b, x, mask=mask), fullgraph=True, dynamic=False, backend="eager")(params, buffers, batch)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
+    for k in want[0]:
+        torch.testing.assert_close(got[0][k], want[0][k], rtol=1e-5, atol=1e-7)
+
+
 def _each_form():
     """One-param losses, one per covered form, with ``W`` and the input shape of a sample."""
     return {

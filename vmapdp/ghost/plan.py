@@ -142,6 +142,9 @@ TRACED_THROUGH = {
     F.instance_norm: functools.partial(instance_norm_affine, _body(F.instance_norm, has_torch_function_variadic=lambda *a: False)),  # (the same)
     # (embedding.py: bags as rows of a 2-D input -> F.embedding and a reduction; other calls its own body)
     F.embedding_bag: functools.partial(embedding_bag_as_embedding, _body(F.embedding_bag, has_torch_function_variadic=lambda *a: False)),
+    # (torch.compile inlines F.rms_norm, so the compiled run sees the torch.rms_norm inside it: the probe must too;
+    # found by review: the sites differed and every compiled ghost step of a model with nn.RMSNorm was refused)
+    F.rms_norm: _body(F.rms_norm, has_torch_function_variadic=lambda *a: False),
 }
 
 

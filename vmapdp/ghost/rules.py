@@ -37,7 +37,7 @@ RULES = {
     # affine.py: elementwise affines, their per-sample grads formed directly
     F.layer_norm: LAYER_NORM,
     F.group_norm: GROUP_NORM,
-    F.rms_norm: RMS_NORM,
+    torch.rms_norm: RMS_NORM,  # (F.rms_norm is traced through to it: plan.TRACED_THROUGH)
     torch.mul: MUL,
     Tensor.mul: MUL,
     Tensor.__mul__: MUL,
