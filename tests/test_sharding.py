@@ -1279,6 +1279,8 @@ def _fails_inside_worker(rank, world, init_file, out, method):
             x, y = sample
             if failing["now"] == "start":
                 raise RuntimeError("rank 0's model failed on its rows")
+            if failing["now"] == "interrupt":
+                raise KeyboardInterrupt()
             h = torch.tanh(F.linear(x[None], p["0.weight"], p["0.bias"]))
             if failing["now"] == "middle":
                 raise RuntimeError("rank 0's model failed after its first layer")
@@ -1294,6 +1296,15 @@ def _fails_inside_worker(rank, world, init_file, out, method):
             return out
 
         sharding.reduce_scatter_one = late
+        shard_size = sharding.chunk
+
+        def chunk(name):  # rank 1: an allocation before a gather fails (found by review: after the flag, it hung the others)
+            if failing["now"] == "alloc" and rank == 1 and sharding._told:
+                failing["now"] = None
+                raise torch.OutOfMemoryError("rank 1 ran out of memory gathering a parameter")
+            return shard_size(name)
+
+        sharding.chunk = chunk
         steps = {
             nonfinite: vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q,
                                               compile=False, method=method, sharding=sharding, nonfinite=nonfinite)
@@ -1303,16 +1314,16 @@ def _fails_inside_worker(rank, world, init_file, out, method):
         batch = (data[0][4 * rank : 4 * rank + 4], data[1][4 * rank : 4 * rank + 4])
         mask = torch.ones(4, dtype=torch.bool)
         res = {}
-        for case in ("start", "middle", "nonfinite", "late"):
+        for case in ("start", "middle", "nonfinite", "late", "alloc", "interrupt"):
             forget_spent_keys()
-            failing["now"] = case if rank == 0 and case != "nonfinite" else None
+            failing["now"] = case if (rank, case) == (1, "alloc") or rank == 0 and case not in ("nonfinite", "alloc") else None
             x = batch[0].clone()
             if case == "nonfinite" and rank == 1:
                 x[2, 1] = float("nan")
             try:
                 steps["raise" if case == "nonfinite" else "zero"](state, (x, batch[1]), mask, buffers)
                 error = None
-            except Exception as err:  # (nonfinite="raise": a FloatingPointError)
+            except BaseException as err:  # (nonfinite="raise": a FloatingPointError; a KeyboardInterrupt)
                 error = f"{type(err).__name__}: {err}"
             failing["now"] = None
             forget_spent_keys()
@@ -1329,7 +1340,10 @@ def test_gathering_on_use_a_rank_that_fails_inside_its_chunk_makes_every_rank_ra
     reduce-scatter) left the others waiting in their next collective until the group's timeout.
     Now every collective of the chunks first asks whether a rank failed (Sharding.failures_told):
     the failed rank raises its own error, the other that another rank failed, nothing is released,
-    and the next step runs on both (their collectives still pair up)."""
+    and the next step runs on both (their collectives still pair up). Found by review: an
+    allocation failing after the flag, before its gather ("alloc"), still hung the other rank; a
+    KeyboardInterrupt ("interrupt") left the rank that raised it with its plans while the others
+    reset theirs, and the next step's gathers paired up wrongly (gloo aborted)."""
     mp.spawn(_fails_inside_worker, args=(2, str(tmp_path / "init"), str(tmp_path), method), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"inside-{r}.pt", weights_only=True) for r in range(2))
     other = "RuntimeError: step(state, batch, mask): another rank failed while computing its clipped sums"
@@ -1337,7 +1351,9 @@ def test_gathering_on_use_a_rank_that_fails_inside_its_chunk_makes_every_rank_ra
     assert r0["middle"][0] == "RuntimeError: rank 0's model failed after its first layer", r0["middle"]
     assert r0["late"][0] == "RuntimeError: rank 0 failed after its last reduce-scatter", r0["late"]
     assert r1["nonfinite"][0] is not None and r1["nonfinite"][0].startswith("FloatingPointError") and "samples [2]" in r1["nonfinite"][0], r1["nonfinite"]
-    for r, case in ((1, "start"), (1, "middle"), (1, "late"), (0, "nonfinite")):
+    assert r1["alloc"][0] == "OutOfMemoryError: rank 1 ran out of memory gathering a parameter", r1["alloc"]
+    assert r0["interrupt"][0] == "KeyboardInterrupt: ", r0["interrupt"]
+    for r, case in ((1, "start"), (1, "middle"), (1, "late"), (0, "nonfinite"), (0, "alloc"), (1, "interrupt")):
         error = (r0, r1)[r][case][0]
         assert error is not None and error.startswith(other) and "nothing was released" in error, (r, case, error)
     for res in (r0, r1):

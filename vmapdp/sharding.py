@@ -235,11 +235,11 @@ class Sharding:
         """The full value of one parameter from every rank's shard of it (one ``all_gather``)."""
         if self.world_size == 1 or not _dist.is_initialized():
             return shard.reshape(self.shapes[name])
-        self._all_fine()
         c = self.chunk(name)
-        mine = shard if shard.numel() == c else torch.cat([shard, shard.new_zeros(c - shard.numel())])
+        mine = (shard if shard.numel() == c else torch.cat([shard, shard.new_zeros(c - shard.numel())])).contiguous()
         every = torch.empty(self.world_size * c, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_single(every, mine.contiguous())
+        self._all_fine()  # (last before the collective: a failed allocation above is told, found by review)
+        dist.all_gather_single(every, mine)
         return every[: self.numels[name]].view(self.shapes[name])
 
     def reduce_scatter(self, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -258,11 +258,11 @@ class Sharding:
         flat = full.detach().reshape(-1)
         if self.world_size == 1 or not _dist.is_initialized():
             return flat.clone()
-        self._all_fine()
         c = self.chunk(name)
-        rows = flat if flat.numel() == self.world_size * c else torch.cat([flat, flat.new_zeros(self.world_size * c - flat.numel())])
+        rows = (flat if flat.numel() == self.world_size * c else torch.cat([flat, flat.new_zeros(self.world_size * c - flat.numel())])).contiguous()
         mine = torch.empty(c, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(mine, rows.contiguous(), op=dist.ReduceOp.SUM)
+        self._all_fine()  # (last before the collective, as in gather_one)
+        dist.reduce_scatter_single(mine, rows, op=dist.ReduceOp.SUM)
         start, stop = self.bounds(name)
         return mine[: stop - start].clone() if stop - start < c else mine
 

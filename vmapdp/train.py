@@ -1387,13 +1387,13 @@ def make_train_step(
         try:
             with seeded_randomness(seed, mask.device):
                 (summed, stats), methods = clipped_sums(state, params, batch, mask, shared, n)
-        except Exception as err:
+        except BaseException as err:  # (a KeyboardInterrupt too: failures_told tells the others of it, who reset)
             if scattered:  # every rank raises here at once (Sharding.failures_told), each stopped at its own point of a
                 # first call's work (one rank's plan probed and kept, another's not): all start the next step cold, or their
                 # gathers would differ (found while testing: the next step's gathers paired up wrongly and gloo aborted)
                 sum_fns.update({m: new_sum_fn(m) for m in sum_fns})
                 chunk_fns.clear()
-            if not distributed or scattered:
+            if not distributed or scattered or not isinstance(err, Exception):
                 raise
             # the other ranks are in the reduction already: join it with nothing, then every rank raises in
             # _check_dealt_rows, before the noise (a model that raised on one rank's rows, or "auto"'s choice that
