@@ -250,12 +250,23 @@ def test_a_block_selected_by_a_tensor_argument_is_refused_when_it_moves_and_exac
     x = torch.randn(6, 4, 3, generator=g, dtype=torch.float64)
     fn = vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")
     fn(params, torch.tensor(0), x)
-    with pytest.raises(ValueError, match=r"selects another part of the param 'pos'.*slice\(8, 12.*slice\(0, 4.*Python int"):
+    with pytest.raises(ValueError, match=r"selects another part of the param 'pos'.*slice\(8, 12.*the probe's \(slice\(0, 4.*Python int"):
         fn(params, torch.tensor(8), x)
     for start in (0, 8, 0):
         summed, norms, _ = fn(params, start, x)
         _close((summed, norms), vmapdp.clip_and_sum(microbatch_grads(loss, params, start, x), C), 1e-10)
         assert summed["pos"][start : start + 4].abs().sum() > 0 and summed["pos"].abs().sum(1).nonzero().flatten().tolist() == list(range(start, start + 4))
+    # what selects them changed in place between calls (a captured list, 0-dim tensor bounds): compared by value (found by
+    # review: kept by reference, the probe's arguments equalled themselves and the gradient went to rows 0-3 again)
+    rows, lo, hi = [0, 1, 2, 3], torch.tensor(0), torch.tensor(4)
+    by_list = vmapdp.clipped_grad_sum(lambda p, x: F.linear(torch.tanh(x + p["pos"][rows]), p["head"]).square().mean(), l2_clip_norm=C, method="ghost")
+    by_bounds = vmapdp.clipped_grad_sum(lambda p, x: F.linear(torch.tanh(x + p["pos"][lo:hi]), p["head"]).square().mean(), l2_clip_norm=C, method="ghost")
+    by_list(params, x), by_bounds(params, x)
+    rows[:] = [8, 9, 10, 11]
+    lo.add_(8), hi.add_(8)
+    for fn in (by_list, by_bounds):
+        with pytest.raises(ValueError, match=r"selects another part of the param 'pos'"):
+            fn(params, x)
 
 
 class _Attention(torch.nn.Module):

@@ -74,7 +74,8 @@ class Plan:
     candidates: list[bool] = field(default_factory=list)  # per covered-op call with a param weight: a site?
     other: list[str] = field(default_factory=list)  # keys with uses no rule covers (sorted)
     uncovered: dict[str, list[str]] = field(default_factory=dict)  # those keys -> the ops of those uses
-    # per view op on a param: the op, its outputs' views (None: not boxes) and its other arguments (which select the boxes)
+    # per view op on a param: the op, its outputs' views (None: not boxes) and its other arguments (which select the
+    # boxes: their values, and as shown in messages)
     views: list[tuple[Callable, tuple[View, ...] | None, Any]] = field(default_factory=list)
     traced_through: bool = False  # the loss called nn.MultiheadAttention's forward (TRACED_THROUGH)
     batched: list[bool] = field(default_factory=list)  # per site: did its input depend on the sample? (the eager real run checks it)
@@ -517,21 +518,21 @@ class Run:
                 if _has_tensor(out):
                     self._uncovered(keys, _name(func))
                 return out
-            self.plan.views.append((func, views, _selection(args, kwargs)))
+            self.plan.views.append((func, views, (_selection(args, kwargs), _shown(args[1:], kwargs))))
             self.views += [[t, key, v, j, None] for t, j, v in zip(leaves, idx, views)]
             return out
         if self.n_view >= len(self.plan.views) or self.plan.views[self.n_view][0] != func:
             raise self._mismatch()
-        _, views, selection = self.plan.views[self.n_view]
+        _, views, probed = self.plan.views[self.n_view]
         self.n_view += 1
         if views is None:
             return self._other_use(func, args, kwargs, keys)
-        if not _same(_selection(args, kwargs), selection):
+        if not _same(_selection(args, kwargs), probed[0]):
             # (found by review: W[s:s+T] with s = int(a 0-dim tensor argument), keyed by its shape only: every call took
             # the probe's rows, and the gradient went to them, silently)
             raise ValueError(
                 f"ghost clipping: {_name(func)} selects another part of the param {key!r} than when the loss was probed "
-                f"(arguments {_shown(_selection(args, kwargs))} against {_shown(selection)}): the plan would put the "
+                f"(arguments {_shown(args[1:], kwargs)}, the probe's {probed[1]}): the plan would put the "
                 "gradient on the probed part. Pass what selects it (an offset, an index) as a Python int argument of "
                 "the loss, which is probed for each value (a tensor's value is not), or use method='vmap'."
             )
@@ -545,9 +546,23 @@ class Run:
 
 
 def _selection(args: tuple, kwargs: dict) -> tuple:
-    """A view op's arguments other than the tensor it views (Python values: slices, ints, lists,
-    dims, shapes), which decide the part of the param each output is."""
-    return (tuple(args[1:]), tuple(sorted(kwargs.items())))
+    """A view op's arguments other than the tensor it views (slices, ints, lists, dims, shapes),
+    which decide the part of the param each output is: their values now (a list, an array or a
+    0-dim tensor in a slice, changed in place between calls, compared as what it held then;
+    found by review: kept by reference, it equalled itself)."""
+    return (_frozen(tuple(args[1:])), _frozen(dict(kwargs)))
+
+
+def _frozen(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):  # (torch.Size included)
+        return (type(x).__name__, tuple(_frozen(v) for v in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((k, _frozen(v)) for k, v in x.items())))
+    if isinstance(x, slice):
+        return ("slice", _frozen(x.start), _frozen(x.stop), _frozen(x.step))
+    if isinstance(x, Tensor) or (hasattr(x, "tolist") and hasattr(x, "shape")):  # (a tensor or an array: its values)
+        return (type(x).__name__, tuple(x.shape), _frozen(x.tolist()))
+    return x
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -557,8 +572,8 @@ def _same(a: tuple, b: tuple) -> bool:
         return repr(a) == repr(b)
 
 
-def _shown(selection: tuple) -> str:
-    text = repr(selection)
+def _shown(args: Any, kwargs: Any) -> str:
+    text = repr(args) + (f", {kwargs!r}" if kwargs else "")
     return text if len(text) <= 120 else text[:117] + "..."
 
 
