@@ -463,3 +463,34 @@ def test_a_directly_compiled_sum_checks_the_loss_reads_its_sample(method):
             torch.testing.assert_close(summed["W"], fn(params, x[:4])[0]["W"])
             summed, norms, _ = torch.compile(fn, backend="eager")(params, x[:6])  # (a new shape, without fullgraph: planned eagerly)
             torch.testing.assert_close(summed["W"], fn(params, x[:6])[0]["W"])
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+def test_nonfinite_raise_runs_compiled_and_raises_before_the_release(method):
+    """Found by review: make_train_step(nonfinite="raise") took compile=True, but the check inside
+    the graph (a Python branch on whether a row's norm is finite) failed every compiled step, a
+    clean batch's too, with torch's data-dependent-guard error. The graph now drops such rows and
+    counts them; the step reads the count after the call and raises FloatingPointError before
+    anything is released (the state is the one given), and clean batches run."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(torch.nn.Linear(3, 2))
+
+    def loss_fn(p, b, s):
+        x, y = s
+        return torch.nn.functional.cross_entropy(apply(p, b, x[None]), y[None])
+
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4, sample_rate=0.1,
+                                  method=method, nonfinite="raise", compile="eager")
+    state = vmapdp.init_train_state(params, opt, seed=0)
+    batch, mask = (torch.randn(4, 3), torch.randint(0, 2, (4,))), torch.ones(4, dtype=torch.bool)
+    bad = (batch[0].clone(), batch[1])
+    bad[0][2, 1] = float("nan")
+    with vmapdp.noise.spent.unreleased():
+        after, metrics = step(state, batch, mask, buffers)
+        assert after.step == 1 and float(metrics["nonfinite"]) == 0
+        with pytest.raises(FloatingPointError, match=r"1 real rows of this chunk are not finite.*compile=False names them"):
+            step(after, bad, mask, buffers)
+        masked = mask.clone()
+        masked[2] = False  # the row masked out: dropped, nothing raised
+        assert step(after, bad, masked, buffers)[0].step == 2

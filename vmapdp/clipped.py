@@ -16,6 +16,7 @@ import math
 import threading
 import time
 import types
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -455,6 +456,20 @@ class ClippedGradSum:
     def prepare(self, *args: Any) -> Plan | None:
         """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
         return self._planned(args)[1]
+
+    @property
+    def raise_nonfinite(self) -> bool:
+        """Whether the caller raises on non-finite rows this twin drops (:meth:`counting_nonfinite`)."""
+        return getattr(self, "_raise_later", False)
+
+    def counting_nonfinite(self) -> ClippedGradSum:
+        """For ``nonfinite="raise"`` under torch.compile, whose graph cannot branch on values: a
+        twin that drops non-finite rows (``"zero"``), sharing this one's plans (the eager
+        ``prepare`` made them), whose caller reads the count afterwards and raises
+        (``raise_nonfinite``: make_train_step's compiled chunk)."""
+        twin = dataclasses.replace(self, nonfinite="zero", _plans=self._plans, _auto=self._auto)
+        object.__setattr__(twin, "_raise_later", True)
+        return twin
 
     def recheck(self, *args: Any) -> None:
         """Run the eager one-sample check of the loss again, whatever was planned: a compiled caller

@@ -774,6 +774,10 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
     if backend is None:
         return chunk_sums
     made: dict[bool, Callable] = {}  # (CUDA graphs?) -> the compiled chunk
+    # nonfinite="raise": the graph drops such rows (ClippedGradSum.counting_nonfinite) and counts them in its
+    # telemetry; the count is read here, before anything is added up or released (found by review: the graph's own
+    # check, a Python branch on values, failed every compiled step with torch's data-dependent-guard error)
+    raise_nonfinite = getattr(sum_fn, "raise_nonfinite", False)
 
     def compiled(params, mask, shared, chunk):
         graphs = backend == "inductor" and _cuda_graphs(params, mask)
@@ -796,6 +800,12 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
                 torch.compiler.cudagraph_mark_step_begin()
                 out = optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
             _checked_after(sum_fn, params, shared, chunk, watched, traced)
+            if raise_nonfinite and bool(out[1].nonfinite > 0):
+                raise FloatingPointError(
+                    f"step(state, batch, mask): per-sample gradients of {int(out[1].nonfinite)} real rows of this chunk are not "
+                    "finite (NaN or inf) (compiled, the rows are not named: a step with compile=False names them). Fix the "
+                    "loss for those inputs, or pass nonfinite='zero' to drop their contribution (counted in metrics['nonfinite'])."
+                )
             return out
         except Exception as err:
             # the graphs compiled so far are dropped: the one that ran a refused loss would be found in the cache
@@ -949,7 +959,8 @@ def make_train_step(
             (default: as many as keep them under ``Limits.two_pass_elements``, 2 GiB in float32).
         rule, nonfinite: see :func:`vmapdp.clip_and_sum`. ``nonfinite="raise"`` is a debugging
             switch, not private: whether a step raises (and the row it names) depends on who is
-            in the batch. The default ``"zero"`` drops such a sample (counted in ``metrics``).
+            in the batch (compiled, after the chunk's graph, which counts them: the rows are not
+            named). The default ``"zero"`` drops such a sample (counted in ``metrics``).
         randomness: for random layers (dropout): ``"different"`` per sample; see
             :func:`vmapdp.per_sample_grads`. Random layers draw from :func:`step_seed` (a
             repeated step is bit for bit the first), but per chunk, per rank and per method: so
@@ -1186,7 +1197,10 @@ def make_train_step(
         if (name, compiled) not in chunk_fns:
             if name not in sum_fns:
                 sum_fns[name] = new_sum_fn(name)
-            chunk_fns[name, compiled] = chunk_fn(sum_fns[name], backend=backend if compiled else None)
+            fn = sum_fns[name]
+            if compiled and nonfinite == "raise":  # (whether to raise depends on values: a graph cannot; checked after it)
+                fn = fn.counting_nonfinite()
+            chunk_fns[name, compiled] = chunk_fn(fn, backend=backend if compiled else None)
         return chunk_fns[name, compiled]
 
     def _not_compiled(run: Callable, device: torch.device, name: str) -> bool:
