@@ -272,3 +272,25 @@ def test_ghost_covers_an_fp16_loss_with_a_loss_scale(name):
     # no underflow or overflow at this scale: scaling by 2**10 and dividing it out are exact
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
+
+
+def test_adaptive_clipping_keeps_ghosts_form_of_an_fp16_loss_with_a_loss_scale(monkeypatch):
+    """Found by review: with adaptive clipping the step divides the loss by the carried threshold in
+    a wrapper of its own, which dropped the loss-side-scaled form mixed_precision(loss_scale=) offers
+    ghost clipping, so ghost ran the unscaled form, its params hidden (coverage 0). The wrapper now
+    offers the scaled form divided alike: full coverage, and the step's result equals the unscaled
+    loss's bit for bit (the power-of-two scale divides out exactly)."""
+    _, _, params, buffers, batch, loss_fn = zoo.setup(_case(MODELS[0]), 8)
+    made = []
+    real = vmapdp.train.clipped_grad_sum
+    monkeypatch.setattr(vmapdp.train, "clipped_grad_sum", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    results = []
+    for loss in (mixed_precision(loss_fn, torch.float16, loss_scale=2.0**10), mixed_precision(loss_fn, torch.float16)):
+        opt = optim.sgd(0.1)
+        step = vmapdp.make_train_step(loss, opt, l2_clip_norm=0.3, noise_multiplier=1.0, expected_batch_size=8.0, sample_rate=0.1,
+                                      method="ghost", compile=False, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=2.0))
+        with vmapdp.noise.spent.unreleased():
+            results.append(step(vmapdp.init_train_state(params, opt, seed=3), batch, torch.ones(8, dtype=torch.bool), buffers)[0].params)
+    plan = made[0].prepare(params, torch.tensor(0.3), buffers, batch)
+    assert plan.other == [] and vmapdp.ghost.coverage(plan, params) == 1.0, plan.describe(params)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in params)

@@ -1099,6 +1099,10 @@ def make_train_step(
         def sum_loss(params, clip_norm, *rest):
             return loss_fn(params, *rest) / clip_norm
 
+        scaled_form = getattr(loss_fn, "_vmapdp_loss_scale", None)
+        if scaled_form is not None:  # (a float16 loss with a static loss_scale: ghost's form, divided alike; found by
+            scale, scaled = scaled_form  # review: without it ghost ran the unscaled form, its coverage lost)
+            sum_loss._vmapdp_loss_scale = (scale, lambda params, clip_norm, *rest: scaled(params, *rest) / clip_norm)
         sum_clip = 1.0
 
     def new_sum_fn(m: str) -> ClippedGradSum:
