@@ -199,6 +199,7 @@ def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], in
     done = then if then is not None else (lambda i, z: z)
     out: list[Any] = [None] * len(items)
     batches: dict[tuple[str, int], list[int]] = {}
+    small: dict[int, list[int]] = {}  # precision -> small leaves made on the host: one transform for many (_host_batch)
     for shape, _, offset, dtype, _ in items:  # (every range checked before anything is drawn)
         chacha.check_blocks(*_block_range(shape, offset, dtype))
     for i, (shape, _, _, dtype, device) in enumerate(items):
@@ -206,10 +207,14 @@ def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], in
             out[i] = done(i, torch.zeros(shape, dtype=dtype, device=device))
         elif backend != "openssl" and fused is not False and _triton.available(device) and (fused or _triton_ok.get(device.type) is not False):
             batches.setdefault((str(device), _FP64 if dtype == torch.float64 else _FP32), []).append(i)
+        elif math.prod(shape) <= _SMALL_LEAF and _host(device) and backend != "torch" and chacha.have_openssl():
+            small.setdefault(_FP64 if dtype == torch.float64 else _FP32, []).append(i)
         else:
             with torch._C._DisableFuncTorch():
                 z = _keyed_one(skey, *items[i], backend=backend, fused=fused)
             out[i] = done(i, z)
+    for precision, members in small.items():
+        _host_batch(skey, items, members, precision, fused, out, done)
     for (device, precision), members in batches.items():
         try:
             with torch._C._DisableFuncTorch():  # pure in its own inputs: plain tensors under vmap/grad
@@ -238,6 +243,55 @@ def _keyed_normals(key: bytes | int | str, items: list[tuple[tuple[int, ...], in
 
 class _ThenFailed(RuntimeError):
     pass
+
+
+# host leaves of at most this many elements share one call of the transform (_host_batch): each call of
+# the compiled kernel costs tens of microseconds, more than such a leaf's own noise (measured 2026-11-29,
+# 2 cores: 100 leaves of 768 elements took 5.2 ms one by one, a single leaf of their size 0.3 ms)
+_SMALL_LEAF = 1 << 14
+
+
+def _host_batch(skey: bytes, items: list, members: list[int], precision: int, fused: bool | None, out: list, done: Any) -> None:
+    """:func:`_keyed_one` (OpenSSL's keystream, the transform on the host) of the small leaves
+    ``members``, each leaf's keystream (its own nonce) laid after the previous one's in one buffer,
+    transformed by one call per ``_CHUNK_GROUPS`` groups: the transform is row by row (a group is a
+    row), so each leaf's normals are bitwise those it would get alone."""
+    blocks, pairs = _LAYOUT[precision]
+    per_group = 2 * pairs
+    dtype = torch.float64 if precision == _FP64 else torch.float32
+    pending: list[tuple[int, int, int]] = []  # (leaf's item, its first group in the buffer, its first group in its stream)
+    raws: list[Tensor] = []
+    total = 0
+
+    def flush() -> None:
+        nonlocal total
+        with torch._C._DisableFuncTorch():  # (pure in its own inputs, as in _keyed_one; `done` is not: called after)
+            raw = torch.cat(raws) if len(raws) > 1 else raws[0]
+            normals = torch.empty(total, 2, pairs, dtype=dtype)
+            _normals_into(_words(raw, precision), precision, fused, normals)
+            flat = normals.reshape(-1)
+            zs = []
+            for i, first, g0 in pending:
+                shape, _, offset, leaf_dtype, device = items[i]
+                start = first * per_group + offset - g0 * per_group
+                zs.append((i, flat[start : start + math.prod(shape)].reshape(shape).to(dtype=leaf_dtype, device=device)))
+        for i, z in zs:
+            out[i] = done(i, z)
+        pending.clear()
+        raws.clear()
+        total = 0
+
+    for i in members:
+        shape, leaf, offset, _, _ = items[i]
+        g0, g1 = _groups(math.prod(shape), offset, precision)
+        with torch._C._DisableFuncTorch():
+            raws.append(chacha.keystream(skey, _nonce(leaf, precision), g0 * blocks, (g1 - g0) * blocks, backend="openssl"))
+        pending.append((i, total, g0))
+        total += g1 - g0
+        if total >= _CHUNK_GROUPS:
+            flush()
+    if pending:
+        flush()
 
 
 def _groups(n: int, offset: int, precision: int) -> tuple[int, int]:
