@@ -539,6 +539,22 @@ def test_data_dependent_control_flow_is_refused():
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, (torch.randn(2, 3, dtype=torch.float64), torch.tensor([0, 1])))
 
 
+def test_an_op_vmap_cannot_batch_on_a_per_sample_copy_is_explained():
+    """Found by review: W.narrow(0, a tensor start, n), a use no rule covers, ran on ghost's per-sample
+    copies of W and gave torch's raw "Batching rule not implemented for aten::narrow.Tensor". The
+    error names the op and the fixes; method='vmap' (W not batched) runs it."""
+    params = {"pos": torch.randn(16, 3), "head": torch.randn(2, 3)}
+    off = torch.tensor(2)
+
+    def loss(p, x):
+        return F.linear(torch.tanh(x + p["pos"].narrow(0, off, 4)), p["head"]).square().mean()
+
+    x = torch.randn(3, 4, 3)
+    assert vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="vmap")(params, x)[1].shape == (3,)
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=r"no batching rule for aten::narrow.Tensor.*int\(start\).*method='vmap'"):
+        vmapdp.clipped_grad_sum(loss, l2_clip_norm=C, method="ghost")(params, x)
+
+
 def test_bad_arguments():
     loss_fn = lambda p, s: p["w"].sum()  # noqa: E731
     with pytest.raises(ValueError, match=r"method='fast' must be one of"):

@@ -40,6 +40,15 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             f"a tensor as a Python index; torch said: {first}), which the per-sample engine cannot map over the batch. "
             "Keep it a tensor: t instead of t.item(), torch.where(cond, a, b) instead of an if."
         )
+    if "batching rule not implemented for aten::" in low:
+        op = msg.split("aten::", 1)[1].split(";", 1)[0].split()[0]
+        return UnsupportedModuleError(
+            f"{call}: torch.func.vmap has no batching rule for aten::{op}, which the loss applies to a per-sample tensor "
+            f"(torch said: {first}). With method='ghost' a use of a param no rule covers runs on per-sample copies of the "
+            "param, so ops on params are batched too. Pass the op's scalar arguments as Python ints (narrow(dim, int(start), "
+            "length) instead of a tensor start), write the op another way (a slice: w[start:start + length]), or use "
+            "method='vmap'."
+        )
     if "expected f(*args) to return a tensor, got <class 'tuple'>" in low:
         return TypeError(
             f"{call}: loss_fn returned a tuple where a loss tensor was expected (torch said: {first}). For (loss, aux) "
