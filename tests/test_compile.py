@@ -489,8 +489,33 @@ def test_nonfinite_raise_runs_compiled_and_raises_before_the_release(method):
     with vmapdp.noise.spent.unreleased():
         after, metrics = step(state, batch, mask, buffers)
         assert after.step == 1 and float(metrics["nonfinite"]) == 0
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with pytest.raises(FloatingPointError, match=r"1 real rows of this chunk are not finite.*compile=False names them"):
             step(after, bad, mask, buffers)
+        assert step(after, batch, mask, buffers)[0].step == 2
+        # the graph is kept (found by review: the raise dropped it, and every clean step after one retraced)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
         masked = mask.clone()
         masked[2] = False  # the row masked out: dropped, nothing raised
         assert step(after, bad, masked, buffers)[0].step == 2
+
+
+def test_a_hand_compiled_nonfinite_raise_is_refused_with_the_way_out():
+    """Found by review: torch.compile(clipped_grad_sum(..., nonfinite="raise")) failed on every call,
+    a clean batch's too, with torch's data-dependent-guard error. It is refused while tracing with
+    the way out: its counting_nonfinite() twin compiles and returns the norms to raise on."""
+    apply, params, buffers = vmapdp.functionalize(torch.nn.Linear(3, 2))
+
+    def loss_fn(p, b, s):
+        x, y = s
+        return torch.nn.functional.cross_entropy(apply(p, b, x[None]), y[None])
+
+    fn = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method="vmap", nonfinite="raise")
+    batch = (torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    fn.prepare(params, buffers, batch)
+    with pytest.raises(Exception, match=r"nonfinite='raise' cannot run inside a torch.compile graph.*counting_nonfinite"):
+        torch.compile(fn, backend="eager", fullgraph=True)(params, buffers, batch)
+    bad = (batch[0].clone(), batch[1])
+    bad[0][1, 0] = float("nan")
+    summed, norms, _ = torch.compile(fn.counting_nonfinite(), backend="eager", fullgraph=True)(params, buffers, bad)
+    assert torch.isfinite(norms).tolist() == [True, False, True, True] and all(bool(torch.isfinite(v).all()) for v in summed.values())

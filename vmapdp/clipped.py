@@ -533,6 +533,13 @@ class ClippedGradSum:
         if batch_size(args[-1], call=_CALL) == 0:
             return (), None
         key, plan_key = _keys(args)
+        if self.nonfinite == "raise" and torch.compiler.is_compiling():
+            raise ValueError(
+                f"{_CALL}: nonfinite='raise' cannot run inside a torch.compile graph (whether to raise depends on the "
+                "values; found by review: every call failed with torch's data-dependent-guard error). Compile "
+                "fn.counting_nonfinite() instead, which drops such rows, and raise on the norms it returns (non-finite "
+                "where a row was dropped), outside the graph; make_train_step(nonfinite='raise', compile=True) does so."
+            )
         if plan_key not in self._plans:
             if torch.compiler.is_compiling():
                 raise ValueError(

@@ -800,13 +800,6 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
                 torch.compiler.cudagraph_mark_step_begin()
                 out = optree.tree_map(torch.clone, made[graphs](params, mask, shared, chunk), namespace="torch")
             _checked_after(sum_fn, params, shared, chunk, watched, traced)
-            if raise_nonfinite and bool(out[1].nonfinite > 0):
-                raise FloatingPointError(
-                    f"step(state, batch, mask): per-sample gradients of {int(out[1].nonfinite)} real rows of this chunk are not "
-                    "finite (NaN or inf) (compiled, the rows are not named: a step with compile=False names them). Fix the "
-                    "loss for those inputs, or pass nonfinite='zero' to drop their contribution (counted in metrics['nonfinite'])."
-                )
-            return out
         except Exception as err:
             # the graphs compiled so far are dropped: the one that ran a refused loss would be found in the cache
             # by a retry, which traces nothing and so checks nothing (found by review: a caller catching the
@@ -816,6 +809,13 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
             if explained is None:
                 raise
             raise explained from err
+        if raise_nonfinite and bool(out[1].nonfinite > 0):  # (the graph is sound: kept; found by review, it was dropped)
+            raise FloatingPointError(
+                f"step(state, batch, mask): per-sample gradients of {int(out[1].nonfinite)} real rows of this chunk are not "
+                "finite (NaN or inf) (compiled, the rows are not named: a step with compile=False names them). Fix the "
+                "loss for those inputs, or pass nonfinite='zero' to drop their contribution (counted in metrics['nonfinite'])."
+            )
+        return out
 
     return compiled
 

@@ -555,13 +555,16 @@ def _selection(args: tuple, kwargs: dict) -> tuple:
 
 def _frozen(x: Any) -> Any:
     if isinstance(x, (list, tuple)):  # (torch.Size included)
+        if all(type(v) is int for v in x):  # (a long index list: one pass, found by review: 23 ms for 100k)
+            return (type(x).__name__, tuple(x))
         return (type(x).__name__, tuple(_frozen(v) for v in x))
     if isinstance(x, dict):
         return ("dict", tuple(sorted((k, _frozen(v)) for k, v in x.items())))
     if isinstance(x, slice):
         return ("slice", _frozen(x.start), _frozen(x.stop), _frozen(x.step))
-    if isinstance(x, Tensor) or (hasattr(x, "tolist") and hasattr(x, "shape")):  # (a tensor or an array: its values)
-        return (type(x).__name__, tuple(x.shape), _frozen(x.tolist()))
+    if isinstance(x, Tensor) or (hasattr(x, "tolist") and hasattr(x, "shape") and hasattr(x, "ravel")):  # (a tensor or an array: its values)
+        flat = x.reshape(-1) if isinstance(x, Tensor) else x.ravel()
+        return ("array", tuple(x.shape), tuple(flat.tolist()))
     return x
 
 
