@@ -237,3 +237,44 @@ def test_finite_params_reads_float8_params():
             _checks.finite_params("init_train_state", {"w": bad}, "fix")
     # float4 holds neither NaN nor inf (torch has no isfinite for it either)
     _checks.finite_params("init_train_state", {"w": torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, "fix")
+
+
+def test_guessable_seeds_keys_and_generators_warn_at_the_callers_line():
+    """Found by review: small-int seeds were taken silently, and the demo and notebooks used them
+    (a second process regenerated a released step's noise from the demo's seed). A seed or key that
+    can be known or guessed (an int below 2**64, a str or bytes of fewer than 16 bytes, a
+    torch.Generator) now gives a PublicSeedWarning naming the fix, reported at the caller's line
+    (this file); a fresh secret, 128 random bits or a 32-byte key give none."""
+    import secrets
+    import warnings
+
+    params, opt = {"w": torch.zeros(2)}, vmapdp.optim.sgd(0.1)
+    guessable = {
+        "init_train_state seed": lambda: vmapdp.init_train_state(params, opt, seed=1),
+        "sampler generator": lambda: PoissonSampler(100, 0.1, 5, torch.Generator().manual_seed(0)),
+        "sampler short key": lambda: PoissonSampler(100, 0.1, 5, key="my-key"),
+        "sampler int key": lambda: vmapdp.data.ShuffledSampler(100, 10, key=7),
+        "add_noise key": lambda: vmapdp.add_noise({"w": torch.zeros(2)}, 1.0, key=3),
+        "add_noise generator": lambda: vmapdp.add_noise({"w": torch.zeros(2)}, 1.0, torch.Generator()),
+        # (found by review: these passed) a NumPy-like or 0-dim tensor int, a negative key, keyed_normal
+        "0-dim tensor seed": lambda: vmapdp.init_train_state(params, opt, seed=torch.tensor(3)),
+        "negative sampler key": lambda: PoissonSampler(100, 0.1, 5, key=-1),
+        "keyed_normal key": lambda: vmapdp.noise.keyed_normal((3,), 3),
+    }
+    for name, make in guessable.items():
+        # the fix named fits the argument (found by review: a seed was told to be bytes, which it cannot be)
+        fix = r"seed=secrets.randbits\(128\)" if "seed" in name else r"key=secrets.(token_bytes\(16\)|randbits\(128\))"
+        with pytest.warns(vmapdp.PublicSeedWarning, match=rf"can be (guessed|predicted).*{fix}") as caught:
+            make()
+        assert all(w.filename == __file__ for w in caught if issubclass(w.category, vmapdp.PublicSeedWarning)), name
+    secret = {
+        "no seed": lambda: vmapdp.init_train_state(params, opt),
+        "128-bit seed": lambda: vmapdp.init_train_state(params, opt, seed=secrets.randbits(128) | 1 << 127),
+        "32-byte key": lambda: PoissonSampler(100, 0.1, 5, key=secrets.token_bytes(32)),
+        "no key": lambda: PoissonSampler(100, 0.1, 5),
+        "add_noise secure": lambda: vmapdp.add_noise({"w": torch.zeros(2)}, 1.0, secure=True),
+    }
+    for make in secret.values():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", vmapdp.PublicSeedWarning)
+            make()

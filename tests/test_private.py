@@ -204,6 +204,27 @@ def test_delta_at_or_above_one_over_n_is_refused(delta):
     _mp(data(), delta=1e-3)  # below 1/120: fine
 
 
+def test_a_delta_at_or_above_one_over_n_is_refused_where_epsilon_is_read_and_in_a_steps_budget():
+    """Found by review: make_private refused delta >= 1/n, but trainer.epsilon(delta=0.3) then
+    reported 0.0, and make_train_step(budget=(1.0, 0.2)) with a sampler of 100 rows enforced a budget
+    at a delta that protects nobody. Both are refused where the sampler knows n."""
+    trainer = _mp(data(), delta=1e-3)
+    assert trainer.epsilon(delta=1e-4) == trainer.epsilon(delta=1e-4)  # below 1/120: read
+    with pytest.raises(ValueError, match=r"PrivateTrainer.epsilon\(delta\): delta=0.3 must be below 1/num_samples = 1/120"):
+        trainer.epsilon(delta=0.3)
+    sampler = vmapdp.data.PoissonSampler(100, 0.1, 50)
+    kw = dict(l2_clip_norm=1.0, noise_multiplier=1.0, sampler=sampler, compile=False)
+    with pytest.raises(ValueError, match=r"budget delta=0.2 must be below 1/num_samples = 1/100"):
+        vmapdp.make_train_step(lambda p, s: p["w"].sum() * s, vmapdp.optim.sgd(0.1), budget=(1.0, 0.2), **kw)
+    vmapdp.make_train_step(lambda p, s: p["w"].sum() * s, vmapdp.optim.sgd(0.1), budget=(1.0, 1e-4), **kw)
+    # ... and a budget the state records (init_train_state(budget=), a checkpoint's), at the step (found by review)
+    step = vmapdp.make_train_step(lambda p, s: (p["w"] * s).sum(), vmapdp.optim.sgd(0.1), physical_batch_size=sampler.capacity, **kw)
+    state = vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=(1.0, 0.2))
+    indices, mask = sampler.sample()
+    with pytest.raises(ValueError, match=r"a budget's delta=0.2 must be below 1/num_samples = 1/100"):
+        step(state, torch.ones(len(indices), 1), mask)
+
+
 @pytest.mark.parametrize(
     "loader_kw, match",
     [
@@ -375,3 +396,59 @@ def test_no_trainer_spends_past_a_budget_it_loads(tmp_path):
             with pytest.raises(PrivacyBudgetExceeded, match=r"budget 1 \(delta=0.001, pld; the budget recorded in the state\)"):
                 trainer.fit(epochs=2)  # ... and stops at the recorded budget
             assert trainer.epsilon() <= 1.0
+
+
+def test_a_collate_fn_is_applied_to_a_tensor_dataset_and_one_mixing_rows_is_refused():
+    """Found by review: a collate_fn standardising each batch ((x - mean) / std over its rows) was
+    taken, and one outlier row moved the clipped sum by 8.26 C; and with a TensorDataset the
+    collate_fn was not applied at all, silently. It is applied now; on the first batches, the batch
+    collated twice under one seed, once with a row read from another example, must agree bit for bit
+    on every other row: a statistic over the batch, mixup and a state carried across batches are
+    refused; per-row, randomly augmented and frozen-encoder collates run."""
+    torch.manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(120, 4), torch.randint(0, 3, (120,)))
+    calls = []
+
+    def stacked(rows):
+        calls.append(len(rows))
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+    def per_row(rows):
+        x, y = stacked(rows)
+        return x / 2, y
+
+    def random_noise(rows):
+        x, y = stacked(rows)
+        return x + 0.01 * torch.randn_like(x), y
+
+    def standardised(rows):
+        x, y = stacked(rows)
+        return (x - x.mean(0)) / x.std(0, correction=0).clamp_min(1e-6), y
+
+    encoder = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).requires_grad_(False)
+
+    def encoded(rows):  # a frozen public encoder: a lone row rounds differently from a batch's, and is no mixing
+        x, y = stacked(rows)
+        return encoder(x), y
+
+    def mixup(rows):  # random mixing: each row blended with another of the batch
+        x, y = stacked(rows)
+        return 0.7 * x + 0.3 * x[torch.randperm(len(x))], y
+
+    def from_the_second_batch(rows, seen=[]):  # noqa: B006 (a state carried from batch to batch)
+        x, y = stacked(rows)
+        seen.append(1)
+        return (x - x.mean(0) if len(seen) > 2 else x), y
+
+    def run(collate):
+        m = torch.nn.Linear(4, 3)
+        return vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0,
+                                   delta=1e-3, compile=False, method="vmap", collate_fn=collate).fit(1)
+
+    for ok in (per_row, random_noise, encoded):
+        calls.clear()
+        run(ok)
+        assert calls and max(calls) > 1, ok.__name__  # applied, to whole batches
+    for mixing in (standardised, mixup, from_the_second_batch):
+        with pytest.raises(ValueError, match=r"collate_fn \(or the dataset\) makes a row's values depend on the other rows of its batch.*statistic over the batch"):
+            run(mixing)

@@ -27,7 +27,7 @@ from vmapdp.curvature import (
     per_sample_hvp,
     per_sample_jacobian,
 )
-from vmapdp.errors import UnsupportedModuleError
+from vmapdp.errors import PublicSeedWarning, UnsupportedModuleError
 from vmapdp.functional import FunctionalModel, functionalize
 from vmapdp.clipped import clipped_grad_sum
 from vmapdp.noise import add_noise, make_generator
@@ -78,6 +78,7 @@ __all__ = [
     "Problem",
     "explain_failure",
     "UnsupportedModuleError",
+    "PublicSeedWarning",
     "accounting",
     "optim",
     "data",

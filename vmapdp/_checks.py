@@ -623,3 +623,42 @@ def finite_params(call: str, params: Mapping[str, torch.Tensor], fix: str) -> No
             f"{call}: params {bad[:5]} hold NaN or infinite values: every sample's gradient would be non-finite and "
             f"dropped (nonfinite='zero'), and each step would release noise alone while the model never learns. {fix}"
         )
+
+
+def guessable(call: str, name: str, value: Any, what: str) -> None:
+    """A :class:`vmapdp.PublicSeedWarning` where ``value`` (a seed or key; ``what`` it makes) can be
+    known or guessed: an integer (a Python, NumPy or 0-dim tensor one) of magnitude below ``2**64``, a
+    str or bytes of fewer than 16 bytes, a ``torch.Generator`` (its output is predictable from a
+    32-bit seed or from past output)."""
+    from vmapdp.errors import PublicSeedWarning
+
+    if isinstance(value, torch.Generator):
+        why = "a torch.Generator, whose output can be predicted (its seed has 32 bits; Mersenne Twister is linear in its state)"
+        fix = "pass key=secrets.token_bytes(16) instead, or leave it out (a fresh secret from OS entropy)"
+    elif isinstance(value, (str, bytes)):
+        if len(value.encode() if isinstance(value, str) else value) >= 16:
+            return
+        why, fix = "shorter than 16 bytes, which can be guessed", f"leave it out (a fresh secret from OS entropy) or pass {name}=secrets.token_bytes(16), kept as secret as the data"
+    else:
+        try:
+            number = operator.index(value)  # (NumPy ints, 0-dim integer tensors: found by review, they passed)
+        except TypeError:
+            return
+        if isinstance(value, bool) or abs(number) >= 2**64:
+            return
+        why = f"an integer of magnitude below 2**64 ({number}), which can be guessed"
+        fix = f"leave it out (a fresh secret from OS entropy) or pass {name}=secrets.randbits(128), kept as secret as the data"
+    import os
+    import sys
+
+    here, level, frame = os.path.dirname(os.path.abspath(__file__)), 1, sys._getframe(0)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1  # (reported at the caller's line, outside vmapdp)
+    warnings.warn(
+        f"{call}: {name} is {why}. Whoever knows or guesses it can regenerate {what}, and the epsilon reported does not "
+        f"hold against them. Fine for tests and reproducible experiments; for a release {fix}. Silence it with "
+        "warnings.filterwarnings('ignore', category=vmapdp.PublicSeedWarning).",
+        PublicSeedWarning,
+        stacklevel=level,
+    )
+

@@ -85,6 +85,9 @@ def _check_source(call: str, generator: Any, key: Any, secure: Any) -> None:
         raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"{call}: generator must be a torch.Generator or None, got {type(generator).__name__}.")
+    for name, value in (("generator", generator), ("key", key)):
+        if value is not None:
+            _checks.guessable(call, name, value, "the batches (the sampling the accountant counts on being secret)")
 
 
 def default_capacity(num_samples: int, sample_rate: float, overflow_probability: float = 1e-6) -> int:

@@ -13,6 +13,16 @@ class UnsupportedModuleError(ValueError):
     """
 
 
+class PublicSeedWarning(UserWarning):
+    """A noise seed or sampling key that others can know or guess (a small int, a short string, a
+    ``torch.Generator``): whoever does can regenerate the noise and subtract it, or the batches
+    (whose secrecy the amplification by sampling counts on), and the epsilon reported does not hold
+    against them. Fine for tests and reproducible experiments (silence it with
+    ``warnings.filterwarnings("ignore", category=vmapdp.PublicSeedWarning)``); for a release leave
+    the seed out (a fresh secret from OS entropy) or pass 128 random bits kept as secret as the data.
+    """
+
+
 # Lower-case fragments of torch's own errors, and what they mean for per-sample gradients.
 _BATCH_NORM_SIGN = "expected more than 1 value per channel when training"
 

@@ -118,10 +118,10 @@ class PrivateTrainer:
         return self.sampler.expected_batch_size
 
     def _batch(self, indices: Tensor) -> Any:
-        tensors = _tensors_of(self._data)
-        if tensors is not None:
-            return gather(tensors, indices)
         collate = getattr(self, "_collate_fn", None)
+        tensors = _tensors_of(self._data)
+        if tensors is not None and collate is None:  # (a collate_fn given with a TensorDataset: applied, not dropped; found in review)
+            return gather(tensors, indices)
         batch = gather_dataset(self._data, indices, collate)
         rows = batch_size(batch, call="make_private: collate_fn(rows)")
         if rows != len(indices):
@@ -135,6 +135,9 @@ class PrivateTrainer:
                 other = sorted(alone - {shapes}, key=repr)[0]
                 raise shapes_differ(f"make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them ({dict(shapes)} against {dict(other)})")
             self._shapes_checked = True
+        if getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) > 0:
+            self._swaps_left = getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) - 1
+            _check_rows_kept_apart(self._data, indices, collate)
         return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
     def _write_back(self) -> None:
@@ -176,6 +179,8 @@ class PrivateTrainer:
     def epsilon(self, delta: float | None = None, *, accountant: str = "pld") -> float:
         """Epsilon spent so far (at ``delta``, default the one given to make_private), by the PLD
         accountant (the one ``target_epsilon=`` is calibrated with) unless ``accountant=`` says."""
+        if delta is not None:  # (found by review: delta=0.3 on 100 rows reported epsilon 0.0; make_private refuses it)
+            delta = _checks.delta("PrivateTrainer.epsilon(delta)", delta, num_samples=self.sampler.num_samples)
         return self.state.epsilon(self.delta if delta is None else delta, accountant=accountant)
 
     def save(self, path: str, *, key: bytes | str | None = None) -> None:
@@ -244,9 +249,12 @@ def make_private(
         seed: the secret noise seed (None: OS entropy); sampling gets its own generator.
         compile: compile the per-chunk tensor work.
         secure: noise and sampling from the OS CSPRNG (no seed).
-        collate_fn: collates the sampled rows into a batch (default ``default_collate``). It must
-            treat each row on its own (pad, tokenise; never mix rows, as mixup does) and keep one
-            row per sample; padding rows are passed too.
+        collate_fn: collates the sampled rows into a batch (default ``default_collate``; applied
+            to a ``TensorDataset`` too). It must treat each row on its own (pad, tokenise; never mix
+            rows, as mixup does) and keep one row per sample; padding rows are passed too. The
+            first three batches are checked: collated again with one row read from another
+            example, the other rows must not change (ValueError otherwise). The dataset must read
+            each row from its own example only (not checked).
         randomness: for random layers in training mode (dropout, on by default in a transformers
             model built from a config): ``"different"`` gives every sample its own draw, as DP-SGD
             assumes; the default ``"error"`` refuses them (see :func:`vmapdp.per_sample_grads`).
@@ -500,3 +508,65 @@ def _sampler_key(seed: int | None) -> bytes:
     if seed is None:
         return secrets.token_bytes(32)
     return hashlib.sha256(f"vmapdp-sampler:{seed}".encode()).digest()
+
+
+# make_private's first batches whose collation is checked for rows that see each other (_check_rows_kept_apart)
+_SWAP_CHECKED_BATCHES = 3
+
+
+def _check_rows_kept_apart(data: Any, indices: Tensor, collate: Callable | None, swaps: int = 3) -> None:
+    """ValueError where a row's values depend on the other rows of its batch (a ``collate_fn``
+    taking a statistic over the batch, mixup): the batch collated twice under one seed, the second
+    time with row ``j`` read from another example, must agree bit for bit on every other row, for a
+    few ``j``. One seed and one batch size: the same kernels, and a per-row augmentation draws the
+    same numbers for the other rows (found by review: comparing each row collated alone with the
+    batch's refused a collate_fn running a frozen encoder, whose lone rows round differently, and
+    random augmentation that happened to draw alike, and never checked random mixing)."""
+    n, b = len(data), len(indices)
+    if b < 2 or n < 2:
+        return
+    seed = secrets.randbits(63)
+    with seeded_randomness(seed, None, python=True):
+        base = gather_dataset(data, indices, collate)
+    flat, spec = optree.tree_flatten(base, namespace="torch")
+    for j in sorted({(k * b) // swaps for k in range(swaps)}):
+        swapped = indices.clone()
+        swapped[j] = (int(indices[j]) + 1 + secrets.randbelow(n - 1)) % n  # another example than row j's
+        with seeded_randomness(seed, None, python=True):
+            other = gather_dataset(data, swapped, collate)
+        leaves, other_spec = optree.tree_flatten(other, namespace="torch")
+        keep = torch.ones(b, dtype=torch.bool)
+        keep[j] = False
+        moved = other_spec != spec or any(
+            not _same_values(x[keep], y[keep]) if isinstance(x, Tensor) and isinstance(y, Tensor) else x != y for x, y in zip(flat, leaves)
+        )
+        if moved:
+            raise ValueError(
+                f"make_private: collate_fn (or the dataset) makes a row's values depend on the other rows of its batch: "
+                f"with row {j} read from another example, other rows changed. A statistic over the batch (its mean, its "
+                "standard deviation), mixup, or a state carried from batch to batch lets one sample move every other "
+                "sample's gradient, which the clip does not bound. Compute such statistics from public data (or once, "
+                "privately), or per row; read each row from its own example only."
+            )
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two collated batches (or their rows) hold the same values, bit for bit (NaN equal
+    to NaN), leaf by leaf."""
+    la, sa = optree.tree_flatten(a, namespace="torch")
+    lb, sb = optree.tree_flatten(b, namespace="torch")
+    if sa != sb:
+        return False
+    for x, y in zip(la, lb):
+        if isinstance(x, Tensor) and isinstance(y, Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            same = x == y
+            if x.is_floating_point() or x.is_complex():
+                same = same | (x.isnan() & y.isnan())
+            if not bool(same.all()):
+                return False
+        elif x != y:
+            return False
+    return True
+

@@ -153,14 +153,15 @@ def _budget_accountant(call: str, accountant: Any) -> str:
     return _checks.accountant(call, accountant, ("rdp", "pld", "prv"), why="a budget is only enforced against an upper bound on epsilon ('gdp' is an approximation that can under-report)")
 
 
-def _check_budget(call: str, budget: Any, accountant: str) -> tuple[float, float, str] | None:
-    """``budget=(epsilon, delta)`` checked, as the state records it: ``(epsilon, delta, accountant)``."""
+def _check_budget(call: str, budget: Any, accountant: str, num_samples: int | None = None) -> tuple[float, float, str] | None:
+    """``budget=(epsilon, delta)`` checked, as the state records it: ``(epsilon, delta, accountant)``;
+    with ``num_samples`` (a sampler's dataset size) also ``delta < 1/num_samples``."""
     if budget is None:
         return None
     if not (isinstance(budget, tuple) and len(budget) == 2):
         raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
     eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
-    _checks.delta(call, budget[1], name="budget delta")
+    _checks.delta(call, budget[1], name="budget delta", num_samples=num_samples)
     accountant = _budget_accountant(call, accountant)
     return (eps, float(budget[1]), accountant)
 
@@ -239,7 +240,8 @@ def init_train_state(
     if secure and seed is not None:
         raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
     if seed is not None:
-        _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")
+        _checks.guessable(call, "seed", seed, "the noise and subtract it")
+        seed = _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")  # (a NumPy int: a Python int)
     recorded = _check_budget(call, budget, accountant)
     if not secure and seed is None:
         seed = secrets.randbits(128)
@@ -445,12 +447,15 @@ def _checked_inputs(call: str, state: Any, batch: Any, mask: Any, secure: bool) 
     return n, mask.to(next(iter(state.params.values())).device)  # samplers make masks on the CPU
 
 
-def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, float, str] | None) -> tuple[Ledger, tuple]:
+def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, float, str] | None, num_samples: int | None = None) -> tuple[Ledger, tuple]:
     """The ledger with this step's ``event`` and every budget it must keep (the step's and the
     state's), or :class:`PrivacyBudgetExceeded` if the step would spend past one: run before
-    anything is computed, so nothing is released past a budget."""
+    anything is computed, so nothing is released past a budget. ``num_samples`` (the sampler's
+    dataset size): a budget at ``delta >= 1/num_samples`` is refused, whatever recorded it."""
     ledger = state.ledger.append(event)
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
+    for _, b_delta, _ in budgets:  # (found by review: init_train_state(budget=(1.0, 0.2)) on 100 rows was enforced at 0.2)
+        _checks.delta(call, b_delta, name="a budget's delta", num_samples=num_samples)
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
@@ -1076,7 +1081,8 @@ def make_train_step(
     # only, the caller's choice: 1.0 releases the noisy sum itself); unknown with sample_rate= alone (not checked)
     drawn_size = sampler.expected_batch_size if sampler is not None else None
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
-    own_budget = _check_budget(call, budget, accountant)
+    # (a sampler knows its dataset's size: a budget at delta >= 1/n protects nobody; found by review: (1.0, 0.2) on 100 rows was taken)
+    own_budget = _check_budget(call, budget, accountant, getattr(sampler, "num_samples", None))
     if adaptive_clipping is not None:
         if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
@@ -1353,7 +1359,7 @@ def make_train_step(
                 check_noise_position(scall, state.noise_state, state.step, period=privatizer.period or None, fix=fix)
                 if is_correlated_state(state.noise_state):
                     state = state._replace(noise_state=check_noise_owner(scall, state.noise_state, state.noise_seed, state.run_id, state.step, fix))
-            ledger, budgets = _charged(scall, state, event(), own_budget)  # before anything is computed or released
+            ledger, budgets = _charged(scall, state, event(), own_budget, getattr(sampler, "num_samples", None))  # before anything is computed or released
             if not scattered:  # a rank's own refusal, raised on every rank at the check (scattered: _same_chunks decides on all ranks)
                 _check_rows(n, physical_batch_size or max(n, 1))
             if distributed and method in ("vmap", "two_pass") and sharding is None:

@@ -121,7 +121,7 @@ def _run_trials(
     while n_in < trials or n_out < trials:
         world_in = (coord + s) % 2 == 0
         mask = torch.cat([real, world_in])
-        state = init_train_state(params, opt, seed=seed * (1 << 32) + s)
+        state = init_train_state(params, opt, seed=(1 << 64) + seed * (1 << 32) + s)  # (its own trials on a canary: public by design, above 2**64)
         with unreleased():  # trials on a toy problem, thrown away (vmapdp.noise.spent)
             new, _ = step(state, (idx, x), mask)
         if claimed is None:

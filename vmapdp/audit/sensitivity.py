@@ -53,7 +53,7 @@ def _require_seeded(call: str, state: Any) -> None:
         raise ValueError(
             f"{call}: the state draws its noise from the OS CSPRNG (secure=True), so two runs from it add "
             "different noise and cannot be compared. Check a seeded twin: init_train_state(params, "
-            "optimizer, seed=0) with a step made with secure=False."
+            "optimizer, seed=secrets.randbits(128)) with a step made with secure=False."
         )
 
 

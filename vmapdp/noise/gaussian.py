@@ -172,6 +172,7 @@ def keyed_normal(
         we there yet? Timing and floating-point attacks on differential privacy systems", IEEE S&P 2022.
     """
     _check_stream(leaf, offset, backend)
+    _checks.guessable("keyed_normal(shape, key)", "key", key, "the noise")
     return _keyed_normals(key, [(shape, leaf, offset, dtype, torch.device(device))], backend=backend, fused=fused)[0]
 
 
@@ -683,6 +684,9 @@ def add_noise(
         raise ValueError(f"{call}: secure=True draws from the OS CSPRNG and takes no generator (a seeded generator is predictable).")
     if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
         raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
+    for name, value in (("generator", generator), ("key", key)):
+        if value is not None:
+            _checks.guessable(call, name, value, "the noise and subtract it")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
     complex_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_complex()]
     if complex_leaves:  # (real noise cast to a complex dtype leaves the imaginary parts noiseless: found by review)
