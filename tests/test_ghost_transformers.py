@@ -86,7 +86,7 @@ def test_blocks_float32(name):
     assert all(v.dtype == torch.float32 for v in summed.values())
 
 
-@pytest.mark.parametrize("name", list(BLOCKS))
+@pytest.mark.parametrize("name", ["gpt2", "llama"])  # (GPT-2's addmm and tied head, Llama's RMSNorm and SwiGLU; the suite's time)
 def test_blocks_compiled_equal_eager(name):
     """Ghost under torch.compile(fullgraph=True) (dynamo's capture, backend "eager": the graph
     Inductor would get) runs every block and equals the eager run. Found by review: dynamo inlines
