@@ -445,10 +445,31 @@ def test_a_collate_fn_is_applied_to_a_tensor_dataset_and_one_mixing_rows_is_refu
         return vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), ds, batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0,
                                    delta=1e-3, compile=False, method="vmap", collate_fn=collate).fit(1)
 
-    for ok in (per_row, random_noise, encoded):
+    lengths = torch.randint(1, 5, (120,), generator=torch.Generator().manual_seed(1))
+
+    def row_dropout(rows):  # per-row draws whose number depends on the row (found by review: refused at first)
+        x, y = stacked(rows)
+        return torch.stack([xi * torch.cat([torch.rand(int(n)) > 0.1, torch.ones(4 - int(n), dtype=torch.bool)]) for xi, n in zip(x, lengths[: len(x)])]), y
+
+    def sorted_by_size(rows):  # reorders the rows: a padding row's example could land under a real row's mask
+        x, y = stacked(rows)
+        order = torch.argsort(x[:, 0], stable=True)
+        return x[order], y[order]
+
+    for ok in (per_row, random_noise, encoded, row_dropout):
         calls.clear()
         run(ok)
         assert calls and max(calls) > 1, ok.__name__  # applied, to whole batches
     for mixing in (standardised, mixup, from_the_second_batch):
         with pytest.raises(ValueError, match=r"collate_fn \(or the dataset\) makes a row's values depend on the other rows of its batch.*statistic over the batch"):
             run(mixing)
+    with pytest.raises(ValueError, match=r"reorders the rows.*(K|k)eep the rows in the order given"):
+        run(sorted_by_size)
+    # a reordering the swap cannot see (the swapped row sorts last either way): the reversed collation's
+    def sort_all_but_last(rows):
+        x, y = stacked(rows)
+        order = torch.cat([torch.argsort(x[:-1, 0], stable=True), torch.tensor([len(x) - 1])])
+        return x[order], y[order]
+
+    with pytest.raises(ValueError, match=r"collate_fn reorders the rows \(the batch collated in reverse order"):
+        run(sort_all_but_last)

@@ -287,7 +287,7 @@ class PoissonSampler:
                 "resume it with PoissonSampler(..., secure=True)."
             )
         if self.generator is None:
-            raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator().")
+            raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator() (predictable: for tests; a keyed sampler's state resumes under its key=).")
         self.generator.set_state(saved)
         self._draws = int(state.get("draws", 0))  # (0 in states saved before a generator's draws were counted)
         self._source_id = state.get("source_id")  # (None: not drawn from yet, or saved before stream_id: named at the next draw)

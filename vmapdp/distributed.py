@@ -433,7 +433,7 @@ def sharded(sampler: Any, *, rank: int | None = None, world_size: int | None = N
             call,
             "the sampler (size, rate, capacity, key or generator state)",
             _sampler_fingerprint(sampler),
-            fix="Build the same PoissonSampler on every rank with the same secret key= (or generator seed), "
+            fix="Build the same PoissonSampler on every rank with the same secret key= (a generator seed too, but that one is predictable), "
             "or restore every rank's sampler from the same checkpoint.",
         )
     for _ in range(sampler.steps):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -26,6 +27,7 @@ from vmapdp._tree import batch_size, sample_shapes, shapes_differ
 from vmapdp.ghost import METHODS
 from vmapdp.checkpoint import load_state, save_state
 from vmapdp.data import PoissonSampler, gather, gather_dataset
+from vmapdp.errors import PublicSeedWarning
 from vmapdp.functional import functionalize
 from vmapdp.train import TrainState, init_train_state, make_train_step, seeded_randomness, step_seed
 from vmapdp.validation import VMAP_SLOW, VMAP_UNSUPPORTED, validate
@@ -137,7 +139,7 @@ class PrivateTrainer:
             self._shapes_checked = True
         if getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) > 0:
             self._swaps_left = getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) - 1
-            _check_rows_kept_apart(self._data, indices, collate)
+            _check_rows_kept_apart(self._data, indices, collate, next(iter(self.state.params.values())).device)
         return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
     def _write_back(self) -> None:
@@ -382,7 +384,11 @@ def make_private(
         randomness=randomness,
         privatizer=privatizer,
     )
-    state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None, privatizer=privatizer)
+    if seed is not None:  # (one warning, naming both: the seed keys the noise and, hashed, the sampler; found by review)
+        _checks.guessable(call, "seed", seed, "the noise (and subtract it) and the batches")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PublicSeedWarning)
+        state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None, privatizer=privatizer)
     trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
     trainer._collate_fn = collate_fn
     return trainer
@@ -514,39 +520,54 @@ def _sampler_key(seed: int | None) -> bytes:
 _SWAP_CHECKED_BATCHES = 3
 
 
-def _check_rows_kept_apart(data: Any, indices: Tensor, collate: Callable | None, swaps: int = 3) -> None:
+def _check_rows_kept_apart(data: Any, indices: Tensor, collate: Callable | None, device: torch.device | None = None) -> None:
     """ValueError where a row's values depend on the other rows of its batch (a ``collate_fn``
-    taking a statistic over the batch, mixup): the batch collated twice under one seed, the second
-    time with row ``j`` read from another example, must agree bit for bit on every other row, for a
-    few ``j``. One seed and one batch size: the same kernels, and a per-row augmentation draws the
-    same numbers for the other rows (found by review: comparing each row collated alone with the
-    batch's refused a collate_fn running a frozen encoder, whose lone rows round differently, and
-    random augmentation that happened to draw alike, and never checked random mixing)."""
+    taking a statistic over the batch, mixup, a state carried across batches) or where the
+    ``collate_fn`` reorders the rows (sorting them by length would put a padding row's example under
+    a real row's mask). The batch is collated twice under one seed, the second time with its last
+    row read from another example: every other row must agree bit for bit. Only the last row is
+    swapped: the rows before it are read before it, so a per-row augmentation whose number of draws
+    depends on the row draws alike for them (found by review: swapping a middle row shifted the
+    later rows' draws and refused such augmentation). Where the data and the collate draw nothing at
+    random (the batch collated again under another seed is the same), the batch collated in
+    reverse order must be the batch reversed."""
     n, b = len(data), len(indices)
     if b < 2 or n < 2:
         return
     seed = secrets.randbits(63)
-    with seeded_randomness(seed, None, python=True):
-        base = gather_dataset(data, indices, collate)
-    flat, spec = optree.tree_flatten(base, namespace="torch")
-    for j in sorted({(k * b) // swaps for k in range(swaps)}):
-        swapped = indices.clone()
-        swapped[j] = (int(indices[j]) + 1 + secrets.randbelow(n - 1)) % n  # another example than row j's
-        with seeded_randomness(seed, None, python=True):
-            other = gather_dataset(data, swapped, collate)
-        leaves, other_spec = optree.tree_flatten(other, namespace="torch")
-        keep = torch.ones(b, dtype=torch.bool)
-        keep[j] = False
-        moved = other_spec != spec or any(
-            not _same_values(x[keep], y[keep]) if isinstance(x, Tensor) and isinstance(y, Tensor) else x != y for x, y in zip(flat, leaves)
+
+    def collated(idx: Tensor, at: int) -> Any:
+        with seeded_randomness(at, device, python=True):
+            out = gather_dataset(data, idx, collate)
+        rows = batch_size(out, call="make_private: collate_fn(rows)")
+        if rows != b:
+            raise ValueError(f"make_private: collate_fn returned {rows} rows for {b} sampled rows; it must keep one row per sample.")
+        return out
+
+    def rows_of(tree: Any, keep: Tensor) -> Any:
+        return optree.tree_map(lambda x: x[keep] if isinstance(x, Tensor) else x, tree, namespace="torch")
+
+    base = collated(indices, seed)
+    swapped = indices.clone()
+    swapped[-1] = (int(indices[-1]) + 1 + secrets.randbelow(n - 1)) % n  # another example than the last row's
+    keep = torch.ones(b, dtype=torch.bool)
+    keep[-1] = False
+    if not _same_values(rows_of(base, keep), rows_of(collated(swapped, seed), keep)):
+        raise ValueError(
+            "make_private: collate_fn (or the dataset) makes a row's values depend on the other rows of its batch, or "
+            "reorders the rows: with the last row read from another example, other rows changed. A statistic over the "
+            "batch (its mean, its standard deviation), mixup, or a state carried from batch to batch lets one sample "
+            "move every other sample's gradient, which the clip does not bound; a sort puts a padding row's example "
+            "under a real row's mask. Compute such statistics from public data (or once, privately), or per row; keep "
+            "the rows in the order given; read each row from its own example only."
         )
-        if moved:
+    if _same_values(base, collated(indices, seed ^ 1)):  # nothing random: the order must be kept too
+        flip = torch.arange(b - 1, -1, -1)
+        if not _same_values(optree.tree_map(lambda x: x[flip] if isinstance(x, Tensor) else x, base, namespace="torch"), collated(indices[flip], seed)):
             raise ValueError(
-                f"make_private: collate_fn (or the dataset) makes a row's values depend on the other rows of its batch: "
-                f"with row {j} read from another example, other rows changed. A statistic over the batch (its mean, its "
-                "standard deviation), mixup, or a state carried from batch to batch lets one sample move every other "
-                "sample's gradient, which the clip does not bound. Compute such statistics from public data (or once, "
-                "privately), or per row; read each row from its own example only."
+                "make_private: collate_fn reorders the rows (the batch collated in reverse order is not the batch "
+                "reversed): sorting by length, say, puts a padding row's example under a real row's mask, where it "
+                "counts. Keep the rows in the order given."
             )
 
 

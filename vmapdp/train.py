@@ -240,8 +240,8 @@ def init_train_state(
     if secure and seed is not None:
         raise ValueError(f"{call}: secure=True rejects seeds: its noise comes from the OS CSPRNG, and a seed would make it predictable. Pass seed=None.")
     if seed is not None:
-        _checks.guessable(call, "seed", seed, "the noise and subtract it")
         seed = _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")  # (a NumPy int: a Python int)
+        _checks.guessable(call, "seed", seed, "the noise and subtract it")
     recorded = _check_budget(call, budget, accountant)
     if not secure and seed is None:
         seed = secrets.randbits(128)
