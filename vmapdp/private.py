@@ -254,9 +254,10 @@ def make_private(
         collate_fn: collates the sampled rows into a batch (default ``default_collate``; applied
             to a ``TensorDataset`` too). It must treat each row on its own (pad, tokenise; never mix
             rows, as mixup does) and keep one row per sample; padding rows are passed too. The
-            first three batches are checked: collated again with one row read from another
-            example, the other rows must not change (ValueError otherwise). The dataset must read
-            each row from its own example only (not checked).
+            first three batches are checked: collated again with the last row read from another
+            example, the other rows must not change, and (where nothing is random) the rows keep
+            their order (ValueError otherwise). The dataset must read each row from its own
+            example only (not checked).
         randomness: for random layers in training mode (dropout, on by default in a transformers
             model built from a config): ``"different"`` gives every sample its own draw, as DP-SGD
             assumes; the default ``"error"`` refuses them (see :func:`vmapdp.per_sample_grads`).
