@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
+import sys
 import warnings
 from typing import Any, Mapping, Sequence
 
@@ -648,9 +650,6 @@ def guessable(call: str, name: str, value: Any, what: str) -> None:
             return
         why = f"an integer of magnitude below 2**64 ({number}), which can be guessed"
         fix = f"leave it out (a fresh secret from OS entropy) or pass {name}=secrets.randbits(128), kept as secret as the data"
-    import os
-    import sys
-
     here, level, frame = os.path.dirname(os.path.abspath(__file__)), 1, sys._getframe(0)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
         frame, level = frame.f_back, level + 1  # (reported at the caller's line, outside vmapdp)
@@ -661,4 +660,9 @@ def guessable(call: str, name: str, value: Any, what: str) -> None:
         PublicSeedWarning,
         stacklevel=level,
     )
+
+
+def shortened(text: str, limit: int = 120) -> str:
+    """``text`` cut to ``limit`` characters (the last three an ellipsis): a value shown in a message."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -437,6 +437,7 @@ class ClippedGradSum:
     norm_chunk_size: int | None = None
     _plans: dict = field(default_factory=dict, repr=False)
     _auto: AutoChooser = field(default_factory=AutoChooser, repr=False)
+    raise_later: bool = field(default=False, repr=False)  # (counting_nonfinite's twin: its caller raises on the count)
     _grads_fn: Callable = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -457,19 +458,12 @@ class ClippedGradSum:
         """Learn (once per input shape) which ops see which params; call it outside torch.compile."""
         return self._planned(args)[1]
 
-    @property
-    def raise_nonfinite(self) -> bool:
-        """Whether the caller raises on non-finite rows this twin drops (:meth:`counting_nonfinite`)."""
-        return getattr(self, "_raise_later", False)
-
     def counting_nonfinite(self) -> ClippedGradSum:
         """For ``nonfinite="raise"`` under torch.compile, whose graph cannot branch on values: a
         twin that drops non-finite rows (``"zero"``), sharing this one's plans (the eager
         ``prepare`` made them), whose caller reads the count afterwards and raises
-        (``raise_nonfinite``: make_train_step's compiled chunk)."""
-        twin = dataclasses.replace(self, nonfinite="zero", _plans=self._plans, _auto=self._auto)
-        object.__setattr__(twin, "_raise_later", True)
-        return twin
+        (``raise_later``: make_train_step's compiled chunk)."""
+        return dataclasses.replace(self, nonfinite="zero", _plans=self._plans, _auto=self._auto, raise_later=True)
 
     def recheck(self, *args: Any) -> None:
         """Run the eager one-sample check of the loss again, whatever was planned: a compiled caller

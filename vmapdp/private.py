@@ -110,6 +110,7 @@ class PrivateTrainer:
         self.noise_multiplier = noise_multiplier
         self.l2_clip_norm = l2_clip_norm
         self.delta = delta
+        self._swaps_left = _SWAP_CHECKED_BATCHES  # first batches whose collation is checked (_check_rows_kept_apart)
 
     @property
     def sample_rate(self) -> float:
@@ -124,10 +125,7 @@ class PrivateTrainer:
         tensors = _tensors_of(self._data)
         if tensors is not None and collate is None:  # (a collate_fn given with a TensorDataset: applied, not dropped; found in review)
             return gather(tensors, indices)
-        batch = gather_dataset(self._data, indices, collate)
-        rows = batch_size(batch, call="make_private: collate_fn(rows)")
-        if rows != len(indices):
-            raise ValueError(f"make_private: collate_fn returned {rows} rows for {len(indices)} sampled rows; it must keep one row per sample.")
+        batch = _one_row_each(gather_dataset(self._data, indices, collate), len(indices))
         if not getattr(self, "_shapes_checked", False):
             # the first batch: each row collated alone must give the batch's shapes (later batches:
             # the step's own check, make_train_step(fixed_shapes=True), against this first one)
@@ -137,8 +135,8 @@ class PrivateTrainer:
                 other = sorted(alone - {shapes}, key=repr)[0]
                 raise shapes_differ(f"make_private: collate_fn gives batches whose per-sample shapes depend on the rows in them ({dict(shapes)} against {dict(other)})")
             self._shapes_checked = True
-        if getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) > 0:
-            self._swaps_left = getattr(self, "_swaps_left", _SWAP_CHECKED_BATCHES) - 1
+        if self._swaps_left > 0:
+            self._swaps_left -= 1
             _check_rows_kept_apart(self._data, indices, collate, next(iter(self.state.params.values())).device)
         return dict(batch) if isinstance(batch, Mapping) else tuple(batch)
 
@@ -517,6 +515,14 @@ def _sampler_key(seed: int | None) -> bytes:
     return hashlib.sha256(f"vmapdp-sampler:{seed}".encode()).digest()
 
 
+def _one_row_each(batch: Any, sampled: int) -> Any:
+    """``batch`` (a collated one) if it holds one row per sampled row, else ValueError."""
+    rows = batch_size(batch, call="make_private: collate_fn(rows)")
+    if rows != sampled:
+        raise ValueError(f"make_private: collate_fn returned {rows} rows for {sampled} sampled rows; it must keep one row per sample.")
+    return batch
+
+
 # make_private's first batches whose collation is checked for rows that see each other (_check_rows_kept_apart)
 _SWAP_CHECKED_BATCHES = 3
 
@@ -539,11 +545,7 @@ def _check_rows_kept_apart(data: Any, indices: Tensor, collate: Callable | None,
 
     def collated(idx: Tensor, at: int) -> Any:
         with seeded_randomness(at, device, python=True):
-            out = gather_dataset(data, idx, collate)
-        rows = batch_size(out, call="make_private: collate_fn(rows)")
-        if rows != b:
-            raise ValueError(f"make_private: collate_fn returned {rows} rows for {b} sampled rows; it must keep one row per sample.")
-        return out
+            return _one_row_each(gather_dataset(data, idx, collate), b)
 
     def rows_of(tree: Any, keep: Tensor) -> Any:
         return optree.tree_map(lambda x: x[keep] if isinstance(x, Tensor) else x, tree, namespace="torch")

@@ -782,7 +782,7 @@ def _chunk_function(sum_fn: Callable, *, l2_clip_norm: float, adaptive: bool, ba
     # nonfinite="raise": the graph drops such rows (ClippedGradSum.counting_nonfinite) and counts them in its
     # telemetry; the count is read here, before anything is added up or released (found by review: the graph's own
     # check, a Python branch on values, failed every compiled step with torch's data-dependent-guard error)
-    raise_nonfinite = getattr(sum_fn, "raise_nonfinite", False)
+    raise_nonfinite = getattr(sum_fn, "raise_later", False)
 
     def compiled(params, mask, shared, chunk):
         graphs = backend == "inductor" and _cuda_graphs(params, mask)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from vmapdp import _checks
 from vmapdp._tree import leaves as _leaves
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.functional import batched_attention
@@ -576,8 +577,7 @@ def _same(a: tuple, b: tuple) -> bool:
 
 
 def _shown(args: Any, kwargs: Any) -> str:
-    text = repr(args) + (f", {kwargs!r}" if kwargs else "")
-    return text if len(text) <= 120 else text[:117] + "..."
+    return _checks.shortened(repr(args) + (f", {kwargs!r}" if kwargs else ""))
 
 
 def _name(func: Callable) -> str:

@@ -55,11 +55,6 @@ def describe(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> str:
     return repr(("blt", tuple(x.hex() for x in strategy.theta), tuple(x.hex() for x in strategy.omega), steps))
 
 
-def _shown(strategy: BandedToeplitz | BufferedToeplitz) -> str:
-    text = repr(strategy)
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
 def _fingerprint(strategy: BandedToeplitz | BufferedToeplitz, steps: int) -> torch.Tensor:
     """SHA-256 of :func:`describe` as a uint8 tensor: the noise state names the mechanism it belongs to."""
     return torch.tensor(list(hashlib.sha256(describe(strategy, steps).encode()).digest()), dtype=torch.uint8)
@@ -98,7 +93,7 @@ def correlated_noise(strategy: BandedToeplitz | BufferedToeplitz, *, steps: int)
     gain = recursion_gain(strategy, steps)
     if not gain <= MAX_RECURSION_GAIN:  # (found by review: BandedToeplitz((1.0, 2.0)) rounded every fresh draw away by step 39)
         raise ValueError(
-            f"{call}: {_shown(strategy)} streams C^-1 z with terms that grow to {gain:.3g} times each step's fresh "
+            f"{call}: {_checks.shortened(repr(strategy), 160)} streams C^-1 z with terms that grow to {gain:.3g} times each step's fresh "
             f"draw over {steps} steps (at most {MAX_RECURSION_GAIN:g} is taken): in float32 the fresh draws would be "
             "rounded away and the noise released would be a function of the earlier noise, which the accounting (exact "
             "arithmetic) does not assume. Use a strategy whose inverse stays bounded: a banded one whose polynomial "

@@ -105,7 +105,7 @@ class BandedToeplitz:
     def __post_init__(self):
         c = tuple(float(x) for x in self.coeffs)
         if not c or not all(torch.isfinite(torch.tensor(c, dtype=torch.float64)).tolist()) or c[0] <= 0:
-            shown = repr(self.coeffs) if len(repr(self.coeffs)) <= 120 else repr(self.coeffs)[:117] + "..."
+            shown = _checks.shortened(repr(self.coeffs))
             raise ValueError(f"BandedToeplitz(coeffs={shown}): coeffs must be a non-empty sequence of finite floats with coeffs[0] > 0.")
         object.__setattr__(self, "coeffs", c)
 
