@@ -309,6 +309,37 @@ def test_like_refuses_another_runs_checkpoint_and_rollbacks_once_the_run_has_ste
     assert loaded.budgets == ((3.0, 1e-5, "pld"),)  # the tighter budget of `like` replaces the file's looser one
 
 
+def test_runs_of_the_same_initial_params_are_told_apart_by_seed_and_sampler(tmp_path):
+    """Found by review: two fine-tuning runs of one pretrained model share the run id (a digest of
+    the initial params); a run that had stepped loaded the other's checkpoint and its ledger lost
+    its own releases. The noise seed and the sampler tell them apart. A checkpoint saved with a
+    sampler that did not draw the state's batches is refused at the save, not at the resumed step."""
+    params, buffers, data, loss_fn = problem()
+    opt = optim.sgd(0.1)
+
+    def run(seed, key, steps):
+        s = sampler(key)
+        step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=N * Q, sampler=s, compile=False, method="vmap")
+        state = vmapdp.init_train_state(params, opt, seed=seed)
+        for _ in range(steps):
+            indices, mask = s.sample()
+            state, _ = step(state, gather(data, indices), mask, buffers)
+        return state, s
+
+    a, _ = run(7, b"sampler-key", 1)
+    b, sb = run(8, b"other-key", 2)  # (same seed and another sampler in one process: refused as noise reuse at the step)
+    assert b.run_id == a.run_id
+    path = tmp_path / "b.pt"
+    vmapdp.save_state(path, b, sampler=sb)
+    for like, what in ((a, "another noise seed"), (a._replace(noise_seed=b.noise_seed), "another sampler")):
+        with pytest.raises(ValueError, match=rf"is of another run \({what}\) and this run has already taken 1 steps"):
+            vmapdp.load_state(path, sampler=sampler(), like=like)
+    assert vmapdp.load_state(path, sampler=sampler(b"other-key"), like=b).step == 2  # its own run: fine
+    with pytest.raises(ValueError, match=r"this PoissonSampler is not the sampler the state's 2 steps were drawn by.*Nothing was written"):
+        vmapdp.save_state(tmp_path / "x.pt", b, sampler=at_step(sampler(), b))
+    assert not (tmp_path / "x.pt").exists()
+
+
 @pytest.mark.parametrize("make", [lambda: PoissonSampler(N, Q, secure=True), lambda: vmapdp.data.ShuffledSampler(N, 4, epochs=2, secure=True)])
 def test_a_secure_samplers_checkpoint_resumes_only_on_the_callers_word(make, saved, tmp_path):
     """Found by review (hunt2/f6_secure_sampler_resume.py): a checkpoint saved with a secure

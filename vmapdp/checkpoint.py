@@ -131,6 +131,15 @@ def state_payload(call: str, state: TrainState, sampler: Any = None, *, check_sa
             why = ("the sampler is behind the state (another sampler, or one restored from an older checkpoint). Save the "
                    "sampler that drew the state's batches.")
         raise ValueError(f"{call}: the sampler has drawn {drawn} batches but the state has taken {state.step} steps: {why} Nothing was written.")
+    ident = None if sampler is None or not check_sampler else getattr(sampler, "stream_id", None)
+    if ident is not None and state.sampler_id and state.sampler_id != EVALUATION_ONLY_ID and ident != state.sampler_id:
+        # (found by review: another sampler drawn to the same count was saved, and the checkpoint was refused only
+        # at the first resumed step)
+        raise ValueError(
+            f"{call}: this {type(sampler).__name__} is not the sampler the state's {state.step} steps were drawn by "
+            "(state.sampler_id: another key=, generator or arguments); a run resumed from this checkpoint would be refused "
+            "at its first step. Save the sampler that drew the state's batches. Nothing was written."
+        )
     return {
         "format": _FORMAT,
         "version": _VERSION,
@@ -256,9 +265,19 @@ def check_like(call: str, state: TrainState, like: Any) -> None:
         raise ValueError(f"{call}: the checkpoint is {mode} but this run is not; use the same secure= setting. Nothing was loaded.")
     if like.step == 0:
         return  # a fresh run (a new process resuming): any checkpoint of this shape may continue it
-    if state.run_id != like.run_id:
+    # the run id is a digest of the initial params, which runs fine-tuning one pretrained model share: the noise
+    # seed and the sampler tell their runs apart (found by review: a trainer that had stepped 10 times loaded another
+    # run's checkpoint of the same pretrained weights, and its ledger lost those 10 releases). Two secure runs
+    # (no seed, secure samplers) of the same initial params cannot be told apart here.
+    other_seed = state.noise_seed != like.noise_seed
+    other_sampler = bool(state.sampler_id and like.sampler_id) and EVALUATION_ONLY_ID not in (state.sampler_id, like.sampler_id) and state.sampler_id != like.sampler_id
+    if state.run_id != like.run_id or other_seed or other_sampler:
+        what = (
+            f"run id {state.run_id[:12]}..., this run's {like.run_id[:12]}..." if state.run_id != like.run_id
+            else "another noise seed" if other_seed else "another sampler"
+        )
         raise ValueError(
-            f"{call}: the checkpoint is of another run (run id {state.run_id[:12]}..., this run's {like.run_id[:12]}...) "
+            f"{call}: the checkpoint is of another run ({what}) "
             f"and this run has already taken {like.step} steps: loading it would drop those releases from the ledger. "
             "Load it into a fresh run (a new trainer or init_train_state) instead. Nothing was loaded."
         )
@@ -321,7 +340,7 @@ def load_state(
         key: the secret given to ``save_state(key=)``, for an HMAC-SHA256 check.
         like: a state the checkpoint must fit (param keys, shapes, dtypes, optimizer state,
             secure mode); checked before the sampler is touched. If ``like`` has taken steps, the
-            checkpoint must also be of the same run (``run_id``) and not behind it (no rollback
+            checkpoint must also be of the same run (``run_id``, noise seed and sampler) and not behind it (no rollback
             that would repeat releases its ledger no longer counts); ``like``'s budgets are kept.
         ignore_sampler: read a checkpoint without its sampler checks, for evaluation or
             inspection only: no sampler is restored (giving one is refused), and the state is

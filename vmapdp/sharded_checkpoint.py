@@ -65,8 +65,9 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
-    done = [d for d in os.listdir(root) if d.startswith("step-") and _TMP not in d and os.path.isfile(os.path.join(root, d, _META))]
-    return os.path.join(root, max(done)) if done else None
+    done = [d for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit() and os.path.isfile(os.path.join(root, d, _META))]
+    # by the step's number: past step 10**9 the names outgrow their 9 digits and no longer sort as text (found by review)
+    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None
 
 
 def _check_nothing_later(call: str, path: str, step: int) -> None:
@@ -298,6 +299,17 @@ def load_sharded(
         for name in sorted(files):
             if _sha256(os.path.join(path, name)) != files[name]:
                 raise ValueError(f"{call}: integrity check failed: {name} does not match the SHA-256 in the metadata (truncated, corrupted or edited); nothing was loaded.")
+        saved_world = info.get("world_size")
+        if saved_world != sharding.world_size and not saved_after_last_step:
+            # (found by review: recorded and never read) a step lost after the checkpoint and repeated on another world
+            # size is not the same release: its sums are reduced in another order, and with random layers the world size
+            # joins the noise key
+            raise ValueError(
+                f"{call}: the checkpoint was saved by {saved_world} ranks and this world has {sharding.world_size}: steps released "
+                "after it and repeated here would not be repeated bit for bit (the sums reduced in another order; with random "
+                "layers, other noise), releases the ledger does not hold. Resume on the same world size, or, if the checkpoint was "
+                "saved after the run's last released step, pass saved_after_last_step=True. Nothing was loaded."
+            )
         if saved_after_last_step:
             _check_nothing_later(call, path, payload["step"])
         digest = _sha256(meta)
