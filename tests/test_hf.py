@@ -53,6 +53,12 @@ def opt():  # learned positions offset by 2, which it would count from a 2-D mas
     return transformers.OPTForCausalLM(cfg)
 
 
+def bart():  # a causal LM whose forward takes no position_ids: learned positions counted from 0 over the padded row
+    cfg = transformers.BartConfig(decoder_layers=1, encoder_layers=1, d_model=16, decoder_attention_heads=2, encoder_attention_heads=2,
+                                  decoder_ffn_dim=32, encoder_ffn_dim=32, max_position_embeddings=16, **TINY)
+    return transformers.BartForCausalLM(cfg)
+
+
 def vit():
     cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=32, num_labels=3)
@@ -87,8 +93,8 @@ def padded(b=3, *, left=False, classes=None, seed=0):
 
 def model_batch(name, *, left=False):
     torch.manual_seed(0)
-    m = (roberta if name == "roberta" else MODELS[name])().eval()
-    return m, padded(left=left, classes=None if name.startswith(("gpt2", "llama", "opt")) else 2)
+    m = {"roberta": roberta, "bart": bart}.get(name, MODELS.get(name))().eval()
+    return m, padded(left=left, classes=None if name.startswith(("gpt2", "llama", "opt", "bart")) else 2)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -101,7 +107,7 @@ def test_padded_batches_give_oracle_per_sample_grads(name):
 
 
 @pytest.mark.parametrize("name, left", [("gpt2", False), ("bert-sdpa", False), ("roberta", False), ("llama-sdpa", False), ("qwen2-sdpa", False), ("gpt2", True),
-                                        ("opt-eager", True)])
+                                        ("opt-eager", True), ("bert-sdpa", True)])
 def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name, left):
     """Not just self-consistent: each sample's loss equals the model's own loss (its own mask
     builder, its own loss function) on that sample with its padding cut off. Left-padded too, for
@@ -161,13 +167,15 @@ def test_a_decoder_classifier_takes_an_equal_length_batch_without_a_mask():
         torch.testing.assert_close(grads[k], ref[k], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, left", [("gpt2", False), ("gpt2", True), ("bert-sdpa", False), ("llama-sdpa", False), ("llama-sdpa", True), ("opt-eager", True)])
+@pytest.mark.parametrize("name, left", [("gpt2", False), ("gpt2", True), ("bert-sdpa", False), ("bert-sdpa", True), ("llama-sdpa", False), ("llama-sdpa", True),
+                                        ("opt-eager", True), ("bart", True)])
 def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, left):
     """The padded length is the longest row's where a collate pads to the longest: a sample's loss
     (and so its gradient) must not move with it, or one long sample would move every other one's
-    clipped gradient (found by review: left-padded GPT-2 took its positions from the padded length).
-    (Not BERT padded on the left: its classifier reads position 0, a real token in the longest row
-    and a pad in the others; the README says to pad such models on the right.)"""
+    clipped gradient (found by review: left-padded GPT-2 took its positions from the padded length;
+    left-padded BART, whose forward takes no position_ids, moved the clipped sum by 4.23 C, and a
+    left-padded BERT classifier read a pad at position 0: each sample's leading padding is now
+    moved to its end)."""
     m, batch = model_batch(name, left=left)
     apply, params, buffers, loss = hf.loss_fn(m)
     for i in range(3):
@@ -176,6 +184,59 @@ def test_a_samples_loss_does_not_depend_on_how_far_the_batch_is_padded(name, lef
         if more["labels"].dim() == 1 and more["labels"].shape[0] == L + 5:
             more["labels"] = torch.where(more["attention_mask"] != 0, more["labels"], -100)
         torch.testing.assert_close(loss(params, buffers, more), loss(params, buffers, sample), rtol=1e-5, atol=1e-6)
+
+
+def test_a_left_padded_sample_of_a_model_without_position_ids_is_its_unpadded_self():
+    """BartForCausalLM's forward takes no position_ids (its learned positions count from 0 over the
+    padded row): left-padded, its loss is the next-token loss of the sample cut to its real tokens,
+    labels moved with the tokens. (Its own loss does not shift the labels: compared from its logits.)"""
+    m, batch = model_batch("bart", left=True)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    for i in range(3):
+        n = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i, L - n :]
+        own = F.cross_entropy(m(input_ids=ids[None]).logits[0, :-1], ids[1:])
+        torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_label_classification_is_the_models_own_loss():
+    """problem_type="multi_label_classification" (or float labels): the mean binary cross-entropy
+    against a multi-hot vector, as transformers computes it (found by review: one output was taken
+    as a regression, several failed with a reshape error)."""
+    torch.manual_seed(0)
+    for problem, classes in (("multi_label_classification", 3), ("multi_label_classification", 1), (None, 3)):
+        cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                      vocab_size=V, pad_token_id=0, num_labels=classes, problem_type=problem)
+        m = transformers.BertForSequenceClassification(cfg).eval()
+        batch = padded()
+        batch["labels"] = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0], [1.0, 1.0, 0.0]])[:, :classes]
+        apply, params, buffers, loss = hf.loss_fn(m)
+        for i in range(3):
+            n = int(batch["attention_mask"][i].sum())
+            own = m(input_ids=batch["input_ids"][i : i + 1, :n], labels=batch["labels"][i : i + 1])
+            torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own.loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"one float label per output \(3\), got labels of shape \(2,\)"):
+        loss(params, buffers, {"input_ids": batch["input_ids"][0], "attention_mask": batch["attention_mask"][0], "labels": torch.ones(2)})
+
+
+def test_windowed_attention_and_a_next_token_loss_on_a_bidirectional_model_are_refused():
+    """The adapter's mask is a full one: sliding windows, an encoder's included (ModernBERT's local
+    attention, found by review), and chunked attention (Llama 4) are refused beyond their span; a
+    next-token loss on a bidirectional *LMHeadModel would let each position see its target."""
+    torch.manual_seed(0)
+    sample = {k: v[0] for k, v in padded(classes=2).items()}
+    m = bert("eager")
+    m.config.sliding_window = L - 1
+    with pytest.raises(ValueError, match=rf"length {L} exceed config.sliding_window={L - 1}; the adapter's mask is a full bidirectional one"):
+        hf.loss_fn(m)[3](dict(m.named_parameters()), {}, sample)
+    m = llama("eager")
+    m.config.attention_chunk_size = L - 2
+    sample = {k: v[0] for k, v in padded().items()}
+    with pytest.raises(ValueError, match=rf"exceed config.attention_chunk_size={L - 2}; the adapter's mask is a full causal one, not chunked attention"):
+        hf.loss_fn(m)[3](dict(m.named_parameters()), {}, sample)
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16, vocab_size=V)
+    with pytest.raises(ValueError, match=r"BertLMHeadModel's attention is bidirectional .* a next-token loss would let each position see its own target"):
+        hf.loss_fn(transformers.BertLMHeadModel(cfg))
 
 
 def token_tagger(name):

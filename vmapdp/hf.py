@@ -27,7 +27,15 @@ Losses, per sample (a padded position never counts):
   each real position's logits against its label (``labels`` ``[T]``, ``-100`` ignored);
 * classification (``*ForSequenceClassification``, ``*ForImageClassification``, ...): the
   cross-entropy of the logits against the label (mean squared error for one output,
-  ``problem_type="regression"``).
+  ``problem_type="regression"``; the mean binary cross-entropy against a multi-hot float vector
+  for ``problem_type="multi_label_classification"`` or float labels, as transformers does).
+
+A left-padded sample is seen as right-padded (its leading padding moved to its end, labels
+with it): its real tokens sit at positions 0, 1, ... whatever the batch's longest sample, so the
+loss of a sample never depends on the other rows (a model counting positions from 0 would
+otherwise place them by the batch's padded length). Sliding-window and chunked attention
+(``config.sliding_window``, ``config.attention_chunk_size``) are refused beyond their span, and a
+next-token loss on a model whose attention is bidirectional is refused.
 
 peft models: LoRA and the other adapters run as they are (only the adapters are in ``params``);
 prompt tuning and P-tuning (``PromptTuningConfig``, ``PromptEncoderConfig``) run through a twin of
@@ -243,13 +251,21 @@ def sample_loss(
     elif task is None:
         task = "classification"  # (only picks where the labels are read: criterion computes the loss)
     config = getattr(_base_model(model), "config", None)
-    regression = task == "classification" and (
-        getattr(config, "problem_type", None) == "regression" or getattr(config, "num_labels", 2) == 1
-    )
+    # transformers' own choice: the problem_type, or one output a regression and float labels several binary ones
+    problem = getattr(config, "problem_type", None)
+    regression = task == "classification" and (problem == "regression" or (problem is None and getattr(config, "num_labels", 2) == 1))
+    multi_label = task == "classification" and problem == "multi_label_classification"
     if causal is None and "input_ids" in inspect.signature(_base_model(model).forward).parameters:
         # once, eagerly (not while vmap or compile traces the loss); on the transformers model (a peft
         # prompt's virtual tokens would sit at position 0)
         causal = _is_causal(_base_model(model))
+    if criterion is None and task == "causal_lm" and causal is False:
+        raise ValueError(
+            f"{call}: {type(_base_model(model)).__name__}'s attention is bidirectional (probed: position 0 sees position 1), "
+            "so a next-token loss would let each position see its own target. The adapter trains causal LMs; for a "
+            "bidirectional model pass task='classification' or 'token_classification' (or causal=True if the probe is "
+            "wrong for this model)."
+        )
     # (with a criterion, ``task`` only says where the labels are: the prompt checks take the class's)
     prompt_task = task if criterion is None else _task_of_class(model, task)
     virtual = _prompt_tokens(call, model, prompt_task, causal)
@@ -262,6 +278,7 @@ def sample_loss(
     if virtual:
         apply = _prompted(apply)
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     use_cache = config is not None and hasattr(config, "use_cache")
     # a sample's positions from its own mask: a model left to count positions from 0 would place a
     # left-padded sample's tokens by the batch's padded length, i.e. by the other samples' lengths
@@ -303,6 +320,10 @@ def sample_loss(
                 f"(a misspelt attention_mask leaves the padding attended to). Its inputs: {sorted(accepted)}; the labels go "
                 "in 'labels'. Rename or drop those keys."
             )
+        mask = sample.get("attention_mask")
+        rolled = None
+        if mask is not None and mask.dim() == 1:
+            sample, rolled = _padding_last(sample, mask, token_labels=criterion is None and task != "classification")
         if virtual:
             sample = _with_prompt(sample, virtual, task)
         key = _label_key(sample) if task in ("classification", "token_classification") or "labels" in sample or "label" in sample else None
@@ -326,11 +347,13 @@ def sample_loss(
                     "(equal lengths), or a model with rotary or learned positions."
                 )
             t = mask.shape[0]
-            if isinstance(window, int) and causal and t > window:
-                raise ValueError(
-                    f"{call}: sequences of length {t} exceed config.sliding_window={window}; the adapter's mask "
-                    "is a full causal one, not a sliding window. Use sequences of at most that length."
-                )
+            # (encoders too: ModernBERT's local attention, found by review; and Llama 4's chunked attention)
+            for name, span, kind in (("sliding_window", window, "a sliding window"), ("attention_chunk_size", chunk, "chunked attention")):
+                if isinstance(span, int) and not isinstance(span, bool) and t > span:
+                    raise ValueError(
+                        f"{call}: sequences of length {t} exceed config.{name}={span}; the adapter's mask is a full "
+                        f"{'causal' if causal else 'bidirectional'} one, not {kind}. Use sequences of at most that length."
+                    )
             inputs["attention_mask"] = additive_mask(mask, causal=causal, dtype=_float_dtype(params, buffers))
             if pooled_pad and "input_ids" not in sample:
                 raise ValueError(
@@ -364,6 +387,9 @@ def sample_loss(
             out = apply(params, buffers, **inputs)
         logits = _logits(out)
         if criterion is not None:
+            if rolled is not None and logits.dim() >= 3 and logits.shape[1] == rolled.shape[0]:
+                # (per-token logits back in the batch's positions, where the criterion's labels are)
+                logits = logits.index_select(1, torch.argsort(rolled))
             return criterion(logits, sample[_label_key(sample)][None])
         if task in ("causal_lm", "token_classification"):
             labels = sample[key] if key is not None else sample["input_ids"]
@@ -396,9 +422,38 @@ def sample_loss(
         y = sample[key]
         if regression:
             return F.mse_loss(logits.reshape(-1), y.reshape(-1).to(logits.dtype))
+        if multi_label or (problem is None and y.is_floating_point()):
+            if y.numel() != logits.numel():
+                raise ValueError(
+                    f"vmapdp.hf loss_fn(params, buffers, sample): multi-label classification takes one float label per "
+                    f"output ({logits.numel()}), got labels of shape {tuple(y.shape)}. Give each sample a multi-hot vector."
+                )
+            # (the mean over the labels of their binary cross-entropies, transformers' BCEWithLogitsLoss per sample)
+            return F.binary_cross_entropy_with_logits(logits.reshape(-1), y.reshape(-1).to(logits.dtype))
         return F.cross_entropy(logits.reshape(1, -1), y.reshape(1))
 
     return loss
+
+
+# a sample's inputs indexed by token, which _padding_last moves with the tokens (the labels only where they are per token)
+_PER_TOKEN = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def _padding_last(sample: Mapping, mask: Tensor, *, token_labels: bool) -> tuple[dict, Tensor]:
+    """ONE sample with its leading padding moved to its end (a left-padded sample made
+    right-padded; a right-padded one unchanged), and the order of positions used. A left-padded
+    sample's real tokens would sit at positions set by the batch's longest sample, i.e. by the
+    other rows: a model counting positions from 0 (BERT's and BART's learned positions, any model
+    taking no ``position_ids``) would compute another loss for the same sample in another batch
+    (found by review: one long row added to a batch of left-padded rows moved the clipped sum by
+    4.23 C on BartForCausalLM; a BERT classifier's loss moved with its padding). Zeros inside
+    the mask stay where they are. With tensor ops only (vmap, compile)."""
+    t = mask.shape[0]
+    first = torch.argmax((mask != 0).to(torch.int64))  # the first real position (0 where none)
+    order = (torch.arange(t, device=mask.device) + first) % t
+    keys = _PER_TOKEN + (("labels", "label") if token_labels else ())
+    out = {k: v.index_select(0, order) if k in keys and isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == t else v for k, v in sample.items()}
+    return out, order
 
 
 def _with_prompt(sample: Mapping, virtual: int, task: str) -> dict:
