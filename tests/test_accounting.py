@@ -500,3 +500,41 @@ def test_delta_above_one_over_n_warns():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_registered_event_accounted_as_another_registered_one_is_charged_in_full():
+    """Found by review: the accountants expanded a registered event one level only and dropped what
+    they did not know: an event accounted as vmapdp.mf's BandedMFEvent was charged epsilon 0.0
+    (284.4 directly). Expanded to the end now, and anything else is refused."""
+    from typing import ClassVar
+
+    from vmapdp.mf import BandedMFEvent
+
+    @dataclasses.dataclass(frozen=True)
+    class Wrapped:
+        noise_multiplier: float
+        count: int = 1
+        inner: str = "banded"
+        adjacency: ClassVar[str] = events.ADD_REMOVE
+
+        def accounted_as(self):
+            if self.inner == "banded":
+                return (BandedMFEvent(self.noise_multiplier, 1.0, 1, 1, count=self.count),)
+            return (object(),)
+
+        def _key(self):
+            return ("test-wrapped", self.noise_multiplier, self.inner)
+
+        def _with_count(self, c):
+            return dataclasses.replace(self, count=c)
+
+        def to_dict(self):
+            return {"type": "test-wrapped", "noise_multiplier": self.noise_multiplier, "count": self.count, "inner": self.inner}
+
+    events.register_event(Wrapped, "test-wrapped")
+    for accountant in ("pld", "rdp"):
+        direct = acc.epsilon(Ledger((BandedMFEvent(0.5, 1.0, 1, 1, count=100),)), delta=1e-5, accountant=accountant)
+        assert direct > 100
+        assert acc.epsilon(Ledger((Wrapped(0.5, count=100),)), delta=1e-5, accountant=accountant) == direct
+    with pytest.raises(TypeError, match=r"object is not an event the accountants know .* register it with register_event"):
+        acc.epsilon(Ledger((Wrapped(0.5, inner="other"),)), delta=1e-5)

@@ -583,6 +583,7 @@ _BY_TYPE = {
     "non_private": NonPrivateEvent,
 }
 _NAMES = ", ".join(t.__name__ for t in _EVENT_TYPES)
+_OWN_TYPES = _EVENT_TYPES  # the events the accountants compute with (registered ones are accounted as these)
 
 
 def register_event(cls: type, type_name: str) -> type:
@@ -604,8 +605,28 @@ def register_event(cls: type, type_name: str) -> type:
 
 
 def accounted_events(events: Iterable[Event]) -> tuple[Event, ...]:
-    """``events`` with each registered event replaced by the events it is accounted as."""
-    return tuple(x for e in events for x in (e.accounted_as() if hasattr(e, "accounted_as") else (e,)))
+    """``events`` with each registered event replaced by the events it is accounted as, until
+    only this module's events are left (a registered event may be accounted as another one), in order."""
+    out: list[Event] = []
+
+    def expand(e: Any, depth: int) -> None:
+        if hasattr(e, "accounted_as"):
+            if depth >= 16:
+                raise ValueError(f"accounted_events: {type(e).__name__} is accounted as registered events 16 levels deep (a cycle?).")
+            for x in e.accounted_as():
+                expand(x, depth + 1)
+        elif isinstance(e, _OWN_TYPES):
+            out.append(e)
+        else:
+            # (found by review: an event no accountant knows was dropped, counted as zero epsilon)
+            raise TypeError(
+                f"accounted_events: {type(e).__name__} is not an event the accountants know ({', '.join(t.__name__ for t in _OWN_TYPES)}) "
+                "and has no accounted_as(); register it with register_event, accounted as those events."
+            )
+
+    for e in events:
+        expand(e, 0)
+    return tuple(out)
 
 
 def _combine(a: Event, b: Event) -> Event:
