@@ -538,3 +538,17 @@ def test_a_registered_event_accounted_as_another_registered_one_is_charged_in_fu
         assert acc.epsilon(Ledger((Wrapped(0.5, count=100),)), delta=1e-5, accountant=accountant) == direct
     with pytest.raises(TypeError, match=r"object is not an event the accountants know .* register it with register_event"):
         acc.epsilon(Ledger((Wrapped(0.5, inner="other"),)), delta=1e-5)
+
+
+def test_a_composed_ledger_starting_mid_epoch_is_charged_its_own_epoch():
+    """Found by review: joined by extend, another run's events that continue an epoch merged into
+    this run's epoch and were charged inside it (one epoch for two runs' half epochs). Only append,
+    one run's next step, merges them."""
+    half = events.EpochGaussianEvent(noise_multiplier=1.0, steps_per_epoch=10, scheme="shuffle", count=5, epochs=1)
+    rest = events.EpochGaussianEvent(noise_multiplier=1.0, steps_per_epoch=10, scheme="shuffle", count=5, continues=True)
+    one_run = Ledger((half,)).append(rest)
+    assert one_run.events[0].charged_epochs == 1  # the same run's epoch: charged once
+    two_runs = Ledger((half,)) + Ledger((rest,))
+    assert [e.charged_epochs for e in two_runs.events] == [1, 1]
+    assert Ledger.from_json(two_runs.to_json()) == two_runs
+    assert acc.epsilon(two_runs, delta=1e-5) > acc.epsilon(one_run, delta=1e-5)

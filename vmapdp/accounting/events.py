@@ -699,7 +699,9 @@ def _merged(events: Iterable[Event]) -> tuple[Event, ...]:
         # (an event charged by a run's positions merges only through Ledger.append, one run's next step: two runs'
         # events joined by their counts would be charged ceil((a + b) / cycle) < ceil(a / cycle) + ceil(b / cycle);
         # found by review: ten composed cyclic runs cost one run's epsilon)
-        if out and out[-1]._key() == e._key() and not getattr(e, "positional", False):
+        # (likewise an epoch event that continues an epoch opened before it: joined to another run's ledger it would
+        # be charged inside that run's epoch, when that epoch is not in it; found by review)
+        if out and out[-1]._key() == e._key() and not getattr(e, "positional", False) and not getattr(e, "continues", False):
             out[-1] = _combine(out[-1], e)
         else:
             out.append(e)
@@ -713,8 +715,9 @@ class Ledger:
     Consecutive identical events are merged into one with the summed ``count``, so the
     ledger stays tiny however long training runs; two ledgers describing the same sequence
     of steps compare equal. Events charged by a run's positions (cyclic Poisson, banded and
-    min-separation matrix factorization: ``positional``) are merged by :meth:`append` only,
-    one run's next step; composed ledgers (``extend``, ``+``) keep each run's events apart. The ledger is a plain value: hashable, comparable, JSON
+    min-separation matrix factorization: ``positional``), and epoch events that continue an
+    epoch opened before them (``continues``), are merged by :meth:`append` only, one run's next
+    step; composed ledgers (``extend``, ``+``) keep each run's events apart. The ledger is a plain value: hashable, comparable, JSON
     round-trippable (``to_json`` / ``from_json``), and an opaque leaf for optree.
 
     Args:
