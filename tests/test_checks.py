@@ -135,7 +135,8 @@ ENTRY_POINTS = {
 # argument -> (name the message must carry, [(bad value, exception type)])
 BAD = {
     "l2_clip_norm": ("l2_clip_norm", [("1.0", TypeError), (None, TypeError), (True, TypeError), (math.nan, ValueError), (-1.0, ValueError), (0.0, ValueError), (0, ValueError)]),
-    "noise_multiplier": ("noise_multiplier", [("1", TypeError), (True, TypeError), (math.nan, ValueError), (-1.0, ValueError), (math.inf, ValueError)]),
+    "noise_multiplier": ("noise_multiplier", [("1", TypeError), (True, TypeError), (math.nan, ValueError), (-1.0, ValueError), (math.inf, ValueError),
+                                          (1e300, ValueError), (1e-300, ValueError)]),  # (outside float64 arithmetic: found by review)
     "sample_rate": ("sample_rate", [("0.1", TypeError), (True, TypeError), (0.0, ValueError), (0, ValueError), (-0.1, ValueError), (1.5, ValueError), (math.nan, ValueError)]),
     "delta": ("delta", [("1e-5", TypeError), (None, TypeError), (0.0, ValueError), (1.0, ValueError), (-1e-5, ValueError), (1.5, ValueError), (math.nan, ValueError)]),
     "accountant": ("accountant", [(1, TypeError), (None, TypeError), ("PLD", ValueError), ("Rdp", ValueError), ("moments", ValueError)]),

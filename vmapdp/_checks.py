@@ -123,7 +123,18 @@ def noise_multiplier(call: str, value: Any, *, allow_zero: bool = False, zero_fi
         fix = zero_fix or "Zero noise is not private: use a positive noise_multiplier."
     elif is_real(value) and math.isinf(value):
         fix = "A step that releases nothing needs no event: leave it out of the ledger."
-    return positive(call, "noise_multiplier", value, allow_zero=allow_zero, meaning=NOISE_MEANING, fix=fix)
+    value = positive(call, "noise_multiplier", value, allow_zero=allow_zero, meaning=NOISE_MEANING, fix=fix)
+    if value and not _NOISE_RANGE[0] <= value <= _NOISE_RANGE[1]:
+        # (found by review: the PLD accountant overflowed at 1e300 and divided by zero at 1e-300)
+        raise ValueError(
+            f"{call}: noise_multiplier={value!r} is outside [{_NOISE_RANGE[0]:g}, {_NOISE_RANGE[1]:g}], where the accountants' "
+            "float64 arithmetic holds (its square and reciprocal square stay finite). No useful run needs more: "
+            f"{'epsilon is 0 to float64 precision from about 1e30 on' if value > 1 else 'such a step is not private (epsilon beyond 1e30)'}."
+        )
+    return value
+
+
+_NOISE_RANGE = (1e-100, 1e100)
 
 
 def delta(call: str, value: Any, *, name: str = "delta", num_samples: int | None = None, refuse_large: bool = True) -> float:
