@@ -301,6 +301,14 @@ def _worker(rank, world, init_file, out_dir):
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
+        # ... and cyclic samplers that differ in their cycle only (found by review: not compared)
+        cyclic = vmapdp.data.CyclicPoissonSampler(N, 0.5, 4 if vdist.rank() == 0 else 2, steps=4, key=b"cyclic-key", capacity=CAPACITY)
+        res["cycle_error"] = _expect_error(lambda: next(iter(vdist.sharded(cyclic))))
+        # every rank dealt rank 0's share (a node-local rank passed as the global one; found by review: the
+        # same half of each batch stepped twice, the other dropped, and the rows' total still matched)
+        same = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=SAMPLER_KEY)
+        res["rank_arg_error"] = _expect_error(lambda: next(iter(vdist.sharded(same, rank=0))))
+        res["shard_rank_error"] = _expect_error(lambda: vdist.shard(*same.sample(), same.capacity, rank=0))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -476,6 +484,13 @@ def test_ranks_with_different_samplers_fail_together(ranks):
     for r in ranks:
         assert r["sampler_error"] is not None and "disagree on the sampler" in r["sampler_error"]
         assert "key=" in r["sampler_error"]
+        assert "disagree on the sampler" in r["cycle_error"]
+    # rank 1 given rank=0 refuses, naming its rank; rank 0 (its own number) refuses with it
+    own, other = ranks[1], ranks[0]
+    assert "rank=0, world_size=2 given, but this process is rank 1 of 2" in own["rank_arg_error"]
+    assert "another rank was given a rank= or world_size= that is not its own" in other["rank_arg_error"]
+    assert "rank=0, world_size=2 given, but this process is rank 1 of 2" in own["shard_rank_error"]  # (shard: where given)
+    assert other["shard_rank_error"] is None
 
 
 # ---- in one process: the shard function, the helpers, the init check ----

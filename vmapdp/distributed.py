@@ -336,6 +336,42 @@ def _world(w: int | None, call: str) -> int:
     return w
 
 
+def _this_process(call: str, rank: Any, world_size: Any, *, agree: bool = False) -> tuple[int, int]:
+    """``(world_size, rank)`` of a share: the default group's where they are None; given ones must
+    be a valid pair, and, with a process group of more than one process, this process's (found by
+    review: every rank passing rank=0, a local rank where the global one was meant, stepped the
+    same half of each batch twice and dropped the other half, and the rows' total still matched).
+    ``agree``: every rank calls this (``sharded``), and all refuse together (one ``all_reduce``)."""
+    w = _world(world_size, call)
+    r = _rank() if rank is None else rank
+    valid = not isinstance(r, bool) and isinstance(r, int) and 0 <= r < w
+    grouped = is_initialized() and dist.get_world_size() > 1
+    mine = not valid or (grouped and (r, w) != (dist.get_rank(), dist.get_world_size()))
+    # (agreed by every rank, one all_reduce: a rank refusing alone would leave the others waiting in the step)
+    if agree and grouped and max_ints([int(mine)])[0] and not mine:
+        raise ValueError(f"{call}: another rank was given a rank= or world_size= that is not its own (its error is raised there); nothing was dealt.")
+    if not valid:
+        raise ValueError(f"{call}: rank={r!r} must be an int in [0, {w}) (world_size={w}).")
+    if mine:
+        raise ValueError(
+            f"{call}: rank={r}, world_size={w} given, but this process is rank {dist.get_rank()} of {dist.get_world_size()} in "
+            "the process group: shares dealt to other ranks' numbers put an example on two ranks (each adding up to C to a sum "
+            "charged as C) and drop others. Leave rank= and world_size= out (the group's global rank, not a node-local one)."
+        )
+    return w, r
+    # (agreed by every rank, one all_reduce: a rank refusing alone would leave the others waiting in the step)
+    mine = (r, w) != (dist.get_rank(), dist.get_world_size())
+    if max_ints([int(mine)])[0]:
+        if not mine:
+            raise ValueError(f"{call}: another rank was given a rank= or world_size= that is not its own (its error is raised there); nothing was dealt.")
+        raise ValueError(
+            f"{call}: rank={r}, world_size={w} given, but this process is rank {dist.get_rank()} of {dist.get_world_size()} in "
+            "the process group: shares dealt to other ranks' numbers put an example on two ranks (each adding up to C to a sum "
+            "charged as C) and drop others. Leave rank= and world_size= out (the group's global rank, not a node-local one)."
+        )
+    return w, r
+
+
 def shard(indices: Tensor, mask: Tensor, capacity: int, *, rank: int | None = None, world_size: int | None = None) -> tuple[Tensor, Tensor]:
     """This rank's disjoint share of ONE global Poisson batch ``(indices, mask)``.
 
@@ -353,16 +389,14 @@ def shard(indices: Tensor, mask: Tensor, capacity: int, *, rank: int | None = No
         indices, mask: one step of ``PoissonSampler`` (int64 and bool, same 1-D shape).
         capacity: the sampler's ``capacity`` (the global physical batch size).
         rank, world_size: default: this process's, from the default process group (0 and 1
-            without one).
+            without one). With a process group of several processes they must be this
+            process's (other values are for computing shares without a group).
 
     Returns:
         ``(indices, mask)`` of length ``m * local_capacity(capacity, world_size)``, ``m >= 1``.
     """
     call = "shard(indices, mask, capacity)"
-    w = _world(world_size, call)
-    r = _rank() if rank is None else rank
-    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < w:
-        raise ValueError(f"{call}: rank={r!r} must be an int in [0, {w}) (world_size={w}).")
+    w, r = _this_process(call, rank, world_size)
     if not isinstance(indices, Tensor) or not isinstance(mask, Tensor):
         raise TypeError(f"{call}: indices and mask must be tensors (one step of PoissonSampler).")
     if mask.dtype != torch.bool or indices.dim() != 1 or indices.shape != mask.shape:
@@ -394,6 +428,8 @@ def _sampler_fingerprint(sampler: Any) -> tuple:
         None if gen is None else hashlib.sha256(tensor_bytes(gen)).hexdigest(),
         state.get("key"),
         state.get("draws"),
+        # (every argument that decides the batches: a CyclicPoissonSampler's cycle was not compared, found by review)
+        getattr(sampler, "stream_id", None) if not sampler.secure else None,
     )
 
 
@@ -425,8 +461,7 @@ def sharded(sampler: Any, *, rank: int | None = None, world_size: int | None = N
     and broadcasts it.
     """
     call = "sharded(sampler)"
-    w = _world(world_size, call)
-    r = _rank() if rank is None else rank
+    w, r = _this_process(call, rank, world_size, agree=True)
     collective = is_initialized() and w > 1
     if collective:
         check_same(

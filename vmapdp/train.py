@@ -1092,6 +1092,17 @@ def make_train_step(
         distributed = True  # data-parallel with sharded state
     if distributed:
         _dist.require_initialized(call)
+        if sampler is None and _dist.world_size() > 1:
+            # (found by review: every rank stepping the whole global batch, sharded() forgotten, was charged as one
+            # batch; only the rows' total is checked then, and up to about 5 ranks' copies pass it)
+            warnings.warn(
+                f"{call}: distributed with sample_rate= alone: the step can check only that the ranks' rows add up to a "
+                "plausible batch, not that they are one draw dealt out (each rank stepping the whole batch, each example "
+                "on every rank, would pass with a few ranks). Pass sampler= (the sampler vmapdp.distributed.sharded deals): "
+                "the step then compares the rows with its draw.",
+                UserWarning,
+                stacklevel=2,
+            )
     _checks.choice(call, "method", method, METHODS, why="see vmapdp.clipped_grad_sum")
     backend = _checks.compile_backend(call, compile)
     compile = backend is not None
