@@ -224,7 +224,8 @@ def clip_and_sum(
     Args:
         grads: per-sample gradients, every leaf ``[B, ...]``.
         l2_clip_norm: the bound ``C > 0`` on one sample's contribution (the sensitivity of the sum
-            under adding or removing one sample).
+            under adding or removing one sample). The number ``math.inf`` clips nothing (the
+            plain sum, for non-private comparisons: no bound at all); a tensor must be finite.
         mask: optional bool ``[B]``; False rows (padding) contribute exactly 0, even if NaN.
         rule, stability, nonfinite: see the module docstring.
         params: optional, the params the grads are of (a pytree like ``grads`` without the ``B``
