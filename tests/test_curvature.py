@@ -59,9 +59,36 @@ def _with_buffers():
     return m.eval()
 
 
+class Norms(nn.Module):
+    """LayerNorm, affine InstanceNorm and a per-channel PReLU, whose torch.func derivatives are
+    wrong in torch 2.13 (found by review: a LayerNorm weight's Hessian block against fc1's off by
+    176%, per-sample Jacobians through PReLU by 100%): the transforms decompose them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 6)
+        self.ln = nn.LayerNorm(6)
+        self.inorm = nn.InstanceNorm1d(2, affine=True)
+        self.act = nn.PReLU(2)
+        self.fc2 = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.ln(self.fc1(x)).view(-1, 2, 3)
+        return self.fc2(self.act(self.inorm(h)).flatten(1))
+
+
+def _norms():
+    m = Norms()
+    with torch.no_grad():
+        for p in (m.ln.weight, m.ln.bias, m.inorm.weight, m.inorm.bias):
+            p.uniform_(0.5, 1.5)
+    return m
+
+
 BUFFERS_CASE = Case("buffers_bn_eval", _with_buffers, _images((5,), 3))
+NORMS_CASE = Case("norms_prelu", _norms, _images((5,), 3))
 _BY_NAME = {c.name: c for c in CASES}
-MODELS = [_BY_NAME["tied_weights"], _BY_NAME["frozen_params"], BUFFERS_CASE, _BY_NAME["linear_on_sequence_mse"]]
+MODELS = [_BY_NAME["tied_weights"], _BY_NAME["frozen_params"], BUFFERS_CASE, _BY_NAME["linear_on_sequence_mse"], NORMS_CASE]
 IDS = [c.name for c in MODELS]
 B = 3
 

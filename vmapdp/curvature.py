@@ -120,11 +120,71 @@ def _check_nargs(call: str, args: tuple, n_batched: int, form: str) -> None:
     _checks.no_dtensor(call, args[0])  # (FSDP2 shards from functionalize: refused with the fix)
 
 
+def _layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
+                cudnn_enable: bool = False) -> Tensor:
+    dims = tuple(range(-len(tuple(normalized_shape)), 0)) if not isinstance(normalized_shape, int) else (-1,)
+    centred = x - x.mean(dims, keepdim=True)
+    y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+    y = y if weight is None else y * weight
+    return y if bias is None else y + bias
+
+
+def _instance_norm(x: Tensor, running_mean: Tensor | None = None, running_var: Tensor | None = None, weight: Tensor | None = None,
+                   bias: Tensor | None = None, use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    if use_input_stats:
+        if running_mean is not None or running_var is not None:
+            raise ValueError(
+                "vmapdp.curvature: InstanceNorm with track_running_stats in training mode updates its running statistics "
+                "in the forward, which a curvature transform would repeat for every derivative. Put the model in eval "
+                "mode (model.eval()) or build the norm without track_running_stats."
+            )
+        dims = tuple(range(2, x.dim()))
+        centred = x - x.mean(dims, keepdim=True)
+        y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+    else:
+        y = (x - running_mean.reshape(shape)) * torch.rsqrt(running_var.reshape(shape) + eps)
+    y = y if weight is None else y * weight.reshape(shape)
+    return y if bias is None else y + bias.reshape(shape)
+
+
+def _prelu(x: Tensor, weight: Tensor) -> Tensor:
+    w = weight.reshape(()) if weight.numel() == 1 else weight.reshape((-1,) + (1,) * (x.dim() - 2) if x.dim() >= 2 else (-1,))
+    return torch.where(x > 0, x, w * x)  # (x > 0, as torch's own gradient at 0)
+
+
+# ops whose torch.func derivatives are wrong in this torch (2.13), run as their decompositions into
+# primitive ops inside the curvature transforms (found by review, against torch.autograd.functional):
+# the Hessian block of a layer_norm / instance_norm weight against an earlier layer's weight (1.76
+# relative error, the Hessian not symmetric; torch.func.hessian and jacrev(jacrev) alike), and
+# per-sample Jacobians through prelu under vmap (100% error; its Hessian raised torch's own error)
+_DECOMPOSED = {
+    torch.nn.functional.layer_norm: _layer_norm,
+    torch.layer_norm: _layer_norm,
+    torch.nn.functional.instance_norm: _instance_norm,
+    torch.instance_norm: lambda x, w, b, rm, rv, use_input_stats, momentum, eps, cudnn_enabled=False: _instance_norm(x, rm, rv, w, b, use_input_stats, momentum, eps),
+    torch.nn.functional.prelu: _prelu,
+    torch.prelu: _prelu,
+}
+
+
+class _Decomposed(torch.overrides.TorchFunctionMode):
+    """Runs the ops of ``_DECOMPOSED`` as their decompositions (the rest as they are)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        impl = _DECOMPOSED.get(func)
+        if impl is None:
+            return func(*args, **(kwargs or {}))
+        return impl(*args, **(kwargs or {}))
+
+
 def _scalar(fn: Callable[..., Any], call: str, name: str) -> Callable[..., Tensor]:
-    """``fn`` with a trace-time check that it returns a 0-dim tensor for one sample."""
+    """``fn`` with a trace-time check that it returns a 0-dim tensor for one sample (run with the
+    ops of ``_DECOMPOSED`` decomposed)."""
 
     def wrapped(*args: Any) -> Tensor:
-        out = fn(*args)
+        with _Decomposed():
+            out = fn(*args)
         if not isinstance(out, Tensor) or out.dim() != 0:
             got = f"shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(
@@ -139,7 +199,8 @@ def _scalar(fn: Callable[..., Any], call: str, name: str) -> Callable[..., Tenso
 
 def _tensor_out(fn: Callable[..., Any], call: str) -> Callable[..., Tensor]:
     def wrapped(*args: Any) -> Tensor:
-        out = fn(*args)
+        with _Decomposed():
+            out = fn(*args)
         if not isinstance(out, Tensor):
             raise TypeError(
                 f"{call}: apply_fn must return one tensor for one sample, got {type(out).__name__}. "
@@ -375,7 +436,8 @@ def per_sample_gnvp(
         *shared, sample, v = rest
 
         def f(p: Any) -> Any:
-            return apply_fn(p, *shared, sample)
+            with _Decomposed():
+                return apply_fn(p, *shared, sample)
 
         out, jv = jvp(f, (params,), (v,))
         _, hjv = jvp(lambda o: out_grad(o, sample), (out,), (jv,))
