@@ -908,6 +908,26 @@ def test_shape_and_dtype_queries_and_casts_keep_the_layers_covered():
     _assert_close(summed, norms, *ref, rtol=2e-2)  # bf16 compute: the two paths round differently
 
 
+@pytest.mark.parametrize("cast", [lambda w, x: w.contiguous(), lambda w, x: w.type_as(x), lambda w, x: w.cpu(), lambda w, x: w.resolve_conj(),
+                                  lambda w, x: w.t().contiguous().t()])
+def test_value_preserving_ops_on_a_param_keep_it_covered(cast):
+    """Found by review: F.linear(x, W.contiguous()) (and type_as, cpu, resolve_conj) was refused
+    as data-dependent control flow; they return the param's values as they are."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 4, generator=g), "v": torch.randn(2, 3, generator=g)}
+    batch = (torch.randn(5, 4, generator=g), torch.randint(0, 2, (5,), generator=g))
+
+    def loss_fn(p, sample):
+        x, y = sample
+        h = torch.tanh(F.linear(x, cast(p["w"], x)))
+        return F.cross_entropy(F.linear(h, p["v"])[None], y[None])
+
+    plan = ghost.probe(loss_fn, params, (), batch, "error")
+    assert plan.other == [] and ghost.coverage(plan, params) == 1.0
+    ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, batch), C)
+    _assert_close(*vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, batch)[:2], *ref, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
 def test_chunked_step_equals_the_unchunked_one(method):
     """physical_batch_size bounds memory (B x params for vmap); the clipped sum is the same."""

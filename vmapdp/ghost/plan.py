@@ -35,7 +35,10 @@ from vmapdp.ghost.views import VIEW_OPS, View, box_of
 __all__ = ["Plan", "Run", "Mode", "probe", "coverage", "run_loss", "CONTROL_FLOW", "TRACED_THROUGH"]
 
 
-_CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type}
+# ops that return the param's values as they are (a copy, another dtype or device, or the tensor
+# itself); `contiguous`, `type_as`, `cpu` and `resolve_conj` were refused as data-dependent (found by review)
+_CASTS = {Tensor.to, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.type, Tensor.type_as, Tensor.contiguous,
+          Tensor.cpu, Tensor.cuda, Tensor.resolve_conj, Tensor.resolve_neg}
 
 
 # in-place operators (Tensor.__iadd__ ...) that a `w += 1` on a param's cast calls, and item assignment (`w[0] = 0`)
