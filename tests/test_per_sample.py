@@ -290,12 +290,32 @@ def _bad_inputs():
     def item(p, b, s):
         return base(p, b, s) * float(s[0].sum())
 
+    def branch(p, b, s):  # (found by review: torch's raw vmap message under clipped_grad_sum)
+        return base(p, b, s) if s[0].sum() > 0 else 2 * base(p, b, s)
+
     return params, buffers, {
         "float64 batch": (base, (x.double(), y), TypeError, r"have different dtypes.*Cast the batch to the params' dtype \(x.float\(\)\)"),
         "float labels": (base, (x, y.float()), TypeError, r"got a float tensor.*Pass the labels \(or token ids\) as integers: y.long\(\)"),
         "(loss, aux) without has_aux": (aux, (x, y), TypeError, r"returned (a )?tuple where a loss tensor was expected.*has_aux=True"),
         ".item()": (item, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*t instead of t.item\(\)"),
+        "if on a value": (branch, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*torch.where"),
     }
+
+
+@pytest.mark.parametrize("method", ["vmap", "two_pass"])
+@pytest.mark.parametrize("kw, match", [({"max_norm": 1.0}, r"nn.Embedding\(max_norm=...\) renormalises rows of its weight in place.*without max_norm"),
+                                       ({"sparse": True}, r"a sparse gradient reached the per-sample engine.*sparse=False, or use method='ghost'")])
+def test_embeddings_vmap_cannot_batch_are_named_with_the_fix(kw, match, method):
+    """Found by review: torch's raw errors (aten::embedding_renorm_, SparseCPU) reached the user."""
+    torch.manual_seed(0)
+    apply, params, buffers = vmapdp.functionalize(nn.Sequential(nn.Embedding(10, 4, **kw), nn.Flatten(), nn.Linear(12, 2)))
+    batch = (torch.randint(0, 10, (4, 3)), torch.randint(0, 2, (4,)))
+
+    def loss_fn(p, b, s):
+        return F.cross_entropy(apply(p, b, s[0][None]), s[1][None])
+
+    with pytest.raises(vmapdp.UnsupportedModuleError, match=match):
+        vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])

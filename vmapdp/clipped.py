@@ -489,7 +489,10 @@ class ClippedGradSum:
                     "checkpoint; to bound memory use physical_batch_size (make_train_step) or "
                     "method='two_pass' with a small norm_chunk_size instead."
                 ) from err
-            raise
+            explained = explain_runtime_error(_CALL, err)  # (torch's raw vmap errors, found by review)
+            if explained is err:
+                raise
+            raise explained from err
 
     def _dispatch(self, args: tuple, mask: Tensor | None, sink: Callable[[str, Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:

@@ -44,7 +44,20 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             "if its running statistics come from public data."
         )
     low = msg.lower()
-    if "vmap" in low and ".item()" in low:
+    if "embedding_renorm_" in low:
+        return UnsupportedModuleError(
+            f"{call}: nn.Embedding(max_norm=...) renormalises rows of its weight in place during the forward (torch said: "
+            f"{first}): the per-sample engine cannot batch it, and a param rewritten by the data during the step is not "
+            "what DP-SGD's update bounds. Build the embedding without max_norm (renormalise the weight after each step, "
+            "outside the private computation, if you need it)."
+        )
+    if "sparsecpu" in low or "sparsecuda" in low:
+        return UnsupportedModuleError(
+            f"{call}: a sparse gradient reached the per-sample engine (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True); "
+            f"torch said: {first}), which per-sample gradients cannot hold. Build the layer with sparse=False, or use "
+            "method='ghost', whose embedding rule never forms per-sample gradients."
+        )
+    if "vmap" in low and ("use a tensor in some data-dependent control flow" in low or ".item()" in low):
         return ValueError(
             f"{call}: loss_fn reads a per-sample tensor's value in Python (.item(), float(t), int(t), bool(t), `if t > 0:`, "
             f"a tensor as a Python index; torch said: {first}), which the per-sample engine cannot map over the batch. "
