@@ -473,3 +473,11 @@ def test_a_collate_fn_is_applied_to_a_tensor_dataset_and_one_mixing_rows_is_refu
 
     with pytest.raises(ValueError, match=r"collate_fn reorders the rows \(the batch collated in reverse order"):
         run(sort_all_but_last)
+
+
+def test_a_tuple_of_tensors_is_named_as_columns_with_the_fix():
+    """Found by review: make_private(model, opt, (x, y)) read the tuple as a dataset of two rows and
+    refused its batch size, never naming TensorDataset."""
+    ds = data()
+    with pytest.raises(TypeError, match=r"a tuple of 2 tensors of 120 rows each: columns, not rows.*TensorDataset\(\*data\)"):
+        _mp(tuple(ds.tensors))

@@ -752,3 +752,12 @@ def test_a_batch_whose_per_sample_shapes_change_is_refused_unless_asked():
     for t in (5, 7, 2):
         state, _ = free(state, *batch(t), buffers)
     assert state.step == 5
+
+
+def test_a_step_called_without_its_mask_says_so():
+    """Found by review: step(state, batch, buffers) said only that the mask was a dict."""
+    _, params, buffers, data, loss_fn = problem()
+    opt = vmapdp.optim.sgd(0.1)
+    step = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.1, compile=False)
+    with pytest.raises(TypeError, match=r"got dict\. Was the mask left out\? The step is called step\(state, batch, mask, \*shared\)"):
+        step(vmapdp.init_train_state(params, opt, seed=1), gather(data, torch.arange(4)), buffers)

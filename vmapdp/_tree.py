@@ -105,7 +105,12 @@ def batch_size(tree: Any, *, call: str, what: str = "batch") -> int:
 
 def check_mask(mask: Any, b: int, *, call: str) -> Tensor:
     if not isinstance(mask, Tensor):
-        raise TypeError(f"{call}: mask must be a bool tensor of shape [{b}], got {type(mask).__name__}.")
+        hint = (
+            " Was the mask left out? The step is called step(state, batch, mask, *shared): pass the sampler's mask "
+            "(torch.ones(B, dtype=torch.bool) where every row is real) before the buffers."
+            if isinstance(mask, (dict, tuple, list)) else ""
+        )  # (found by review: step(state, batch, buffers) named only the dict's type)
+        raise TypeError(f"{call}: mask must be a bool tensor of shape [{b}], got {type(mask).__name__}.{hint}")
     if mask.dtype != torch.bool:
         raise TypeError(
             f"{call}: mask must have dtype torch.bool (True = real row, False = padding), got "

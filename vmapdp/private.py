@@ -300,6 +300,15 @@ def make_private(
             f"{call}: data must be a map-style Dataset (len() and data[i]) or a DataLoader over one, got "
             f"{type(data).__name__}; Poisson sampling picks rows by index. Wrap the examples in a map-style Dataset."
         )
+    if (
+        isinstance(data, tuple) and len(data) >= 2 and all(isinstance(t, Tensor) and t.dim() >= 1 for t in data)
+        and len({t.shape[0] for t in data}) == 1 and data[0].shape[0] != len(data)
+    ):
+        # (found by review: (x, y) was read as a dataset of two rows, and refused for its batch size)
+        raise TypeError(
+            f"{call}: data is a tuple of {len(data)} tensors of {data[0].shape[0]} rows each: columns, not rows (a Dataset "
+            "is indexed by example). Pass torch.utils.data.TensorDataset(*data)."
+        )
     if batch_size is None:
         raise ValueError(f"{call}: batch_size is required when data is a Dataset (the expected batch size of Poisson sampling).")
     n = _checks.positive_int(call, "len(data)", len(data), meaning="the dataset must hold at least one example")

@@ -662,8 +662,9 @@ def add_noise(
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
 
     Guarantees:
-        Leaves are drawn in a fixed order (optree's: dict keys sorted), so the same generator
-        state gives the same noise. The noise is drawn in float32 or wider.
+        Leaves are drawn in a fixed order (the tree's: a dict's in insertion order, as
+        ``vmapdp._tree`` flattens it), so the same generator state, or key, gives the same noise;
+        with ``key=`` leaf ``i`` of that order draws ``keyed_normal(..., leaf=i)``. The noise is drawn in float32 or wider.
 
     Raises:
         TypeError: ``std`` not a number or a 0-dim floating tensor.
@@ -685,8 +686,8 @@ def add_noise(
     if sum(x is not None and x is not False for x in (generator, key, secure or None)) > 1:
         raise ValueError(f"{call}: give at most one source of randomness: generator=, key= or secure=True.")
     for name, value in (("generator", generator), ("key", key)):
-        if value is not None:
-            _checks.guessable(call, name, value, "the noise and subtract it")
+        if value is not None:  # (named as called: found by review)
+            _checks.guessable(f"add_noise(tree, std, {name}={'...' if name == 'key' else 'generator'})", name, value, "the noise and subtract it")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
     complex_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_complex()]
     if complex_leaves:  # (real noise cast to a complex dtype leaves the imaginary parts noiseless: found by review)
