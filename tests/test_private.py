@@ -481,3 +481,11 @@ def test_a_tuple_of_tensors_is_named_as_columns_with_the_fix():
     ds = data()
     with pytest.raises(TypeError, match=r"a tuple of 2 tensors of 120 rows each: columns, not rows.*TensorDataset\(\*data\)"):
         _mp(tuple(ds.tensors))
+
+
+def test_a_batch_size_other_than_the_loaders_is_refused():
+    """Found by review: make_private(DataLoader(batch_size=64), batch_size=32) used 32 silently."""
+    loader = torch.utils.data.DataLoader(data(), batch_size=24)
+    with pytest.raises(ValueError, match=r"batch_size=12 given, and the DataLoader's batch_size is 24"):
+        _mp(loader, batch_size=12)
+    assert _mp(loader, batch_size=24) is not None and _mp(loader, batch_size=None) is not None

@@ -291,6 +291,12 @@ def make_private(
         raise TypeError(f"{call}: optimizer must be a torch.optim.Optimizer over model.parameters(), got {type(optimizer).__name__}.")
     if isinstance(data, torch.utils.data.DataLoader):
         _check_loader(call, data)
+        if batch_size is not None and data.batch_size is not None and batch_size != data.batch_size:
+            # (found by review: the loader's was dropped without a word)
+            raise ValueError(
+                f"{call}: batch_size={batch_size} given, and the DataLoader's batch_size is {data.batch_size}: which one is the "
+                "expected batch size of Poisson sampling? Pass one of them (leave batch_size out to use the loader's)."
+            )
         batch_size = batch_size if batch_size is not None else data.batch_size
         data = data.dataset
     if collate_fn is not None and not callable(collate_fn):
