@@ -552,3 +552,13 @@ def test_a_composed_ledger_starting_mid_epoch_is_charged_its_own_epoch():
     assert [e.charged_epochs for e in two_runs.events] == [1, 1]
     assert Ledger.from_json(two_runs.to_json()) == two_runs
     assert acc.epsilon(two_runs, delta=1e-5) > acc.epsilon(one_run, delta=1e-5)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "prv"])
+def test_an_epoch_of_almost_no_noise_is_charged_a_huge_epsilon_not_an_overflow(accountant):
+    """Found by review: the Gaussian delta(epsilon) overflowed exp at noise multiplier 1e-10 (its
+    exponent a difference of two terms of epsilon's size); beyond epsilon 1e9 the smaller term is
+    dropped, which only overstates delta."""
+    for sigma, at_least in ((1e-10, 1e20), (1e-99, 1e197)):
+        ledger = Ledger((events.EpochGaussianEvent(sigma, 10, "shuffle", count=10, epochs=1),))
+        assert acc.epsilon(ledger, delta=1e-5, accountant=accountant) >= at_least

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import pytest
 import torch
@@ -298,6 +299,12 @@ def _worker(rank, world, init_file, out_dir):
             res["secure_each_rank_error"] = None
         except (ValueError, RuntimeError) as err:
             res["secure_each_rank_error"] = f"{type(err).__name__}: {err}"
+        # sample_rate= alone: the step cannot check that the ranks' rows are one draw dealt out, and warns (found by review)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=12.0, sample_rate=Q,
+                                   compile=False, distributed=True, method="ghost")
+        res["sample_rate_warnings"] = [str(w.message) for w in caught]
         # ranks whose samplers differ (no shared key) fail together before sampling
         own = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=f"rank-{vdist.rank()}")
         res["sampler_error"] = _expect_error(lambda: next(iter(vdist.sharded(own))))
@@ -485,6 +492,7 @@ def test_ranks_with_different_samplers_fail_together(ranks):
         assert r["sampler_error"] is not None and "disagree on the sampler" in r["sampler_error"]
         assert "key=" in r["sampler_error"]
         assert "disagree on the sampler" in r["cycle_error"]
+        assert any("sample_rate= alone: the step cannot check that the ranks' rows are one draw" in w for w in r["sample_rate_warnings"])
     # rank 1 given rank=0 refuses, naming its rank; rank 0 (its own number) refuses with it
     own, other = ranks[1], ranks[0]
     assert "rank=0, world_size=2 given, but this process is rank 1 of 2" in own["rank_arg_error"]

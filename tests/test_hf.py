@@ -199,6 +199,24 @@ def test_a_left_padded_sample_of_a_model_without_position_ids_is_its_unpadded_se
         torch.testing.assert_close(loss(params, buffers, {k: v[i] for k, v in batch.items()}), own, rtol=1e-5, atol=1e-6)
 
 
+def test_a_criterion_gets_a_left_padded_samples_logits_in_its_positions_and_zeros_at_the_padding():
+    """criterion= sees the logits where the batch has the tokens: the real positions' are the
+    unpadded sample's, the padding's are zero (found by review: they came from positions after the
+    sample, which saw all of it, and a criterion shifting the labels itself predicted the first real
+    token from one of them)."""
+    m, batch = model_batch("gpt2", left=True)
+    seen = []
+    apply = vmapdp.functionalize(m)[0]
+    loss = hf.sample_loss(m, apply, task="causal_lm", criterion=lambda logits, labels: (seen.append(logits), logits.sum())[1])
+    params, buffers = dict(m.named_parameters()), dict(m.named_buffers())
+    i = 2
+    n = int(batch["attention_mask"][i].sum())
+    loss(params, buffers, {k: v[i] for k, v in batch.items()})
+    own = m(input_ids=batch["input_ids"][i : i + 1, L - n :]).logits
+    torch.testing.assert_close(seen[0][:, L - n :], own, rtol=1e-5, atol=1e-6)
+    assert bool((seen[0][:, : L - n] == 0).all())
+
+
 def test_multi_label_classification_is_the_models_own_loss():
     """problem_type="multi_label_classification" (or float labels): the mean binary cross-entropy
     against a multi-hot vector, as transformers computes it (found by review: one output was taken

@@ -359,17 +359,6 @@ def _this_process(call: str, rank: Any, world_size: Any, *, agree: bool = False)
             "charged as C) and drop others. Leave rank= and world_size= out (the group's global rank, not a node-local one)."
         )
     return w, r
-    # (agreed by every rank, one all_reduce: a rank refusing alone would leave the others waiting in the step)
-    mine = (r, w) != (dist.get_rank(), dist.get_world_size())
-    if max_ints([int(mine)])[0]:
-        if not mine:
-            raise ValueError(f"{call}: another rank was given a rank= or world_size= that is not its own (its error is raised there); nothing was dealt.")
-        raise ValueError(
-            f"{call}: rank={r}, world_size={w} given, but this process is rank {dist.get_rank()} of {dist.get_world_size()} in "
-            "the process group: shares dealt to other ranks' numbers put an example on two ranks (each adding up to C to a sum "
-            "charged as C) and drop others. Leave rank= and world_size= out (the group's global rank, not a node-local one)."
-        )
-    return w, r
 
 
 def shard(indices: Tensor, mask: Tensor, capacity: int, *, rank: int | None = None, world_size: int | None = None) -> tuple[Tensor, Tensor]:

@@ -255,13 +255,16 @@ def sample_loss(
     problem = getattr(config, "problem_type", None)
     regression = task == "classification" and (problem == "regression" or (problem is None and getattr(config, "num_labels", 2) == 1))
     multi_label = task == "classification" and problem == "multi_label_classification"
+    causal_given = causal
     if causal is None and "input_ids" in inspect.signature(_base_model(model).forward).parameters:
         # once, eagerly (not while vmap or compile traces the loss); on the transformers model (a peft
         # prompt's virtual tokens would sit at position 0)
         causal = _is_causal(_base_model(model))
     if criterion is None and task == "causal_lm" and causal is False:
         raise ValueError(
-            f"{call}: {type(_base_model(model)).__name__}'s attention is bidirectional (probed: position 0 sees position 1), "
+            f"{call}: {type(_base_model(model)).__name__}'s attention is bidirectional ("
+            + ("probed: position 0 sees position 1" if causal_given is None else "causal=False given")
+            + "), "
             "so a next-token loss would let each position see its own target. The adapter trains causal LMs; for a "
             "bidirectional model pass task='classification' or 'token_classification' (or causal=True if the probe is "
             "wrong for this model)."
@@ -320,7 +323,7 @@ def sample_loss(
                 f"(a misspelt attention_mask leaves the padding attended to). Its inputs: {sorted(accepted)}; the labels go "
                 "in 'labels'. Rename or drop those keys."
             )
-        mask = sample.get("attention_mask")
+        mask = given_mask = sample.get("attention_mask")
         rolled = None
         if mask is not None and mask.dim() == 1:
             sample, rolled = _padding_last(sample, mask, token_labels=criterion is None and task != "classification")
@@ -388,8 +391,11 @@ def sample_loss(
         logits = _logits(out)
         if criterion is not None:
             if rolled is not None and logits.dim() >= 3 and logits.shape[1] == rolled.shape[0]:
-                # (per-token logits back in the batch's positions, where the criterion's labels are)
-                logits = logits.index_select(1, torch.argsort(rolled))
+                # (per-token logits back in the batch's positions, where the criterion's labels are; zero at the
+                # padding, whose rolled positions come after the sample and saw all of it: a criterion shifting the
+                # labels itself would predict the first real token from a padding position that saw it; found by review)
+                real = (given_mask != 0).reshape((1, -1) + (1,) * (logits.dim() - 2))
+                logits = torch.where(real, logits.index_select(1, torch.argsort(rolled)), 0.0)
             return criterion(logits, sample[_label_key(sample)][None])
         if task in ("causal_lm", "token_classification"):
             labels = sample[key] if key is not None else sample["input_ids"]

@@ -1096,10 +1096,10 @@ def make_train_step(
             # (found by review: every rank stepping the whole global batch, sharded() forgotten, was charged as one
             # batch; only the rows' total is checked then, and up to about 5 ranks' copies pass it)
             warnings.warn(
-                f"{call}: distributed with sample_rate= alone: the step can check only that the ranks' rows add up to a "
-                "plausible batch, not that they are one draw dealt out (each rank stepping the whole batch, each example "
-                "on every rank, would pass with a few ranks). Pass sampler= (the sampler vmapdp.distributed.sharded deals): "
-                "the step then compares the rows with its draw.",
+                f"{call}: distributed with sample_rate= alone: the step cannot check that the ranks' rows are one draw "
+                "dealt out (each rank stepping the whole batch, each example on every rank, would be charged as one "
+                "batch). Pass sampler= (the sampler vmapdp.distributed.sharded deals): the step then compares the ranks' "
+                "rows with its draw.",
                 UserWarning,
                 stacklevel=2,
             )
