@@ -274,6 +274,23 @@ def test_ghost_covers_an_fp16_loss_with_a_loss_scale(name):
     assert all(torch.equal(got[0][k], want[0][k]) for k in want[0])
 
 
+def test_a_wrapper_of_an_fp16_loss_with_a_loss_scale_is_what_ghost_differentiates():
+    """Found by review: functools.wraps copied the loss-scale form onto a caller's wrapper, and
+    ghost ran the inner loss (a wrapper tripling the loss got a third of vmap's norms)."""
+    import functools
+
+    _, _, params, buffers, batch, loss_fn = zoo.setup(_case(MODELS[0]), 4)
+    base = mixed_precision(loss_fn, torch.float16, loss_scale=2.0**8)
+
+    @functools.wraps(base)
+    def tripled(p, b, s):
+        return 3.0 * base(p, b, s)
+
+    norms = {m: vmapdp.clipped_grad_sum(tripled, l2_clip_norm=100.0, method=m)(params, buffers, batch)[1] for m in ("vmap", "ghost")}
+    torch.testing.assert_close(norms["ghost"], norms["vmap"], rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(norms["vmap"], 3.0 * vmapdp.clipped_grad_sum(base, l2_clip_norm=100.0, method="vmap")(params, buffers, batch)[1], rtol=1e-2, atol=1e-6)
+
+
 def test_adaptive_clipping_keeps_ghosts_form_of_an_fp16_loss_with_a_loss_scale(monkeypatch):
     """Found by review: with adaptive clipping the step divides the loss by the carried threshold in
     a wrapper of its own, which dropped the loss-side-scaled form mixed_precision(loss_scale=) offers

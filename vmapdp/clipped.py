@@ -662,4 +662,6 @@ class ClippedGradSum:
         """``(grad_scale, loss)`` ghost runs: an fp16 loss with a static loss_scale
         (vmapdp.mixed_precision) offers the form whose params reach the layers as casts, with
         gradients grad_scale times the loss's; ghost divides the (power-of-two) scale out exactly."""
-        return getattr(self.loss_fn, "_vmapdp_loss_scale", (1.0, self.loss_fn))
+        from vmapdp.precision import scaled_form
+
+        return scaled_form(self.loss_fn) or (1.0, self.loss_fn)

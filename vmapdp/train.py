@@ -52,6 +52,7 @@ from torch import Tensor
 from vmapdp import _checks, accounting
 from vmapdp import adaptive as _adaptive
 from vmapdp import distributed as _dist
+from vmapdp import precision as _precision
 from vmapdp._tree import batch_size, check_mask, sample_shapes, shapes_differ, tensor_bytes
 from vmapdp._tree import leaves as _leaves
 from vmapdp.accounting import Ledger, NonPrivateEvent, PoissonGaussianEvent
@@ -1116,10 +1117,10 @@ def make_train_step(
         def sum_loss(params, clip_norm, *rest):
             return loss_fn(params, *rest) / clip_norm
 
-        scaled_form = getattr(loss_fn, "_vmapdp_loss_scale", None)
-        if scaled_form is not None:  # (a float16 loss with a static loss_scale: ghost's form, divided alike; found by
-            scale, scaled = scaled_form  # review: without it ghost ran the unscaled form, its coverage lost)
-            sum_loss._vmapdp_loss_scale = (scale, lambda params, clip_norm, *rest: scaled(params, *rest) / clip_norm)
+        form = _precision.scaled_form(loss_fn)
+        if form is not None:  # (a float16 loss with a static loss_scale: ghost's form, divided alike; found by
+            scale, scaled = form  # review: without it ghost ran the unscaled form, its coverage lost)
+            _precision.mark_scaled_form(sum_loss, scale, lambda params, clip_norm, *rest: scaled(params, *rest) / clip_norm)
         sum_clip = 1.0
 
     def new_sum_fn(m: str) -> ClippedGradSum:
