@@ -322,6 +322,12 @@ def clipped_grad_sum(
     shape, at ``prepare`` or the first call; what changes later under the compiled graph only
     (a write made on later calls, a flag outside the arguments) is not seen. ``make_train_step``
     watches each compiled call and checks again whenever torch.compile traces anew: prefer it.
+    Every instance runs the same ``__call__`` code, so torch.compile keeps one cache entry per
+    instance there: compiling more than ``torch._dynamo.config.cache_size_limit`` (8) instances in
+    one process (a sweep over clip norms, say) hits its recompile limit (found by review);
+    ``make_train_step`` compiles a fresh function per step and is not limited so. Ghost drops a
+    sample whose norm overflows to inf as non-finite (inputs beyond about 1e19: ``inf * 0``) where
+    ``"vmap"`` may still compute a finite norm: safe, but the methods then differ.
     """
     call = "clipped_grad_sum(loss_fn)"
     if not callable(loss_fn):
