@@ -44,7 +44,7 @@ from vmapdp.audit import audit_epsilon_lower_bound
 from vmapdp.clipping import clip_and_sum
 from vmapdp.noise import add_noise
 from vmapdp.per_sample import per_sample_grads
-from vmapdp.train import TrainState, _step_seed
+from vmapdp.train import _step_key, noise_binding, step_config
 
 
 def mutant_train_step(loss_fn, optimizer, *, l2_clip_norm, noise_multiplier, expected_batch_size, sample_rate, compile=False, noise_scale=1.0, clip=True):
@@ -58,11 +58,14 @@ def mutant_train_step(loss_fn, optimizer, *, l2_clip_norm, noise_multiplier, exp
     def step(state, batch, mask, *shared):
         grads = grads_fn(state.params, *shared, batch, mask=mask)
         summed, _ = clip_and_sum(grads, l2_clip_norm if clip else math.inf, mask=mask)
-        gen = torch.Generator().manual_seed(_step_seed(state.noise_seed, state.step))
-        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, gen)
+        # vmapdp's own noise key (a keyed ChaCha20 stream bound to the run and the configuration)
+        config = step_config(l2_clip_norm=l2_clip_norm, noise_multiplier=noise_multiplier, expected_batch_size=expected_batch_size,
+                             sample_rate=sample_rate, method="vmap", optimizer=optimizer.config)
+        key = _step_key(state.noise_seed, state.step, noise_binding(state.run_id, config))
+        noisy = add_noise(summed, noise_scale * noise_multiplier * l2_clip_norm, key=key)
         update = {k: v / expected_batch_size for k, v in noisy.items()}
         params, opt_state = optimizer.update(update, state.opt_state, state.params)
-        return TrainState(params, opt_state, state.noise_seed, state.step + 1, state.ledger.append(event)), {}
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1, ledger=state.ledger.append(event)), {}
 
     return step
 
@@ -83,15 +86,16 @@ def true_epsilon(noise_multiplier: float, noise_scale: float, delta: float) -> f
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10x fewer trials")
+    parser.add_argument("--smoke", action="store_true", help="1000x fewer trials (that the script runs: tests/test_benchmarks_smoke.py)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    scale = 10 if args.quick else 1
+    scale = 1000 if args.smoke else 10 if args.quick else 1
     configs = [
         ("reference", dict(noise_multiplier=2.0, delta=1e-5, trials=1_000_000 // scale), list(STEPS)),
-        ("sharp", dict(noise_multiplier=1.0, delta=1e-2, trials=100_000 // scale), list(STEPS)),
-        ("literal", dict(noise_multiplier=1.0, delta=1e-2, trials=10_000 // scale, coordinates=1), ["vmapdp.make_train_step"]),
+        ("sharp", dict(noise_multiplier=1.0, delta=1e-2, trials=max(200, 100_000 // scale)), list(STEPS)),
+        ("literal", dict(noise_multiplier=1.0, delta=1e-2, trials=max(200, 10_000 // scale), coordinates=1), ["vmapdp.make_train_step"]),
     ]
     print(f"# vmapdp white-box audit, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {platform.processor() or platform.machine()}, threads {torch.get_num_threads()}")
     print(f"{'config':<10} {'step':<27} {'sigma':>5} {'delta':>6} {'trials/world':>12} {'eps_lb':>7} {'claimed':>7} {'true eps':>8}  {'verdict':<8} {'sec':>6}")
