@@ -16,7 +16,7 @@ from torch import Tensor
 from vmapdp.accounting import NonPrivateEvent, PoissonGaussianEvent
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, seeded
-from vmapdp.audit.stats import ks_normal, two_sided_p
+from vmapdp.audit.stats import chi2_two_sided_p, ks_normal, two_sided_p
 from vmapdp.noise.privatizers import is_correlated_state, noise_owner
 from vmapdp.noise.spent import unreleased
 
@@ -30,7 +30,10 @@ class NoiseReport:
     ``samples`` coordinates of the difference of two updates that differ only in their noise seed;
     ``expected_std = sqrt(2) * lr * noise_multiplier * l2_clip_norm / expected_batch_size``;
     ``std_ratio`` = measured std / expected std (1 when calibrated; 0.707 for noise off by sqrt(2)).
-    The three p-values (mean, variance, Kolmogorov-Smirnov) are each compared with ``alpha / 3``.
+    The three pooled p-values (mean, variance, Kolmogorov-Smirnov) and the correlation of this
+    step's noise with the next step's (``next_step_correlation``; NaN where not run) are each
+    compared with ``alpha / 5``; each tensor's variance (``worst_tensor``: the one with the
+    smallest p-value) with ``alpha / (5 * tensors)``.
     """
 
     passed: bool
@@ -46,6 +49,10 @@ class NoiseReport:
     ks_pvalue: float
     alpha: float
     message: str
+    worst_tensor: str = ""
+    worst_tensor_pvalue: float = 1.0
+    next_step_correlation: float = math.nan
+    next_step_pvalue: float = 1.0
 
     def __str__(self) -> str:
         return self.message
@@ -61,29 +68,45 @@ def _reseeded(state: Any, noise_seed: int) -> Any:
     return state
 
 
+def _pair_diff(step: Callable[..., Any], state: Any, batch: Any, mask: Tensor, shared: tuple, seeds: tuple[int, int] | None, seed: int,
+               devices: list[int]) -> tuple[dict[str, Tensor], Any]:
+    """Each float tensor's difference (float64, flat) of two runs of ``step`` from ``state`` under
+    the noise seeds ``seeds`` (None: a secure state, run twice), and the first run's state."""
+    s1, s2 = (state, state) if seeds is None else (_reseeded(state, seeds[0]), _reseeded(state, seeds[1]))
+    with unreleased():  # pairs of runs compared, thrown away (vmapdp.noise.spent)
+        a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
+        b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
+    pa, pb = params_of(a), params_of(b)
+    return {k: (pa[k].detach().to(torch.float64) - pb[k].detach().to(torch.float64)).flatten() for k in pa if is_float(pa[k])}, a
+
+
 def _noise_draws(
-    step: Callable[..., Any], state: Any, batch: Any, mask: Tensor, shared: tuple, *, pairs: int, seed: int, devices: list[int]
-) -> tuple[Tensor, Any]:
+    step: Callable[..., Any], state: Any, batch: Any, mask: Tensor, shared: tuple, *, pairs: int, seed: int, devices: list[int], across: bool
+) -> tuple[Tensor, dict[str, Tensor], Any, Tensor | None, str]:
     """The differences of ``pairs`` pairs of updates that differ only in their noise seed (float64,
-    flat), and the last event the first run wrote to its ledger (None if none)."""
+    flat), each tensor's part of them (by name), the last event the first run wrote to its ledger
+    (None if none); with ``across``, the same pairs' differences at the next step (each pair's two
+    runs from the first run's new state, under the same two seeds: its noise must be independent of
+    this step's), or None and why not."""
     secure = getattr(state, "noise_seed", 0) is None
-    diffs, recorded = [], None
+    diffs, nexts, recorded, by_tensor, why_not = [], [], None, {}, ""
     for r in range(pairs):
-        if secure:
-            s1 = s2 = state
-        else:
-            s1 = _reseeded(state, (seed * 1_000_003 + 2 * r + 1) % (1 << 62))
-            s2 = _reseeded(state, (seed * 1_000_003 + 2 * r + 2) % (1 << 62))
-        with unreleased():  # pairs of runs compared, thrown away (vmapdp.noise.spent)
-            a, _ = seeded(seed, devices, lambda: step(s1, batch, mask, *shared))
-            b, _ = seeded(seed, devices, lambda: step(s2, batch, mask, *shared))
-        pa, pb = params_of(a), params_of(b)
-        diffs.append(torch.cat([(pa[k].detach().to(torch.float64) - pb[k].detach().to(torch.float64)).flatten() for k in pa if is_float(pa[k])]))
+        seeds = None if secure else ((seed * 1_000_003 + 2 * r + 1) % (1 << 62), (seed * 1_000_003 + 2 * r + 2) % (1 << 62))
+        parts, a = _pair_diff(step, state, batch, mask, shared, seeds, seed, devices)
+        diffs.append(torch.cat(list(parts.values())))
+        for k, v in parts.items():
+            by_tensor.setdefault(k, []).append(v)
+        if across and not why_not:
+            try:
+                nexts.append(torch.cat(list(_pair_diff(step, a, batch, mask, shared, seeds, seed, devices)[0].values())))
+            except (ValueError, RuntimeError) as err:  # (a step bound to a sampler's position refuses a second step on one batch)
+                why_not = f"the step refused a second step on the same batch ({type(err).__name__}: {str(err)[:160]})"
         if recorded is None:
             ledger = getattr(a, "ledger", None)
             events = getattr(ledger, "events", ())
             recorded = events[-1] if events else None
-    return torch.cat(diffs), recorded
+    following = torch.cat(nexts) if across and not why_not else None
+    return torch.cat(diffs), {k: torch.cat(v) for k, v in by_tensor.items()}, recorded, following, why_not
 
 
 def _recorded_noise(call: str, recorded: Any) -> float:
@@ -115,6 +138,7 @@ def check_noise_calibration(
     min_samples: int = 20_000,
     seed: int = 0,
     raise_on_failure: bool = True,
+    across_steps: bool = True,
 ) -> NoiseReport:
     """Check that the step's noise is N(0, (noise_multiplier * l2_clip_norm / expected_batch_size)^2).
 
@@ -123,11 +147,18 @@ def check_noise_calibration(
     on the same batch. The clipped sums are identical, so the difference of the two new parameter
     vectors is pure noise: ``lr * (z1 - z2) / expected_batch_size`` with ``z ~ N(0, (sigma C)^2)``
     per coordinate, i.e. std ``sqrt(2) * lr * sigma * C / E[B]`` (plain SGD, first step). Pairs are
-    repeated until ``min_samples`` coordinates are collected, then three tests run, each at
-    ``alpha / 3`` (Bonferroni; false-alarm rate at most about ``alpha``): the mean is 0 (z-test),
-    the variance is the expected one (normal approximation of the sample variance), and the
-    distribution is that normal (Kolmogorov-Smirnov). With the default 20,000 samples a std off by
-    5% fails almost surely, one off by sqrt(2) always.
+    repeated until ``min_samples`` coordinates are collected, then three pooled tests run, each at
+    ``alpha / 5``: the mean is 0 (z-test), the variance is the expected one (normal approximation
+    of the sample variance), and the distribution is that normal (Kolmogorov-Smirnov); each
+    tensor's own variance is tested against it (its sum of squares against the exact chi-square
+    of its size) at ``alpha / (5 * tensors)``, so that a small tensor left out of the noise (a bias,
+    a norm's scale: no noise, or another std) fails too; and (``across_steps``) each pair is run
+    once more from the first run's new state under the same two seeds: the next step's noise must
+    be uncorrelated with this step's (z-test of the correlation at ``alpha / 5``; not for
+    correlated noise, and skipped, saying so, where the step refuses a second step on the same
+    batch, as one bound to a sampler's position does). Bonferroni over all: false-alarm rate at
+    most about ``alpha``. With the default 20,000 samples a std off by 5% fails almost surely, one
+    off by sqrt(2) always; a tensor with no noise at all fails whatever its size.
 
     Args:
         step, state, batch, mask, shared: as for :func:`check_sensitivity`.
@@ -158,7 +189,9 @@ def check_noise_calibration(
     per_pair = sum(v.numel() for v in params.values() if is_float(v))
     pairs = max(1, math.ceil(min_samples / per_pair))
     devices = rng_devices((params, batch))
-    x, recorded = _noise_draws(step, state, batch, mask, shared, pairs=pairs, seed=seed, devices=devices)
+    # (correlated noise is correlated across steps by design: the next step's check is for independent noise)
+    across = across_steps and not is_correlated_state(getattr(state, "noise_state", None))
+    x, by_tensor, recorded, following, why_not = _noise_draws(step, state, batch, mask, shared, pairs=pairs, seed=seed, devices=devices, across=across)
     if noise_multiplier is None:
         noise_multiplier = _recorded_noise(call, recorded)
     if not noise_multiplier > 0:
@@ -178,15 +211,37 @@ def check_noise_calibration(
     mean_p = two_sided_p(mean / (expected / math.sqrt(n)))
     var_p = two_sided_p((var / expected**2 - 1.0) / math.sqrt(2.0 / (n - 1)))
     ks_d, ks_p = ks_normal(x, expected)
-    each = alpha / 3.0
+    each = alpha / 5.0
     fails = [name for name, p in (("mean", mean_p), ("variance", var_p), ("Kolmogorov-Smirnov", ks_p)) if p < each]
+    # the next step's noise against this step's: a key that ignores the step (found by review: no check saw noise that
+    # repeated from one step to the next, whose difference then cancels it) gives a correlation near 1
+    corr, corr_p = math.nan, 1.0
+    if following is not None and following.numel() == n:
+        corr = float(torch.dot(x - x.mean(), following - following.mean()) / ((x - x.mean()).norm() * (following - following.mean()).norm()).clamp_min(1e-300))
+        corr_p = two_sided_p(corr * math.sqrt(n))
+        if corr_p < each:
+            fails.append("independence across steps")
+    # each tensor's own variance (its sum of squares against chi2 of its size): the pooled tests do not see a small
+    # tensor (a bias, a norm's scale) released with no noise or with the wrong std (found by review: a bias of 100
+    # of 20,100 coordinates left noiseless passed on every seed)
+    tensor_p = {k: chi2_two_sided_p(float((v / expected).square().sum()), v.numel()) for k, v in by_tensor.items()}
+    worst = min(tensor_p, key=tensor_p.get) if tensor_p else ""
+    per_tensor = alpha / (5.0 * max(1, len(tensor_p)))
+    if worst and tensor_p[worst] < per_tensor:
+        fails.append(f"variance of {worst!r}")
     passed = not fails
     ratio = measured / expected
     figures = (
         f"{n} noise coordinates from {pairs} pair(s) of runs: measured std {measured:.6g}, expected sqrt(2) * lr * "
         f"noise_multiplier * l2_clip_norm / expected_batch_size = sqrt(2) * {lr:g} * {noise_multiplier:g} * {l2_clip_norm:g} / "
         f"{expected_batch_size:g} = {expected:.6g} (ratio {ratio:.4f}); mean {mean:.3g} (p={mean_p:.3g}); variance "
-        f"p={var_p:.3g}; KS D={ks_d:.4f} (p={ks_p:.3g}); each test at alpha/3 = {each:.3g}"
+        f"p={var_p:.3g}; KS D={ks_d:.4f} (p={ks_p:.3g}); "
+        + (f"correlation with the next step's noise {corr:.3g} (p={corr_p:.3g}); " if not math.isnan(corr)
+           else f"the next step's noise not compared: {why_not or 'correlated noise, or across_steps=False'}; ")
+        + f"each test at alpha/5 = {each:.3g}"
+        + (f"; per tensor, the variance of {worst!r} ({by_tensor[worst].numel()} coordinates, std ratio "
+           f"{float(by_tensor[worst].square().mean().sqrt()) / expected:.4f}) has the smallest p={tensor_p[worst]:.3g}, "
+           f"against alpha/(5 * {len(tensor_p)} tensors) = {per_tensor:.3g}" if worst else "")
     )
     if passed:
         message = f"check_noise_calibration: passed: {figures}."
@@ -195,6 +250,11 @@ def check_noise_calibration(
             "noise std too small by about sqrt(2) (std drawn as sigma * C / sqrt(2), variance and std confused, or "
             "noise shared/halved across two terms)"
             if abs(ratio - 1 / math.sqrt(2)) < 0.05
+            else "the same noise at consecutive steps (a noise key or generator that ignores the step: the difference of "
+            "two releases cancels it)"
+            if "independence across steps" in fails
+            else f"a tensor noised with another std than the others ({worst!r}: left out of the noise, or given another scale)"
+            if fails == [f"variance of {worst!r}"]
             else "noise std off (sigma * C not used, divided by the realised instead of the expected batch size, or "
             "noise scaled before instead of after the sum)"
             if "variance" in fails or "Kolmogorov-Smirnov" in fails
@@ -219,6 +279,10 @@ def check_noise_calibration(
             ks_pvalue=ks_p,
             alpha=alpha,
             message=message,
+            worst_tensor=worst,
+            worst_tensor_pvalue=tensor_p.get(worst, 1.0),
+            next_step_correlation=corr,
+            next_step_pvalue=corr_p,
         ),
         raise_on_failure,
     )

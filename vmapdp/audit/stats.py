@@ -38,6 +38,15 @@ def ks_pvalue(d: float, n: int) -> float:
     return min(1.0, max(0.0, total))
 
 
+def chi2_two_sided_p(sum_of_squares: float, dof: int) -> float:
+    """Two-sided p-value of ``sum_of_squares`` against ``chi2(dof)`` (the sum of ``dof`` squared
+    standard normals): ``2 min(F, 1 - F)``, exact for any ``dof`` (regularised incomplete gamma)."""
+    k = torch.tensor(dof / 2.0, dtype=torch.float64)
+    x = torch.tensor(sum_of_squares / 2.0, dtype=torch.float64)
+    below, above = float(torch.special.gammainc(k, x)), float(torch.special.gammaincc(k, x))
+    return min(1.0, 2.0 * min(below, above))
+
+
 def ks_normal(x: Tensor, std: float) -> tuple[float, float]:
     """KS statistic and p-value of the sample ``x`` against N(0, std^2)."""
     n = x.numel()
