@@ -8,9 +8,11 @@ import dataclasses
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+import vmapdp
 import vmapdp.nn as vnn
 from vmapdp.errors import UnsupportedModuleError
 from vmapdp.validation import (
@@ -466,3 +468,22 @@ def test_explain_failure_returns_none_when_it_cannot_attribute():
     inplace = RuntimeError("vmap: inplace arithmetic(self, *extra_args) is not possible")
     assert explain_failure(clean_model(), inplace) is None  # nothing to blame statically
     assert explain_failure(conv_bn_model(), inplace) is not None
+
+
+def test_the_vmap_trial_runs_each_sample_as_a_batch_of_one():
+    """Found by review: the trial mapped over two copies of the whole example batch, while the
+    per-sample engine runs each sample as a batch of one: a custom module normalising with
+    F.batch_norm(training=True) passed validate, and every method raised."""
+
+    class BatchStats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
+
+        def forward(self, x):
+            return F.batch_norm(x, None, None, self.w, self.b, training=True)
+
+    problems = vmapdp.validate(nn.Sequential(nn.Linear(3, 4), BatchStats(), nn.Linear(4, 2)), torch.randn(8, 3))
+    assert [(p.path, p.kind) for p in problems] == [("1", "vmap_failure")]
+    assert "each a batch of one" in problems[0].reason and "more than 1 value per channel" in problems[0].reason
+    assert vmapdp.validate(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(8, 3)) == []

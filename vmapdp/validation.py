@@ -561,7 +561,17 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
             stacklevel=4,
         )
         return []
-    stacked = [torch.stack([leaves[i], leaves[i]]) for i in tensor_at]
+    # two samples, each a batch of one, as the per-sample engine runs the model (apply(p, b, x[None])):
+    # a trial on two copies of the whole batch missed what fails only on a batch of one (found by
+    # review: a custom module calling F.batch_norm(training=True) passed, and every method raised).
+    # Tensors whose leading dim is the batch's are cut to rows 0 and 1; the others (a shared mask)
+    # are given whole to both.
+    rows = leaves[tensor_at[0]].shape[0] if leaves[tensor_at[0]].dim() >= 1 else 0
+    stacked = [
+        torch.stack([leaves[i][:1], leaves[i][min(1, rows - 1) : min(1, rows - 1) + 1]])
+        if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows else torch.stack([leaves[i], leaves[i]])
+        for i in tensor_at
+    ]
 
     def loss(params, batched):
         filled = list(leaves)
@@ -613,8 +623,8 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
         if path is not None and path not in flagged:
             problems.append(Problem(
                 path, types.get(path, type(work).__name__), VMAP_FAILURE,
-                f"torch.func.vmap(torch.func.grad(...)) over two copies of the example inputs "
-                f"failed {place} with {type(exc).__name__}: {_first_line(exc)}",
+                f"torch.func.vmap(torch.func.grad(...)) over two samples of the example inputs, each a "
+                f"batch of one as the per-sample engine runs them, failed {place} with {type(exc).__name__}: {_first_line(exc)}",
                 _HF_FIX if _from_transformers(work) and "attention_mask" in kwargs else _VMAP_FAILURE_FIX,
             ))
             flagged.add(path)
