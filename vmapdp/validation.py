@@ -511,9 +511,10 @@ def _dynamic_problems(
         if buffers:
             problems.append(Problem(
                 path, types[path], BUFFER_UPDATE,
-                f"its forward pass changes buffer(s) {_names(buffers)}: state computed from the "
-                "inputs leaves the training step without noise (a privacy leak), and in-place "
-                "buffer updates fail under torch.func.vmap/grad",
+                f"its forward pass changes buffer(s) {_names(buffers)}: in-place buffer updates fail "
+                "under torch.func.vmap/grad, and state computed from the inputs would leave the training "
+                "step without noise (a privacy leak; state computed from the weights alone, as "
+                "spectral_norm's power iteration, is not one)",
                 "keep state out of the forward pass: compute it outside the private step (from "
                 "public data, or privatized), or pass it in and return it explicitly; for "
                 "normalization statistics use GroupNorm or LayerNorm",
