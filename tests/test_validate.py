@@ -487,3 +487,15 @@ def test_the_vmap_trial_runs_each_sample_as_a_batch_of_one():
     assert [(p.path, p.kind) for p in problems] == [("1", "vmap_failure")]
     assert "each a batch of one" in problems[0].reason and "more than 1 value per channel" in problems[0].reason
     assert vmapdp.validate(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(8, 3)) == []
+
+    class Masked(nn.Module):  # a shared [T, T] mask: with T equal to the batch size it was cut as a sample (found by review)
+        def __init__(self):
+            super().__init__()
+            self.fc, self.mha = nn.Linear(6, 8), nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, mask):
+            h = self.fc(x)
+            return self.mha(h, h, h, attn_mask=mask, need_weights=False)[0].sum(1)
+
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    assert [p.kind for p in vmapdp.validate(Masked(), torch.randn(5, 5, 6), causal) if p.kind == "vmap_failure"] == []

@@ -562,17 +562,29 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
             stacklevel=4,
         )
         return []
-    # two samples, each a batch of one, as the per-sample engine runs the model (apply(p, b, x[None])):
-    # a trial on two copies of the whole batch missed what fails only on a batch of one (found by
-    # review: a custom module calling F.batch_norm(training=True) passed, and every method raised).
-    # Tensors whose leading dim is the batch's are cut to rows 0 and 1; the others (a shared mask)
-    # are given whole to both.
-    rows = leaves[tensor_at[0]].shape[0] if leaves[tensor_at[0]].dim() >= 1 else 0
-    stacked = [
-        torch.stack([leaves[i][:1], leaves[i][min(1, rows - 1) : min(1, rows - 1) + 1]])
-        if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows else torch.stack([leaves[i], leaves[i]])
-        for i in tensor_at
-    ]
+    # first two copies of the whole batch (what shares no tensor wrongly); then, where that ran, two
+    # samples each a batch of one, as the per-sample engine runs the model (apply(p, b, x[None])): the
+    # first alone missed what fails only on a batch of one (found by review: a custom module calling
+    # F.batch_norm(training=True) passed, and every method raised). There the tensors whose leading dim
+    # is the batch's (that of the first positional tensor) are cut to rows 0 and 1, the others given whole.
+    whole = [torch.stack([leaves[i], leaves[i]]) for i in tensor_at]
+    firsts = [leaf for leaf in optree.tree_leaves(args) if isinstance(leaf, torch.Tensor)] or [leaves[tensor_at[0]]]
+    rows = firsts[0].shape[0] if firsts[0].dim() >= 1 else 0
+
+    def cut(which) -> list:
+        return [torch.stack([leaves[i][:1], leaves[i][1:2]]) if which(i) else whole[k] for k, i in enumerate(tensor_at)]
+
+    # (a shared tensor whose leading dim happens to be the batch's, a [T, T] mask with T = B, is cut
+    # too: where that fails, the trial is repeated with the first positional tensor alone cut, and a
+    # failure is reported only if both fail; found by review)
+    batched = [i for i in tensor_at if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows]
+    first = next((i for i in tensor_at if leaves[i] is firsts[0]), tensor_at[0])
+    trials = [(whole, "two copies of the example inputs", None)]
+    if batched:
+        trials.append((cut(lambda i: i in batched), (
+            "two samples of the example inputs, each a batch of one as the per-sample engine runs them (the "
+            f"tensors whose leading dim is the batch's, {rows}, cut to one row)"
+        ), cut(lambda i: i == first) if batched != [first] else None))
 
     def loss(params, batched):
         filled = list(leaves)
@@ -609,26 +621,37 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
         handles.append(m.register_forward_hook(pop))
     problems = []
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(
-                trainable, stacked
-            )
-    except Exception as exc:
-        path = where()
-        if path is None and not flagged:
-            path, place = "", "outside any submodule's forward (in the loss or the backward pass)"
-        else:
-            place = "in this module's forward"
-        if path is not None and path not in flagged:
-            problems.append(Problem(
-                path, types.get(path, type(work).__name__), VMAP_FAILURE,
-                f"torch.func.vmap(torch.func.grad(...)) over two samples of the example inputs, each a "
-                f"batch of one as the per-sample engine runs them, failed {place} with {type(exc).__name__}: {_first_line(exc)}",
-                _HF_FIX if _from_transformers(work) and "attention_mask" in kwargs else _VMAP_FAILURE_FIX,
-            ))
-            flagged.add(path)
+        def attempt(stacked) -> tuple[Exception, Optional[str]] | None:
+            """None if the trial ran; else what it raised and the module running then."""
+            running.clear()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = record
+                    torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(trainable, stacked)
+            except Exception as exc:
+                return exc, where()
+            return None
+
+        for stacked, over, fallback in trials:
+            failed = attempt(stacked)
+            if failed is not None and fallback is not None and attempt(fallback) is None:
+                failed = None  # (the first positional tensor alone cut ran: a shared tensor had been cut)
+            if failed is None:
+                continue
+            exc, path = failed
+            if path is None and not flagged:
+                path, place = "", "outside any submodule's forward (in the loss or the backward pass)"
+            else:
+                place = "in this module's forward"
+            if path is not None and path not in flagged:
+                problems.append(Problem(
+                    path, types.get(path, type(work).__name__), VMAP_FAILURE,
+                    f"torch.func.vmap(torch.func.grad(...)) over {over} failed {place} with {type(exc).__name__}: {_first_line(exc)}",
+                    _HF_FIX if _from_transformers(work) and "attention_mask" in kwargs else _VMAP_FAILURE_FIX,
+                ))
+                flagged.add(path)
+            break  # (the next trial only where this one ran)
     finally:
         for handle in handles:
             handle.remove()
