@@ -952,6 +952,12 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0, sharding=per_use, method="ghost")
         with pytest.raises(ValueError, match=r"method='auto' with Sharding\(unshard='use'\).*Name the method"):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0, sharding=per_use, compile=False)
+        # an optimizer whose update of a coordinate reads others cannot update slices (found by review: Adafactor)
+        with pytest.raises(ValueError, match=r"from_torch\[torch.optim.Adafactor\] is not known to be one.*Use vmapdp.optim's sgd"):
+            vmapdp.make_train_step(loss_fn, vmapdp.optim.from_torch(torch.optim.Adafactor), l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q,
+                                   expected_batch_size=12.0, sharding=sharding, compile=False)
+        vmapdp.make_train_step(loss_fn, vmapdp.optim.from_torch(torch.optim.RMSprop, lr=0.1), l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q,
+                               expected_batch_size=12.0, sharding=sharding, compile=False)
         with pytest.raises(ValueError, match="has no bind hook that takes offsets=.*Leave privatizer=None"):
             vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=Q, expected_batch_size=12.0,
                                    sharding=sharding, privatizer=vmapdp.noise.gaussian_privatizer(1.0))

@@ -68,6 +68,15 @@ class Optimizer(NamedTuple):
     init: Callable[[Params], Any]
     update: Callable[[Grads, Any, Params], tuple[dict[str, Tensor], Any]]
     config: str = ""  # its name and hyperparameters, canonically (bound into a DP step's noise keys)
+    elementwise: bool = True  # each coordinate's update reads that coordinate alone (a sharded step updates slices)
+
+
+# torch optimizers whose update of a coordinate reads that coordinate (and its own state) alone; a
+# sharded step (vmapdp.sharding) updates each rank's slice, which only such an optimizer allows
+_ELEMENTWISE = frozenset(
+    getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
+    if hasattr(torch.optim, name)
+)
 
 
 def optimizer_config(name: str, hyper: Mapping[str, Any]) -> str:
@@ -607,4 +616,7 @@ def from_torch(optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> Opt
         new_state = {k: _copy_entry(after.get(i, {})) for i, k in enumerate(names)}
         return {k: leaf.detach() for k, leaf in zip(names, leaves)}, TorchOptimizerState(new_state)
 
-    return Optimizer(init=init, update=update, config=optimizer_config(f"from_torch[{optimizer_cls.__module__}.{optimizer_cls.__qualname__}]", kwargs))
+    return Optimizer(
+        init=init, update=update, config=optimizer_config(f"from_torch[{optimizer_cls.__module__}.{optimizer_cls.__qualname__}]", kwargs),
+        elementwise=optimizer_cls in _ELEMENTWISE,
+    )

@@ -1090,6 +1090,16 @@ def make_train_step(
         adaptive_clipping.check_step(call, noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, rule=rule)
     if sharding is not None:
         _checks.sharding(call, sharding, privatizer=privatizer, method=method, compile=compile)
+        if not getattr(optimizer, "elementwise", True):
+            # (found by review: from_torch(torch.optim.Adafactor), which scales by each param's RMS, updated the 1-D
+            # shards with their own statistics, 0.116 off one process's params after 3 steps; an empty shard raised
+            # after the noise on some ranks only)
+            raise ValueError(
+                f"{call}: sharding= updates each rank's slice of every param, which only an element-wise optimizer allows, "
+                f"and {optimizer.config.split('(')[0] or 'this optimizer'} is not known to be one (its update of a coordinate "
+                "may read others: a param's norm or RMS, row and column moments). Use vmapdp.optim's sgd, adam or adamw, or "
+                "from_torch of SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD or Rprop."
+            )
         distributed = True  # data-parallel with sharded state
     if distributed:
         _dist.require_initialized(call)
