@@ -661,6 +661,11 @@ class ClippedGradSum:
             raise explain_runtime_error(_CALL, err) from err
         if self.nonfinite == "raise":
             released_rows(norms, mask, self.nonfinite, _CALL)
+        # a param wider than the dtype it is used in (float64 cast to float32 by the model) gets its sum in its own
+        # dtype, as vmap and two_pass give it (found by review: ghost's float32 sum met a float64 zero sum of a rank
+        # without rows in the reduce-scatter, and correlated noise refused the float64 buffer)
+        wider = {k: torch.promote_types(v.dtype, params[k].dtype) for k, v in summed.items() if k in params and params[k].is_floating_point()}
+        summed = {k: v.to(wider[k]) if k in wider and v.dtype != wider[k] else v for k, v in summed.items()}
         return summed, norms, losses
 
     @property
