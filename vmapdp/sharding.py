@@ -20,7 +20,9 @@ Equal to one process: the noise of a shard is the slice of the single-process no
 step key, the leaf's index in the flattened params tree as its stream, the shard's global start
 as the element offset: :func:`vmapdp.noise.keyed_normal` regenerates any element range bit for
 bit), the sum over ranks is a sum (only its order differs), and the optimizers of
-:mod:`vmapdp.optim` are element-wise, so updating a shard is the slice of the full update. The
+:mod:`vmapdp.optim` are element-wise, so updating a shard is the slice of the full update (a
+``from_torch`` optimizer not known to be element-wise, Adafactor say, is refused:
+``Optimizer.elementwise``). The
 run id is that of the full initial params, so the noise keys, the ledger and epsilon are those of
 the unsharded run. Correlated noise (:func:`vmapdp.mf.correlated_noise`) is bound with the same
 offsets: each owner keeps the streaming buffers of its shards only and runs the element-wise
