@@ -1441,14 +1441,15 @@ def test_a_param_wider_than_its_use_gets_its_sum_in_its_own_dtype_as_under_vmap(
     vmap in float64; a sharded rank without rows then met it with a float64 zero sum in the
     reduce-scatter (gloo aborted), and correlated noise refused the float64 buffer."""
     g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(3, 4, dtype=torch.float64, generator=g), "v": torch.randn(2, 3, generator=g)}
+    params = {"w": torch.randn(3, 4, dtype=torch.float64, generator=g), "b": torch.randn(3, dtype=torch.float64, generator=g),
+              "v": torch.randn(2, 3, generator=g)}
 
     def loss_fn(p, sample):
         x, y = sample
-        return F.cross_entropy(F.linear(torch.tanh(F.linear(x, p["w"].to(x.dtype))), p["v"])[None], y[None])
+        return F.cross_entropy(F.linear(torch.tanh(F.linear(x, p["w"].to(x.dtype), p["b"].to(x.dtype))), p["v"])[None], y[None])
 
     batch = (torch.randn(5, 4, generator=g), torch.randint(0, 2, (5,), generator=g))
     sums = {m: vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=0.5, method=m)(params, batch)[0] for m in ("vmap", "ghost")}
-    assert {k: v.dtype for k, v in sums["ghost"].items()} == {k: v.dtype for k, v in sums["vmap"].items()} == {"w": torch.float64, "v": torch.float32}
+    assert {k: v.dtype for k, v in sums["ghost"].items()} == {k: v.dtype for k, v in sums["vmap"].items()} == {"w": torch.float64, "b": torch.float64, "v": torch.float32}
     for k in params:
         torch.testing.assert_close(sums["ghost"][k], sums["vmap"][k], rtol=1e-5, atol=1e-6, check_dtype=False)

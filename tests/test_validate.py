@@ -499,3 +499,14 @@ def test_the_vmap_trial_runs_each_sample_as_a_batch_of_one():
 
     causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
     assert [p.kind for p in vmapdp.validate(Masked(), torch.randn(5, 5, 6), causal) if p.kind == "vmap_failure"] == []
+
+    class TwoInputs(Masked):  # ... and beside a second per-sample input (found by review of the fix)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(12, 8)
+
+        def forward(self, x, y, mask):
+            h = self.fc(torch.cat([x, y], -1))
+            return self.mha(h, h, h, attn_mask=mask, need_weights=False)[0].sum(1)
+
+    assert [p.kind for p in vmapdp.validate(TwoInputs(), torch.randn(5, 5, 6), torch.randn(5, 5, 6), causal) if p.kind == "vmap_failure"] == []

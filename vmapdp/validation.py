@@ -575,16 +575,21 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
         return [torch.stack([leaves[i][:1], leaves[i][1:2]]) if which(i) else whole[k] for k, i in enumerate(tensor_at)]
 
     # (a shared tensor whose leading dim happens to be the batch's, a [T, T] mask with T = B, is cut
-    # too: where that fails, the trial is repeated with the first positional tensor alone cut, and a
-    # failure is reported only if both fail; found by review)
+    # too: where that fails, the trial is repeated with each other such tensor in turn left whole (up
+    # to 4), then with the first positional tensor alone cut, and a failure is reported only if all
+    # fail; found by review)
     batched = [i for i in tensor_at if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows]
     first = next((i for i in tensor_at if leaves[i] is firsts[0]), tensor_at[0])
-    trials = [(whole, "two copies of the example inputs", None)]
+    trials = [(whole, "two copies of the example inputs", [])]
     if batched:
+        others = [j for j in batched if j != first]
+        fallbacks = [cut(lambda i, j=j: i in batched and i != j) for j in others[:4]]
+        if len(others) > 1:
+            fallbacks.append(cut(lambda i: i == first))
         trials.append((cut(lambda i: i in batched), (
             "two samples of the example inputs, each a batch of one as the per-sample engine runs them (the "
             f"tensors whose leading dim is the batch's, {rows}, cut to one row)"
-        ), cut(lambda i: i == first) if batched != [first] else None))
+        ), fallbacks))
 
     def loss(params, batched):
         filled = list(leaves)
@@ -635,8 +640,8 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
 
         for stacked, over, fallback in trials:
             failed = attempt(stacked)
-            if failed is not None and fallback is not None and attempt(fallback) is None:
-                failed = None  # (the first positional tensor alone cut ran: a shared tensor had been cut)
+            if failed is not None and any(attempt(alternative) is None for alternative in fallback):
+                failed = None  # (it ran with a tensor left whole: a shared tensor had been cut)
             if failed is None:
                 continue
             exc, path = failed
