@@ -359,6 +359,37 @@ def test_sampler_catches_a_rate_other_than_the_reported_one():
         check_sampler(sampler, steps=1000, alpha=ALPHA, sample_rate=0.02)
 
 
+class FavouringPoisson(PoissonSampler):
+    """Mutant: Poisson sampling that draws example 0 at twice the rate."""
+
+    def sample(self):
+        idx, mask = super().sample()
+        if 0 not in idx[mask].tolist() and torch.rand((), generator=self.generator) < self.sample_rate:
+            free = int((~mask).nonzero()[0]) if bool((~mask).any()) else None
+            if free is not None:
+                idx, mask = idx.clone(), mask.clone()
+                idx[free], mask[free] = 0, True
+        return idx, mask
+
+
+def test_sampler_catches_one_example_drawn_at_twice_the_rate():
+    """Found by review: the dispersion test sums over all examples and missed one favoured example
+    (1 of 1000 at rate 0.2 for 0.1); the most and least drawn examples are tested too."""
+    sampler = FavouringPoisson(1000, 0.1, generator=torch.Generator().manual_seed(0), capacity=200)
+    with pytest.raises(PrivacyCheckError, match=r"most / least drawn example.*drawn at another rate"):
+        check_sampler(sampler, steps=1000, alpha=ALPHA)
+
+
+def test_binomial_tails_match_scipy():
+    from vmapdp.audit.sampler import _binomial_tail
+
+    for k, s, q in ((150, 1000, 0.1), (200, 1000, 0.1), (60, 1000, 0.1), (3, 50, 0.02), (0, 1000, 0.01)):
+        if k > s * q:
+            assert _binomial_tail(k, s, q, upper=True) == pytest.approx(stats.binom.sf(k - 1, s, q), rel=1e-9)
+        if k < s * q:
+            assert _binomial_tail(k, s, q, upper=False) == pytest.approx(stats.binom.cdf(k, s, q), rel=1e-9)
+
+
 # ---------------------------------------------------------------- ledger
 
 
