@@ -89,17 +89,15 @@ def _noise_draws(
     runs from the first run's new state, under the same two seeds: its noise must be independent of
     this step's), each tensor's part, or None and why not."""
     secure = getattr(state, "noise_seed", 0) is None
-    diffs, nexts, recorded, by_tensor, next_by_tensor, why_not = [], [], None, {}, {}, ""
+    recorded, by_tensor, next_by_tensor, why_not = None, {}, {}, ""
     for r in range(pairs):
         seeds = None if secure else ((seed * 1_000_003 + 2 * r + 1) % (1 << 62), (seed * 1_000_003 + 2 * r + 2) % (1 << 62))
         parts, a = _pair_diff(step, state, batch, mask, shared, seeds, seed, devices)
-        diffs.append(torch.cat(list(parts.values())))
         for k, v in parts.items():
             by_tensor.setdefault(k, []).append(v)
         if across and not why_not:
             try:
                 following = _pair_diff(step, a, batch, mask, shared, seeds, seed, devices)[0]
-                nexts.append(torch.cat(list(following.values())))
                 for k, v in following.items():
                     next_by_tensor.setdefault(k, []).append(v)
             except (ValueError, RuntimeError) as err:  # (a step bound to a sampler's position refuses a second step on one batch)
@@ -109,7 +107,9 @@ def _noise_draws(
             events = getattr(ledger, "events", ())
             recorded = events[-1] if events else None
     following = {k: torch.cat(v) for k, v in next_by_tensor.items()} if across and not why_not else None
-    return torch.cat(diffs), {k: torch.cat(v) for k, v in by_tensor.items()}, recorded, following, why_not
+    by_tensor = {k: torch.cat(v) for k, v in by_tensor.items()}
+    # (the pooled draws in the tensors' order: the pooled tests do not depend on the order)
+    return torch.cat(list(by_tensor.values())), by_tensor, recorded, following, why_not
 
 
 def _correlation(a: Tensor, b: Tensor) -> float:
@@ -227,7 +227,7 @@ def check_noise_calibration(
     # correlation near 1, in the tensors it touches
     corr, corr_p, tensor_corr = math.nan, 1.0, {}
     if following is not None and set(following) == set(by_tensor):
-        corr = _correlation(torch.cat(list(by_tensor.values())), torch.cat([following[k] for k in by_tensor]))  # (in one order)
+        corr = _correlation(x, torch.cat([following[k] for k in by_tensor]))  # (x is in the tensors' order too)
         corr_p = two_sided_p(corr * math.sqrt(n))
         if corr_p < each:
             fails.append("independence across steps")
