@@ -578,15 +578,15 @@ def _vmap_trial(work, args, kwargs, paths, types, flagged) -> list[Problem]:
     # too: where that fails, the trial is repeated with each other such tensor in turn left whole (up
     # to 4), then with the first positional tensor alone cut, and a failure is reported only if all
     # fail; found by review)
-    batched = [i for i in tensor_at if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows]
+    row_tensors = [i for i in tensor_at if rows > 1 and leaves[i].dim() >= 1 and leaves[i].shape[0] == rows]
     first = next((i for i in tensor_at if leaves[i] is firsts[0]), tensor_at[0])
     trials = [(whole, "two copies of the example inputs", [])]
-    if batched:
-        others = [j for j in batched if j != first]
-        fallbacks = [cut(lambda i, j=j: i in batched and i != j) for j in others[:4]]
+    if row_tensors:
+        others = [j for j in row_tensors if j != first]
+        fallbacks = [cut(lambda i, j=j: i in row_tensors and i != j) for j in others[:4]]
         if len(others) > 1:
             fallbacks.append(cut(lambda i: i == first))
-        trials.append((cut(lambda i: i in batched), (
+        trials.append((cut(lambda i: i in row_tensors), (
             "two samples of the example inputs, each a batch of one as the per-sample engine runs them (the "
             f"tensors whose leading dim is the batch's, {rows}, cut to one row)"
         ), fallbacks))
