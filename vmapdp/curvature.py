@@ -120,11 +120,16 @@ def _check_nargs(call: str, args: tuple, n_batched: int, form: str) -> None:
     _checks.no_dtensor(call, args[0])  # (FSDP2 shards from functionalize: refused with the fix)
 
 
+def _standardized(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
+    """``x`` centred and scaled to unit (biased) variance over ``dims``, as the norm layers do."""
+    centred = x - x.mean(dims, keepdim=True)
+    return centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+
+
 def _layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5,
                 cudnn_enable: bool = False) -> Tensor:
     dims = tuple(range(-len(tuple(normalized_shape)), 0)) if not isinstance(normalized_shape, int) else (-1,)
-    centred = x - x.mean(dims, keepdim=True)
-    y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+    y = _standardized(x, dims, eps)
     y = y if weight is None else y * weight
     return y if bias is None else y + bias
 
@@ -139,9 +144,7 @@ def _instance_norm(x: Tensor, running_mean: Tensor | None = None, running_var: T
                 "in the forward, which a curvature transform would repeat for every derivative. Put the model in eval "
                 "mode (model.eval()) or build the norm without track_running_stats."
             )
-        dims = tuple(range(2, x.dim()))
-        centred = x - x.mean(dims, keepdim=True)
-        y = centred * torch.rsqrt(centred.square().mean(dims, keepdim=True) + eps)
+        y = _standardized(x, tuple(range(2, x.dim())), eps)
     else:
         y = (x - running_mean.reshape(shape)) * torch.rsqrt(running_var.reshape(shape) + eps)
     y = y if weight is None else y * weight.reshape(shape)
