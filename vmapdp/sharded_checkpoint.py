@@ -65,9 +65,14 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
-    done = [d for d in os.listdir(root) if d.startswith("step-") and d[5:].isdigit() and os.path.isfile(os.path.join(root, d, _META))]
+    done = [d for d in os.listdir(root) if _saved_step(d) is not None and os.path.isfile(os.path.join(root, d, _META))]
     # by the step's number: past step 10**9 the names outgrow their 9 digits and no longer sort as text (found by review)
-    return os.path.join(root, max(done, key=lambda d: int(d[5:]))) if done else None
+    return os.path.join(root, max(done, key=_saved_step)) if done else None
+
+
+def _saved_step(name: str) -> int | None:
+    """The step of a ``checkpoint_path`` directory name, or None (another name, or a ``.tmp-`` one)."""
+    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
 def _check_nothing_later(call: str, path: str, step: int) -> None:
@@ -77,10 +82,10 @@ def _check_nothing_later(call: str, path: str, step: int) -> None:
     and the resumed run released the lost step again)."""
     root = os.path.dirname(path)
     for name in sorted(os.listdir(root)):
-        head = name.split(_TMP)[0]
-        if head.startswith("step-") and head[5:].isdigit() and int(head[5:]) > step and os.path.join(root, name) != path:
+        later = _saved_step(name.split(_TMP)[0])
+        if later is not None and later > step and os.path.join(root, name) != path:
             raise ValueError(
-                f"{call}: saved_after_last_step=True, but {os.path.join(root, name)} is a save of step {int(head[5:])}, "
+                f"{call}: saved_after_last_step=True, but {os.path.join(root, name)} is a save of step {later}, "
                 f"after this checkpoint's step {step} ({'interrupted' if _TMP in name else 'complete'}): steps after this checkpoint were "
                 "computed, and a resumed run would release them again. Resume from the later save, or, if nothing of those steps was "
                 "released, remove it first. Nothing was loaded."
