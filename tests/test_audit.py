@@ -381,13 +381,13 @@ def test_sampler_catches_one_example_drawn_at_twice_the_rate():
 
 
 def test_binomial_tails_match_scipy():
-    from vmapdp.audit.sampler import _binomial_tail
+    from vmapdp.audit.stats import binomial_tail
 
     for k, s, q in ((150, 1000, 0.1), (200, 1000, 0.1), (60, 1000, 0.1), (3, 50, 0.02), (0, 1000, 0.01)):
         if k > s * q:
-            assert _binomial_tail(k, s, q, upper=True) == pytest.approx(stats.binom.sf(k - 1, s, q), rel=1e-9)
+            assert binomial_tail(k, s, q, upper=True) == pytest.approx(stats.binom.sf(k - 1, s, q), rel=1e-9)
         if k < s * q:
-            assert _binomial_tail(k, s, q, upper=False) == pytest.approx(stats.binom.cdf(k, s, q), rel=1e-9)
+            assert binomial_tail(k, s, q, upper=False) == pytest.approx(stats.binom.cdf(k, s, q), rel=1e-9)
 
 
 # ---------------------------------------------------------------- ledger

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vmapdp._tree import check_mask
 from vmapdp.audit.report import finish
-from vmapdp.audit.stats import two_sided_p
+from vmapdp.audit.stats import binomial_tail, two_sided_p
 
 __all__ = ["SamplerReport", "check_sampler"]
 
@@ -71,24 +71,8 @@ def _poisson_pvalues(n: int, q: float, s: int, mean: float, var: float, counts: 
     # example of 1000 drawn at twice the rate passed every time)
     top, bottom = int(counts.max()), int(counts.min())
     # (each side's p-value n * tail, the smaller of the two doubled: Bonferroni over the two sides)
-    pvalues["most / least drawn example"] = min(1.0, 2.0 * n * min(_binomial_tail(top, s, q, upper=True), _binomial_tail(bottom, s, q, upper=False)))
+    pvalues["most / least drawn example"] = min(1.0, 2.0 * n * min(binomial_tail(top, s, q, upper=True), binomial_tail(bottom, s, q, upper=False)))
     return pvalues, dispersion_z
-
-
-def _binomial_tail(k: int, s: int, q: float, *, upper: bool) -> float:
-    """``P(X >= k)`` (``upper``) or ``P(X <= k)`` for ``X ~ Binomial(s, q)``, summed exactly from
-    ``k`` away from the mean (1 where ``k`` is on the mean's side: a bound, not the tail)."""
-    if (upper and k <= s * q) or (not upper and k >= s * q):
-        return 1.0
-    log_q, log_1q = math.log(q), math.log1p(-q)
-    total, j = 0.0, k
-    while 0 <= j <= s:
-        term = math.exp(math.lgamma(s + 1) - math.lgamma(j + 1) - math.lgamma(s - j + 1) + j * log_q + (s - j) * log_1q)
-        total += term
-        if term < 1e-18 * total or term == 0.0:
-            break
-        j += 1 if upper else -1
-    return min(1.0, total)
 
 
 def _likely_causes(fails: list[str], q: float, too_even: bool, dispersion_z: float, bad_indices: bool) -> list[str]:

@@ -1,7 +1,7 @@
 """Small statistics in plain math/torch for the checks (scipy is not a runtime dependency).
 
 Two-sided normal p-values, the one-sample Kolmogorov-Smirnov test against N(0, std^2), and the
-exact Clopper-Pearson upper bound on a binomial proportion.
+exact Clopper-Pearson upper bound on a binomial proportion, and exact binomial tails.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["two_sided_p", "ks_pvalue", "ks_normal", "clopper_pearson_upper"]
+__all__ = ["two_sided_p", "ks_pvalue", "ks_normal", "clopper_pearson_upper", "binomial_tail"]
 
 
 def two_sided_p(z: float) -> float:
@@ -96,3 +96,19 @@ def clopper_pearson_upper(successes: int, trials: int, beta: float) -> float:
         else:
             hi = mid
     return math.exp(hi)
+
+
+def binomial_tail(k: int, s: int, q: float, *, upper: bool) -> float:
+    """``P(X >= k)`` (``upper``) or ``P(X <= k)`` for ``X ~ Binomial(s, q)``, summed exactly from
+    ``k`` away from the mean (1 where ``k`` is on the mean's side: a bound, not the tail)."""
+    if (upper and k <= s * q) or (not upper and k >= s * q):
+        return 1.0
+    log_q, log_1q = math.log(q), math.log1p(-q)
+    total, j = 0.0, k
+    while 0 <= j <= s:
+        term = math.exp(math.lgamma(s + 1) - math.lgamma(j + 1) - math.lgamma(s - j + 1) + j * log_q + (s - j) * log_1q)
+        total += term
+        if term < 1e-18 * total or term == 0.0:
+            break
+        j += 1 if upper else -1
+    return min(1.0, total)
