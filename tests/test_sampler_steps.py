@@ -126,20 +126,38 @@ def test_ambiguous_or_missing_schemes_are_refused():
 def test_a_batch_no_sampling_of_the_charged_size_could_draw_is_refused():
     """Found by review: with a sampler given for its events only the step took the whole dataset
     every step and charged it at the sampler's rate. Without a draw to compare with, the real rows
-    must be at most E + 10 sqrt(E) + 20 for the sampler's E (false alarm < 1e-17)."""
+    must be at most E + 10 sqrt(E) + 20 for the sampler's E (false alarm < 1e-17), and a size the
+    sampler can draw (found by review: 50 rows were charged as a FixedSizeSampler's 8, 50 as a
+    TruncatedPoissonSampler's capped 36, and a PoissonSampler(40, 0.2)'s whole dataset passed the
+    bound): a fixed-size sampler's sizes, a cap, and a binomial draw's exact tail at 1e-17."""
+    from scipy import stats
+
     params, buffers, _, loss_fn = problem()
     g = torch.Generator().manual_seed(3)
     big = (torch.randn(200, 3, generator=g), torch.randint(0, 2, (200,), generator=g))
     state = vmapdp.init_train_state(params, optim.sgd(0.1), seed=0)
-    events_only = FixedSizeSampler(200, 10, generator=torch.Generator().manual_seed(0))
-    for how in (dict(sampler=events_only),):  # (sample_rate= alone: not checked, its dataset size is unknown)
-        step = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, expected_batch_size=10.0, compile=False, **how)
-        with pytest.raises(ValueError, match=r"the batch has 200 real rows but the step charges a sampling of expected batch size 10 \(more than 61 rows"):
-            step(state, big, torch.ones(200, dtype=torch.bool), buffers)
-        # the largest plausible batch steps (61 rows: the bound is 10 + 10 sqrt(10) + 20 = 61.6)
-        rows = _first_rows(big, 61)
-        new, metrics = step(state, rows, torch.ones(61, dtype=torch.bool), buffers)
-        assert int(metrics["batch_size"]) == 61 and new.step == 1
+
+    def step(sampler, rows):  # (sample_rate= alone: not checked, its dataset size is unknown)
+        fn = vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=NOISE, sampler=sampler, compile=False, method="vmap")
+        new, metrics = fn(state, _first_rows(big, rows), torch.ones(rows, dtype=torch.bool), buffers)
+        assert int(metrics["batch_size"]) == rows and new.step == 1
+
+    poisson = PoissonSampler(200, 0.05, key=b"events-only")  # E = 10
+    with pytest.raises(ValueError, match=r"the batch has 200 real rows but the step charges PoissonSampler of expected batch size 10 \(more than 61 rows"):
+        step(poisson, 200)
+    # the binomial tail: the first size drawn with probability below 1e-17 is refused, the one before steps
+    first = next(k for k in range(11, 62) if stats.binom.sf(k - 1, 200, 0.05) < 1e-17)
+    with pytest.raises(ValueError, match=rf"\({first} or more of its 200 examples are drawn with probability \d"):
+        step(poisson, first)
+    step(poisson, first - 1)
+    with pytest.raises(ValueError, match=r"the batch has 40 real rows .*\(40 or more of its 40 examples are drawn with probability 1.1e-28\)"):
+        step(PoissonSampler(40, 0.2, key=b"events-only"), 40)  # the whole dataset, 0.2 ** 40
+    with pytest.raises(ValueError, match=r"the batch has 11 real rows but the step charges FixedSizeSampler of expected batch size 10 \(its every draw has 10 real rows\)"):
+        step(FixedSizeSampler(200, 10, key=b"events-only"), 11)
+    step(FixedSizeSampler(200, 10, key=b"events-only"), 10)
+    with pytest.raises(ValueError, match=r"\(it draws at most max_batch_size=36 rows\)"):
+        step(TruncatedPoissonSampler(1000, 0.008, max_batch_size=36, key=b"events-only"), 37)
+    step(TruncatedPoissonSampler(1000, 0.008, max_batch_size=36, key=b"events-only"), 36)
 
 
 def _first_rows(data, n):

@@ -208,6 +208,7 @@ class PoissonSampler:
     # its event does not depend on its position (memoryless), but a keyed sampler's batches do
     positional = False
     last_rows: int | None = None  # the real rows of the last draw (None: none yet)
+    binomial_draws = True  # a draw's real rows are Binomial(num_samples, expected_batch_size / num_samples) (capped by max_batch_size)
 
     @property
     def steps_drawn(self) -> int | None:
@@ -490,6 +491,7 @@ class FixedSizeSampler(_KeyedSampler):
 
     expected_batch_size = property(lambda self: float(self.batch_size), doc="the batch size (every batch has it)")
     sample_rate = property(lambda self: self.batch_size / self.num_samples, doc="batch_size / num_samples: the probability that an example is in a batch")
+    draw_sizes = property(lambda self: (self.batch_size,), doc="the real rows a draw can have (the step checks a batch against them)")
 
     def _params(self):
         return {"num_samples": self.num_samples, "batch_size": self.batch_size}
@@ -630,6 +632,7 @@ class BallsInBinsSampler(_EpochSampler):
     _LABEL = b"vmapdp-balls-in-bins:"
     _SCHEME = "balls_in_bins"
     _chunks = True
+    binomial_draws = True  # as PoissonSampler's: Binomial(num_samples, 1 / steps_per_epoch)
 
     def __init__(self, num_samples: int, steps_per_epoch: int, epochs: int = 1, generator: torch.Generator | None = None, *, key=None, capacity: int | None = None, overflow_probability: float = 1e-6, secure: bool = False):
         call = "BallsInBinsSampler"
@@ -746,6 +749,7 @@ class CyclicPoissonSampler(_KeyedSampler):
     """
 
     _LABEL = b"vmapdp-cyclic-poisson:"
+    binomial_draws = True  # as PoissonSampler's: Binomial(num_samples, sample_rate / cycle)
 
     def __init__(self, num_samples: int, sample_rate: float, cycle: int, steps: int | None = None, generator: torch.Generator | None = None, *, key=None, capacity: int | None = None, overflow_probability: float = 1e-6, secure: bool = False):
         call = "CyclicPoissonSampler"

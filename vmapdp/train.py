@@ -582,18 +582,39 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
     return recorded
 
 
-def _plausible_rows(call: str, rows: int, expected: float) -> None:
+def _plausible_rows(call: str, rows: int, expected: float, sampler: Any = None) -> None:
     """With a sampler given for its events only (no draw to compare with), the batch's real rows
     must be a size that sampler could draw: at most ``E + 10 sqrt(E) + 20`` for its expected size
     ``E`` (a Poisson or fixed-size batch exceeds it with probability below 1e-17, by Bernstein's
     inequality). Found by review: a whole dataset stepped every step (200 rows for E = 10) was
-    charged at the sampler's rate. Not with ``sample_rate=`` alone, whose dataset size, so draw
-    size, is unknown (``expected_batch_size`` is a divisor of the caller's choice)."""
+    charged at the sampler's rate. What vmapdp's samplers know is checked too (found by review:
+    50 rows were charged as a FixedSizeSampler's 8, and a PoissonSampler(40, 0.2)'s whole dataset
+    passed the bound): a fixed-size sampler's sizes exactly (``draw_sizes``), a truncated one's
+    cap, the dataset's size, and for a binomial draw (``binomial_draws``) its exact upper tail,
+    refused below 1e-17 (the bound's false-alarm rate). Not with ``sample_rate=`` alone, whose
+    dataset size, so draw size, is unknown (``expected_batch_size`` is a divisor of the caller's
+    choice)."""
     bound = expected + 10.0 * math.sqrt(expected) + 20.0
-    if rows > bound:
+    sizes, cap, n = (getattr(sampler, a, None) for a in ("draw_sizes", "max_batch_size", "num_samples"))
+    why = None
+    if sizes is not None and rows not in sizes:
+        why = f"its every draw has {' or '.join(map(str, sizes))} real rows"
+    elif cap is not None and rows > cap:
+        why = f"it draws at most max_batch_size={cap} rows"
+    elif n is not None and rows > n:
+        why = f"its dataset has {n} examples"
+    elif rows > bound:
+        why = f"more than {math.floor(bound)} rows has probability below 1e-17"
+    elif getattr(sampler, "binomial_draws", False) and n and rows > expected:
+        from vmapdp.audit.stats import binomial_tail
+
+        tail = binomial_tail(rows, n, min(1.0, expected / n), upper=True)
+        if tail < 1e-17:
+            why = f"{rows} or more of its {n} examples are drawn with probability {tail:.2g}"
+    if why is not None:
         raise ValueError(
-            f"{call}: the batch has {rows} real rows but the step charges a sampling of expected batch size {expected:g} "
-            f"(more than {math.floor(bound)} rows has probability below 1e-17): this is not a batch of that sampling (the whole "
+            f"{call}: the batch has {rows} real rows but the step charges {type(sampler).__name__ if sampler is not None else 'a sampling'}"
+            f" of expected batch size {expected:g} ({why}): this is not a batch of that sampling (the whole "
             "dataset, rows repeated, or padding marked real?), and the ledger would charge too little. Draw each batch from "
             "the step's sampler: indices, mask = sampler.sample(). Nothing was released."
         )
@@ -611,7 +632,7 @@ def _check_drawn_rows(call: str, sampler: Any, mask: Tensor, expected: float | N
     drawn = getattr(sampler, "last_rows", None)
     real = int(mask.sum())
     if drawn is None:
-        _plausible_rows(call, real, expected)
+        _plausible_rows(call, real, expected, sampler)
         return
     if real != drawn:
         raise ValueError(
@@ -664,7 +685,7 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | N
         )
     if hi < 0:
         if expected is not None:  # (the ranks' rows summed: the same figure on every rank)
-            _plausible_rows(call, int(rows.item()), expected)
+            _plausible_rows(call, int(rows.item()), expected, sampler)
         return
     if some_idle:
         raise ValueError(
@@ -927,7 +948,8 @@ def make_train_step(
             With ``distributed=True`` it is the GLOBAL one (over all ranks, the whole dataset),
             not a rank's share. Default: ``sampler.expected_batch_size`` (required without a sampler).
             With a sampler that has not drawn (given for its events only), a batch's real rows are
-            checked against the sampler's expected size ``E`` (at most ``E + 10 sqrt(E) + 20``).
+            checked against what the sampler can draw (its fixed size or cap; at most ``E + 10 sqrt(E)
+            + 20`` for its expected size ``E``, and outside a binomial draw's tail below 1e-17).
         sample_rate: the Poisson sampling rate the batches were drawn with (for the ledger); alone,
             it means Poisson sampling. Batches from anything else (fixed-size, shuffled, a
             DataLoader) with ``sample_rate=`` get a Poisson epsilon that is too small: pass
