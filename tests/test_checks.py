@@ -130,6 +130,18 @@ ENTRY_POINTS = {
         "add_noise(generator=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, v, vmapdp.make_generator(0)),
         "add_noise(key=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, v, key=b"k"),
     },
+    # (found by review: flags were read for their truth, secure="no" as True, hf.loss_fn(causal=0) past its refusal)
+    "flags (secure / fixed_shapes / distributed / raise_on_problem)": {
+        "PoissonSampler(secure=)": lambda v: PoissonSampler(100, 0.1, secure=v),
+        "FixedSizeSampler(secure=)": lambda v: vmapdp.data.FixedSizeSampler(100, 10, secure=v),
+        "make_train_step(secure=)": lambda v: _step(secure=v),
+        "make_train_step(fixed_shapes=)": lambda v: _step(fixed_shapes=v),
+        "make_train_step(distributed=)": lambda v: _step(distributed=v),
+        "init_train_state(secure=)": lambda v: vmapdp.init_train_state(_PARAMS, vmapdp.optim.sgd(0.1), secure=v),
+        "make_private(secure=)": lambda v: _private(secure=v),
+        "add_noise(secure=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, 1.0, secure=v),
+        "validate(raise_on_problem=)": lambda v: vmapdp.validate(nn.Linear(2, 2), raise_on_problem=v),
+    },
 }
 
 # argument -> (name the message must carry, [(bad value, exception type)])
@@ -144,6 +156,7 @@ BAD = {
     "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": (None, [(2.0, TypeError), ("2", TypeError), (True, TypeError), (0, ValueError), (-1, ValueError)]),
     "method": ("method", [(1, TypeError), ("GHOST", ValueError), ("fast", ValueError)]),
     "std": ("std", [("1.0", TypeError), (None, TypeError), (-1.0, ValueError), (math.nan, ValueError), (math.inf, ValueError)]),
+    "flags (secure / fixed_shapes / distributed / raise_on_problem)": (None, [("no", TypeError), (0, TypeError), (None, TypeError)]),
 }
 
 CASES = [
@@ -169,7 +182,8 @@ def test_same_argument_same_check_everywhere(arg, entry, value, exc):
 def test_good_values_pass_every_entry_point():
     """The table's calls are right apart from the bad value (so the test above can fail)."""
     good = {"l2_clip_norm": 1.0, "noise_multiplier": 1.0, "sample_rate": 0.05, "delta": 1e-5, "accountant": "rdp", "steps": 100,
-            "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": 4, "method": "vmap", "std": 1.0}
+            "batch rows (physical_batch_size / capacity / batch_size / chunk sizes)": 4, "method": "vmap", "std": 1.0,
+            "flags (secure / fixed_shapes / distributed / raise_on_problem)": False}
     for arg, entries in ENTRY_POINTS.items():
         for call in entries.values():
             call(good[arg])
@@ -216,6 +230,21 @@ def test_make_train_step_and_make_private_take_numbers_only():
     for call in (lambda: _step(l2_clip_norm=torch.tensor(1.0)), lambda: _private(l2_clip_norm=torch.tensor(1.0))):
         with pytest.raises(TypeError, match=r"l2_clip_norm must be a real number"):
             call()
+
+
+def test_load_flags_and_a_torch_optimizer_are_refused_by_name(tmp_path):
+    """Found by review: load_state read its flags for their truth; init_train_state given a
+    torch.optim.SGD raised a bare AttributeError (make_train_step named the fix)."""
+    path = str(tmp_path / "ckpt.pt")
+    vmapdp.save_state(path, _STATE)
+    for name in ("saved_after_last_step", "ignore_sampler"):
+        with pytest.raises(TypeError, match=rf"load_state\(.*\): {name} must be True or False, got str \('yes'\)"):
+            vmapdp.load_state(path, **{name: "yes"})
+    vmapdp.load_state(path, saved_after_last_step=False, ignore_sampler=False)
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"init_train_state\(params, optimizer\): optimizer must be an init/update pair .*got SGD\. Wrap a torch "
+                                        r"optimizer's class instead: vmapdp.optim.from_torch\(torch.optim.SGD, lr=0.1\)"):
+        vmapdp.init_train_state(_PARAMS, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_checks_module_basics():

@@ -255,6 +255,13 @@ def test_windowed_attention_and_a_next_token_loss_on_a_bidirectional_model_are_r
     cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, max_position_embeddings=16, vocab_size=V)
     with pytest.raises(ValueError, match=r"BertLMHeadModel's attention is bidirectional .* a next-token loss would let each position see its own target"):
         hf.loss_fn(transformers.BertLMHeadModel(cfg))
+    # ... and a falsy causal= other than False does not get past that refusal (found by review: causal=0 built a
+    # bidirectional mask on GPT-2), nor does a truthy string pass for True
+    for bad in (0, "no"):
+        with pytest.raises(TypeError, match=rf"vmapdp.hf.loss_fn\(model\): causal must be True, False or None, got {type(bad).__name__}"):
+            hf.loss_fn(transformers.BertLMHeadModel(cfg), causal=bad)
+    with pytest.raises(TypeError, match=r"additive_mask\(attention_mask\): causal must be True or False, got int \(0\)"):
+        hf.additive_mask(torch.ones(3, dtype=torch.long), causal=0, dtype=torch.float32)
 
 
 def token_tagger(name):

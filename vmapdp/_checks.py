@@ -57,6 +57,19 @@ def _value_error(call: str, name: str, value: Any, rng: str, meaning: str = "", 
     return ValueError(f"{call}: {name}={value!r} must be {rng}{tail}{' ' + fix if fix else ''}")
 
 
+def flag(call: str, name: str, value: Any, *, optional: bool = False) -> bool | None:
+    """``True`` or ``False`` (a NumPy bool too; ``None`` where ``optional``): TypeError otherwise.
+    A flag read for its truth would take ``secure="no"``, ``fixed_shapes="False"`` or ``causal=0``
+    for what they do not say (found by review: ``hf.loss_fn(causal=0)`` passed the refusal that
+    tests ``causal is False`` and built a bidirectional mask)."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    kind = "True, False or None" if optional else "True or False"
+    raise TypeError(f"{call}: {name} must be {kind}, got {type(value).__name__} ({shortened(repr(value))}). Pass {name}=True or {name}=False.")
+
+
 def number(call: str, name: str, value: Any, *, meaning: str = "") -> float:
     """A real number (int or float, not bool): TypeError otherwise."""
     if not is_real(value):
@@ -369,6 +382,16 @@ def no_dtensor(call: str, tree: Any, what: str = "params") -> None:
             "make_train_step(..., sharding=) (see vmapdp.sharding); or gather them first: "
             "{k: v.full_tensor() for k, v in params.items()} (the whole model on every rank)."
         )
+
+
+def optimizer(call: str, value: Any) -> Any:
+    """A functional optimizer: an init/update pair (``vmapdp.optim``'s)."""
+    if not (hasattr(value, "init") and hasattr(value, "update")):
+        raise TypeError(
+            f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(value).__name__}."
+            + (" Wrap a torch optimizer's class instead: vmapdp.optim.from_torch(torch.optim.SGD, lr=0.1)." if isinstance(value, torch.optim.Optimizer) else "")
+        )
+    return value
 
 
 def privatizer(call: str, value: Any) -> Any:

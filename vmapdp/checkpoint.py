@@ -368,6 +368,7 @@ def load_state(
     """
     path = os.fspath(path)
     call = f"load_state({path!r})"
+    ignore_sampler, saved_after_last_step = (_checks.flag(call, k, v) for k, v in (("ignore_sampler", ignore_sampler), ("saved_after_last_step", saved_after_last_step)))
     payload = read_payload(call, path, checked_key(call, key), map_location)
     if payload.get("sharded") is not None:
         raise ValueError(f"{call}: this is the metadata of a sharded checkpoint (its tensors are in the directory beside it); load the directory with vmapdp.sharded_checkpoint.load_sharded. Nothing was loaded.")

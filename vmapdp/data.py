@@ -76,6 +76,7 @@ def _os_u53(n: int) -> Tensor:
 
 def _check_source(call: str, generator: Any, key: Any, secure: Any) -> None:
     """A sampler's source of randomness: at most one of ``generator=``, ``key=``, ``secure=True``."""
+    _checks.flag(call, "secure", secure)
     if secure and generator is not None:
         raise ValueError(
             f"{call}: secure=True draws from the operating system's CSPRNG and cannot use a seeded "
@@ -333,8 +334,6 @@ class _KeyedSampler:
 
     def _init_source(self, call, generator, key, secure) -> None:
         _check_source(call, generator, key, secure)
-        if not isinstance(secure, bool):
-            raise TypeError(f"{call}: secure must be a bool, got {type(secure).__name__} ({secure!r}).")
         self.secure = secure
         self.generator = generator
         if generator is None and not secure:

@@ -179,6 +179,7 @@ def additive_mask(attention_mask: Tensor, *, causal: bool, dtype: torch.dtype) -
             f"vmapdp.hf.additive_mask(attention_mask): expected ONE sample's padding mask of shape [T], got shape "
             f"{tuple(attention_mask.shape)}. Call it inside a per-sample loss (vmap maps the batch dim away)."
         )
+    _checks.flag("vmapdp.hf.additive_mask(attention_mask)", "causal", causal)
     t = attention_mask.shape[0]
     keep = (attention_mask != 0)[None, :].expand(t, t)
     if causal:
@@ -246,6 +247,7 @@ def sample_loss(
     instead of the task's (the mask is still built per sample)."""
     call = "vmapdp.hf.loss_fn(model)"
     _require_transformers(call)
+    causal = _checks.flag(call, "causal", causal, optional=True)
     if criterion is None:
         task = _task(call, model, task)
     elif task is None:

@@ -276,6 +276,7 @@ def make_private(
         ValueError: a bad or missing argument (named).
     """
     call = "make_private(model, optimizer, data)"
+    secure = _checks.flag(call, "secure", secure)
     if not isinstance(model, nn.Module):
         raise TypeError(f"{call}: model must be a torch.nn.Module, got {type(model).__name__}.")
     from vmapdp.sharding import is_fsdp_module

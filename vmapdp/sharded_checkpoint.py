@@ -254,6 +254,7 @@ def load_sharded(
     """
     path = os.path.abspath(os.fspath(path))
     call = f"load_sharded({path!r})"
+    ignore_sampler, saved_after_last_step = (_checks.flag(call, k, v) for k, v in (("ignore_sampler", ignore_sampler), ("saved_after_last_step", saved_after_last_step)))
     _dist.require_initialized(call)
     _checks.sharding(call, sharding)
     secret = _ckpt.checked_key(call, key)

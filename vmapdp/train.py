@@ -236,6 +236,8 @@ def init_train_state(
     """
     call = "init_train_state(params, optimizer)"
     _checks.params_dict(call, params, fsdp_ok=True)
+    _checks.optimizer(call, optimizer)  # (found by review: a torch.optim.SGD raised AttributeError here)
+    secure = _checks.flag(call, "secure", secure)
     if privatizer is not None:
         _checks.privatizer(call, privatizer)
     if secure and seed is not None:
@@ -1088,10 +1090,10 @@ def make_train_step(
     call = "make_train_step(loss_fn, optimizer)"
     if not callable(loss_fn):
         raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    secure, fixed_shapes, distributed = (_checks.flag(call, k, v) for k, v in (("secure", secure), ("fixed_shapes", fixed_shapes), ("distributed", distributed)))
     if precision is not None:
         loss_fn = mixed_precision(loss_fn, precision)  # float32 params, clipping and noise
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"{call}: optimizer must be an init/update pair such as vmapdp.optim.sgd(lr=0.1), got {type(optimizer).__name__}.")
+    _checks.optimizer(call, optimizer)
     if privatizer is not None:
         _checks.privatizer(call, privatizer)
     noise_multiplier = _checks.noise_multiplier(call, noise_multiplier, allow_zero=True)

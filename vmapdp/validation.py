@@ -144,6 +144,7 @@ def validate(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"validate(module): expected a torch.nn.Module, got {type(module).__name__}")
+    _checks.flag("validate(module)", "raise_on_problem", raise_on_problem)
     if (example_args or example_kwargs) and _fsdp(module):  # (the dynamic checks run deep copies, which FSDP2 refuses)
         raise ValueError(
             f"validate({type(module).__name__}, *example_args): the module is under FSDP2's fully_shard, which cannot be "

@@ -673,6 +673,7 @@ def add_noise(
         another device than a leaf.
     """
     call = "add_noise(tree, std, generator)"
+    secure = _checks.flag(call, "secure", secure)
     # a tensor std is read on the host when not tracing; traced, a NaN/inf/negative one gives NaN noise
     std = _checks.noise_std_guarded(_checks.noise_std(call, std))
     if generator is not None and not isinstance(generator, torch.Generator):
