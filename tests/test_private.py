@@ -218,11 +218,21 @@ def test_a_delta_at_or_above_one_over_n_is_refused_where_epsilon_is_read_and_in_
         vmapdp.make_train_step(lambda p, s: p["w"].sum() * s, vmapdp.optim.sgd(0.1), budget=(1.0, 0.2), **kw)
     vmapdp.make_train_step(lambda p, s: p["w"].sum() * s, vmapdp.optim.sgd(0.1), budget=(1.0, 1e-4), **kw)
     # ... and a budget the state records (init_train_state(budget=), a checkpoint's), at the step (found by review)
+    sampler = vmapdp.data.PoissonSampler(1000, 0.01, 50)
+    kw["sampler"] = sampler
     step = vmapdp.make_train_step(lambda p, s: (p["w"] * s).sum(), vmapdp.optim.sgd(0.1), physical_batch_size=sampler.capacity, **kw)
-    state = vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=(1.0, 0.2))
+    state = vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=(1.0, 0.005))
     indices, mask = sampler.sample()
-    with pytest.raises(ValueError, match=r"a budget's delta=0.2 must be below 1/num_samples = 1/100"):
+    with pytest.raises(ValueError, match=r"a budget's delta=0.005 must be below 1/num_samples = 1/1000"):
         step(state, torch.ones(len(indices), 1), mask)
+    # where the dataset's size is unknown (init_train_state, sample_rate= alone), a delta of 1/100 or more protects
+    # nobody in any dataset of 100 rows or more (found by review: budget=(1.0, 0.5) was enforced for 14 steps)
+    for make in (lambda b: vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=b),
+                 lambda b: vmapdp.make_train_step(lambda p, s: p["w"].sum() * s, vmapdp.optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0,
+                                                  sample_rate=0.1, expected_batch_size=10.0, budget=b, compile=False)):
+        with pytest.raises(ValueError, match=r"budget delta=0.01 is 1/100 or more, which protects nobody in a dataset of 100 rows or more .* the dataset's size is not known here"):
+            make((1.0, 0.01))
+        make((1.0, 0.0099))
 
 
 @pytest.mark.parametrize(

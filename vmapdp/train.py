@@ -156,15 +156,28 @@ def _budget_accountant(call: str, accountant: Any) -> str:
 
 def _check_budget(call: str, budget: Any, accountant: str, num_samples: int | None = None) -> tuple[float, float, str] | None:
     """``budget=(epsilon, delta)`` checked, as the state records it: ``(epsilon, delta, accountant)``;
-    with ``num_samples`` (a sampler's dataset size) also ``delta < 1/num_samples``."""
+    with ``num_samples`` (a sampler's dataset size) also ``delta < 1/num_samples``; without, ``delta
+    < 1/100`` (found by review: budget=(1.0, 0.5) with sample_rate= alone was enforced, 14 steps of a
+    guarantee that protects nobody; a delta of 1/100 or more protects nobody in any dataset of 100
+    rows or more, and a step with a sampler checks the state's budgets against its dataset too)."""
     if budget is None:
         return None
     if not (isinstance(budget, tuple) and len(budget) == 2):
         raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
     eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
-    _checks.delta(call, budget[1], name="budget delta", num_samples=num_samples)
+    delta = _checks.delta(call, budget[1], name="budget delta", num_samples=num_samples)
+    if num_samples is None and delta >= _UNSIZED_DELTA:
+        raise ValueError(
+            f"{call}: budget delta={delta!r} is 1/{round(1 / _UNSIZED_DELTA)} or more, which protects nobody in a dataset of "
+            f"{round(1 / _UNSIZED_DELTA)} rows or more ({_checks.DELTA_MEANING}), and the dataset's size is not known here. "
+            "Pass a delta well below 1/num_samples (e.g. 1e-5); for a dataset smaller than that, give the budget to "
+            "make_train_step(sampler=...), which checks it against the sampler's num_samples."
+        )
     accountant = _budget_accountant(call, accountant)
     return (eps, float(budget[1]), accountant)
+
+
+_UNSIZED_DELTA = 1e-2  # the largest budget delta taken where the dataset's size is unknown (exclusive)
 
 
 def merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple[tuple[float, float, str], ...]:
