@@ -269,6 +269,30 @@ def test_finite_params_reads_float8_params():
     _checks.finite_params("init_train_state", {"w": torch.zeros(2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, "fix")
 
 
+def test_a_step_refuses_nan_in_its_shared_inputs_before_charging():
+    """Found by review: NaN BatchNorm running statistics made every row non-finite and dropped, and
+    each step released noise alone and was charged, silently. NaN in a shared input is refused
+    before the ledger is touched (float8 read through float32); -inf passes (an additive mask)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
+    apply, params, buffers = vmapdp.functionalize(model)
+
+    def loss(p, b, bias, sample):
+        x, y = sample
+        return F.cross_entropy(apply(p, b, x[None]) + bias.clamp(min=-1.0), y[None])
+
+    step = vmapdp.make_train_step(loss, vmapdp.optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=3.0, sample_rate=0.5, compile=False, method="vmap")
+    state = vmapdp.init_train_state(params, vmapdp.optim.sgd(0.1), seed=0)
+    mask, bias = torch.ones(6, dtype=torch.bool), torch.tensor([0.0, -math.inf])
+    bad = {k: v.clone() for k, v in buffers.items()}
+    bad["1.running_var"][2] = math.nan
+    with pytest.raises(ValueError, match=r"step\(state, batch, mask\): the shared inputs .* hold NaN at \[\(0, '1.running_var'\)\].*Nothing was released"):
+        step(state, (_X, _Y), mask, bad, bias)
+    with pytest.raises(ValueError, match=r"hold NaN at \[\(1,\)\]"):
+        step(state, (_X, _Y), mask, buffers, torch.tensor([0.0, math.nan]).to(torch.float8_e4m3fn))
+    new, metrics = step(state, (_X, _Y), mask, buffers, bias)  # -inf is fine; nothing was charged before
+    assert state.ledger.steps == 0 and new.ledger.steps == 1 and int(metrics["nonfinite"]) == 0
+
+
 def test_guessable_seeds_keys_and_generators_warn_at_the_callers_line():
     """Found by review: small-int seeds were taken silently, and the demo and notebooks used them
     (a second process regenerated a released step's noise from the demo's seed). A seed or key that

@@ -24,6 +24,7 @@ import sys
 import warnings
 from typing import Any, Mapping, Sequence
 
+import optree
 import torch
 
 from vmapdp._tree import leaves as _leaves
@@ -647,6 +648,26 @@ def _all_finite(v: torch.Tensor) -> bool:
     if "float4" in str(v.dtype):
         return True
     return bool(torch.isfinite(v if v.element_size() > 1 else v.float()).all())
+
+
+def no_nan_shared(call: str, shared: Any) -> None:
+    """Refuse shared inputs (buffers, public tensors every sample reads) holding NaN: every sample
+    would read them, its gradient be non-finite and dropped, and each step release noise alone
+    (found by review: NaN BatchNorm running statistics, silently). Infinities pass (an additive
+    attention mask holds -inf). One host sync for all the leaves."""
+    paths, leaves, _ = optree.tree_flatten_with_path(shared, namespace="torch")
+    floats = [(p, v) for p, v in zip(paths, leaves) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and "float4" not in str(v.dtype)]
+    if not floats:
+        return
+    # (float8 read through float32: torch has no isnan for it; float4 has no NaN)
+    nans = torch.stack([torch.isnan(v if v.element_size() > 1 else v.float()).any().cpu() for _, v in floats])
+    if bool(nans.any()):
+        where = [p for (p, _), bad in zip(floats, nans.tolist()) if bad]
+        raise ValueError(
+            f"{call}: the shared inputs (buffers and the other tensors after the mask) hold NaN at {where[:5]}: every sample "
+            "reads them, so every gradient would be non-finite and dropped, and the step would release noise alone. Repair "
+            "them before training (BatchNorm's running statistics: module.reset_running_stats()). Nothing was released."
+        )
 
 
 def finite_params(call: str, params: Mapping[str, torch.Tensor], fix: str) -> None:

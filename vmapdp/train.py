@@ -1387,6 +1387,7 @@ def make_train_step(
         failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
+            _checks.no_nan_shared(scall, shared)
             shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)
