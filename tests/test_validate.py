@@ -185,6 +185,19 @@ def test_recurrent_layers_found_statically(torch_class, twin, kind):
     assert problem.fixable
 
 
+def test_embedding_max_norm_and_training_spectral_norm_found_statically():
+    """Found by review: validate(model) without inputs said nothing of them (only the step, or the
+    dynamic check, refused them); both are flags or types a static check sees."""
+    assert kinds(validate(nested(nn.Embedding(10, 4, max_norm=1.0)))) == [("block.inner", VMAP_UNSUPPORTED)]
+    assert kinds(validate(nn.EmbeddingBag(10, 4, max_norm=1.0))) == [("", VMAP_UNSUPPORTED)]
+    assert kinds(validate(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)))) == [("parametrizations.weight.0", BUFFER_UPDATE)]
+    assert kinds(validate(nn.utils.spectral_norm(nn.Linear(4, 4)))) == [("", BUFFER_UPDATE)]
+    # eval mode uses the stored estimate (nothing updated): clean, as a plain embedding is
+    assert validate(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)).eval()) == []
+    assert validate(nn.utils.spectral_norm(nn.Linear(4, 4)).eval()) == []
+    assert validate(nn.Embedding(10, 4)) == []
+
+
 def test_vmapdp_recurrent_layers_are_clean():
     model = nested(vnn.GRU(3, 3))
     assert validate(model) == []

@@ -374,7 +374,34 @@ def _static_problems(module: nn.Module) -> list[Problem]:
                     f"derive {name} from vmapdp.nn.{twin} instead of torch.nn.{base.__name__} "
                     "(vmapdp.fix only swaps the exact torch classes)",
                 ))
+        elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+            # (found by review: seen only by the dynamic check; the step refused it, but validate(model) said nothing)
+            problems.append(Problem(
+                path, name, VMAP_UNSUPPORTED,
+                f"max_norm={m.max_norm} renormalises rows of its weight in place during the forward "
+                "(embedding_renorm_), which torch.func.vmap cannot batch; a weight rewritten by the data "
+                "during the step is not what DP-SGD's update bounds",
+                "build it without max_norm (renormalise the weight after each step, outside the private "
+                "computation, if you need it)",
+            ))
+        elif m.training and _spectral_norm(m):
+            problems.append(Problem(
+                path, name, BUFFER_UPDATE,
+                "spectral_norm in training mode runs a power iteration that updates its vectors (u, v) "
+                "in place during every forward pass, which fails under torch.func.vmap/grad",
+                "call .eval() on it (the stored estimate is then used and nothing is updated), or "
+                "remove spectral_norm from the private model",
+            ))
     return problems
+
+
+def _spectral_norm(m: nn.Module) -> bool:
+    """``m`` runs spectral normalisation's power iteration in its forward: the parametrization's
+    module (``nn.utils.parametrizations.spectral_norm``) or a module with the legacy hook."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    return isinstance(m, _SpectralNorm) or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values())
 
 
 # --- fix -----------------------------------------------------------------------------------------
