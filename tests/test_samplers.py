@@ -166,6 +166,36 @@ def test_load_state_dict_refuses_another_sampler():
         s.load_state_dict(ShuffledSampler(30, 7, generator=torch.Generator()).state_dict())
 
 
+@pytest.mark.parametrize("make", [
+    lambda: PoissonSampler(30, 0.2, key=KEY),
+    lambda: PoissonSampler(30, 0.2, generator=torch.Generator().manual_seed(0)),
+    lambda: FixedSizeSampler(30, 5, key=KEY),
+    lambda: ShuffledSampler(30, 7, generator=torch.Generator().manual_seed(0)),
+], ids=["poisson-key", "poisson-generator", "fixed-key", "shuffled-generator"])
+def test_load_state_dict_refuses_an_edited_position_and_changes_nothing(make):
+    """Found by review: draws=-1 put a keyed stream before its start, draws="2" and 1.5 were read as
+    ints, 10**20 was taken, an empty dict was called a secure sampler's state, a str key re-keyed."""
+    s = make()
+    s.sample()
+    saved, before = s.state_dict(), s.state_dict()
+    fresh = make()
+    for name in ("draws", "step"):
+        if name not in saved:
+            continue
+        for bad in (-1, 1.5, "2", 10**20, None, True):
+            with pytest.raises(ValueError, match=rf"load_state_dict\(state\): the state's {name}={bad!r} must be an int in \[0, 2\*\*63\).*Nothing was loaded"):
+                fresh.load_state_dict({**saved, name: bad})
+    with pytest.raises(ValueError, match=r"load_state_dict\(state\): the state is empty: it is not a dict the sampler's state_dict\(\) returned"):
+        fresh.load_state_dict({})
+    if saved.get("key") is not None:
+        with pytest.raises(ValueError, match=r"the state is malformed \(its key is not bytes\)"):
+            fresh.load_state_dict({**saved, "key": "zz"})
+    assert str(fresh.state_dict()) == str(make().state_dict())  # untouched by the refused loads
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.sample()[0], s.sample()[0]) and str(s.state_dict()) != str(before)
+    assert repr(TruncatedPoissonSampler(30, 0.2, key=KEY)).startswith("TruncatedPoissonSampler(")
+
+
 def test_sampler_events_give_the_ledger_each_scheme_needs():
     sigma = 2.0
     for sampler, kind, adjacency in [

@@ -74,6 +74,30 @@ def _os_u53(n: int) -> Tensor:
 
 
 
+def _check_state(call: str, state: Any) -> None:
+    """A sampler's ``load_state_dict`` argument: a non-empty dict whose key, if any, is bytes."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{call}: state must be a dict from the sampler's state_dict(), got {type(state).__name__}.")
+    if not state or not isinstance(state.get("key", b""), (bytes, type(None))):
+        raise ValueError(
+            f"{call}: the state is {'empty' if not state else 'malformed (its key is not bytes)'}: it is not a dict the sampler's "
+            "state_dict() returned (edited, or of something else). Load the dict state_dict() saved. Nothing was loaded."
+        )
+
+
+def _state_count(call: str, state: dict, name: str, default: Any = None) -> int:
+    """A count in a sampler's saved state (batches drawn, steps taken): an int in ``[0, 2**63)``
+    (found by review: draws=-1 put a keyed stream before its start, "2" and 1.5 were read as ints)."""
+    value = state.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(
+            f"{call}: the state's {name}={value!r} must be an int in [0, 2**63) (what the sampler has drawn so far): "
+            "it was edited, or is not a dict the sampler's state_dict() returned. Load the dict state_dict() saved. "
+            "Nothing was loaded."
+        )
+    return value
+
+
 def _check_source(call: str, generator: Any, key: Any, secure: Any) -> None:
     """A sampler's source of randomness: at most one of ``generator=``, ``key=``, ``secure=True``."""
     _checks.flag(call, "secure", secure)
@@ -263,8 +287,7 @@ class PoissonSampler:
         dataset size or rate is refused: its stream would sample other batches than the ones the
         ledger and the resumed run assume."""
         call = "PoissonSampler.load_state_dict(state)"
-        if not isinstance(state, dict):
-            raise TypeError(f"{call}: state must be a dict from PoissonSampler.state_dict(), got {type(state).__name__}.")
+        _check_state(call, state)
         for name, mine in (("num_samples", self.num_samples), ("sample_rate", self.sample_rate)):
             theirs = state.get(name)  # (absent in states saved before this check existed)
             if theirs is not None and theirs != mine:
@@ -277,7 +300,7 @@ class PoissonSampler:
         if state.get("key") is not None:
             if self.secure or self.generator is not None:
                 raise ValueError("PoissonSampler.load_state_dict: the state comes from a keyed sampler; resume it with a PoissonSampler made without generator= or secure=.")
-            self.key, self._draws = state["key"], int(state["draws"])
+            self.key, self._draws = state["key"], _state_count(call, state, "draws")
             return
         if self.secure:
             if saved is not None:
@@ -290,13 +313,14 @@ class PoissonSampler:
             )
         if self.generator is None:
             raise ValueError("PoissonSampler.load_state_dict: the state comes from a generator-driven sampler; resume it with generator=torch.Generator() (predictable: for tests; a keyed sampler's state resumes under its key=).")
+        draws = _state_count(call, state, "draws", 0)  # (0 in states saved before a generator's draws were counted)
         self.generator.set_state(saved)
-        self._draws = int(state.get("draws", 0))  # (0 in states saved before a generator's draws were counted)
+        self._draws = draws
         self._source_id = state.get("source_id")  # (None: not drawn from yet, or saved before stream_id: named at the next draw)
 
     def __repr__(self) -> str:
         return (
-            f"PoissonSampler(num_samples={self.num_samples}, sample_rate={self.sample_rate}, steps={self.steps}, "
+            f"{type(self).__name__}(num_samples={self.num_samples}, sample_rate={self.sample_rate}, steps={self.steps}, "
             f"capacity={self.capacity}, secure={self.secure})"
         )
 
@@ -427,8 +451,7 @@ class _KeyedSampler:
         arguments and the same kind of randomness); anything else is refused, because it would
         continue another sampling process than the one the run's ledger describes."""
         call = f"{type(self).__name__}.load_state_dict(state)"
-        if not isinstance(state, dict):
-            raise TypeError(f"{call}: state must be a dict from state_dict(), got {type(state).__name__}.")
+        _check_state(call, state)
         mine = {"kind": type(self).__name__, **self._params()}
         for name, value in mine.items():
             if state.get(name) != value:
@@ -441,11 +464,12 @@ class _KeyedSampler:
         here = "key" if self.key is not None else "generator" if self.generator is not None else "secure"
         if source != here:
             raise ValueError(f"{call}: the state comes from a {source}-driven sampler, this one is {here}-driven; make it the same way (key=, generator= or secure=True).")
+        draws, step = _state_count(call, state, "draws"), _state_count(call, state, "step")  # (checked before anything changes)
         if source == "key":
             self.key = state["key"]
         elif source == "generator":
             self.generator.set_state(state["generator"])
-        self._draws, self._step = int(state["draws"]), int(state["step"])
+        self._draws, self._step = draws, step
         if source == "generator":  # (None: not drawn from yet, or a state saved before stream_id: named at the next draw)
             self._source_id = state.get("source_id")
         elif source == "secure" and isinstance(state.get("source_id"), bytes):  # (absent from states saved before stream_id)
