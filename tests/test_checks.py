@@ -247,6 +247,15 @@ def test_load_flags_and_a_torch_optimizer_are_refused_by_name(tmp_path):
         vmapdp.init_train_state(_PARAMS, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier=0:UserWarning")
+def test_a_budget_without_noise_is_refused_when_the_step_is_made():
+    """Found by review: make_train_step(noise_multiplier=0, budget=) was taken, and refused only at the
+    first step (epsilon inf)."""
+    with pytest.raises(ValueError, match=r"make_train_step\(loss_fn, optimizer\): budget=\(3.0, 1e-05\) with noise_multiplier=0: a step without noise is not private"):
+        _step(noise_multiplier=0.0, budget=(3.0, 1e-5))
+    _step(noise_multiplier=0.0)  # a non-private run without a budget: fine
+
+
 def test_checks_module_basics():
     assert _checks.positive("f(x)", "x", 2) == 2.0 and isinstance(_checks.positive("f(x)", "x", 2), float)
     assert _checks.accountant("f", "prv") == "pld"

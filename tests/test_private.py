@@ -81,6 +81,10 @@ def test_target_epsilon_is_calibrated_and_enforced():
     assert trainer.epsilon() > 1.9  # calibration lands within a few percent of the target
     with pytest.raises(PrivacyBudgetExceeded):
         trainer.fit(epochs=1)
+    # (found by review: epochs=-1 returned [] without a word, epochs=True trained one epoch)
+    for bad, exc in ((-1, ValueError), (0, ValueError), (True, TypeError), (2.5, TypeError)):
+        with pytest.raises(exc, match=r"PrivateTrainer.fit\(epochs\): epochs"):
+            trainer.fit(epochs=bad)
 
 
 def test_rejects_batchnorm_and_bad_arguments():

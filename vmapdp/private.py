@@ -170,6 +170,8 @@ class PrivateTrainer:
 
     def fit(self, epochs: int = 1) -> list[float]:
         """Train ``epochs`` epochs; returns the mean (non-private) training loss of each epoch."""
+        # (found by review: epochs=-1 returned [] without a word, epochs=True trained one, 2.5 raised a bare TypeError)
+        epochs = _checks.positive_int("PrivateTrainer.fit(epochs)", "epochs", epochs, meaning="epochs is how many passes over the data to train")
         losses = []
         for _ in range(epochs):
             ms = [float(m["loss"]) for m in self.train_epoch()]

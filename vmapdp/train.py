@@ -1121,6 +1121,11 @@ def make_train_step(
     physical_batch_size = _checks.optional_positive_int(call, "physical_batch_size", physical_batch_size)
     # (a sampler knows its dataset's size: a budget at delta >= 1/n protects nobody; found by review: (1.0, 0.2) on 100 rows was taken)
     own_budget = _check_budget(call, budget, accountant, getattr(sampler, "num_samples", None))
+    if own_budget is not None and noise_multiplier == 0:  # (found by review: taken here, refused at the first step)
+        raise ValueError(
+            f"{call}: budget={budget!r} with noise_multiplier=0: a step without noise is not private (epsilon is "
+            "infinite), so every step would be refused. Pass a positive noise_multiplier, or no budget for a non-private run."
+        )
     if adaptive_clipping is not None:
         if not isinstance(adaptive_clipping, _adaptive.AdaptiveClipping):
             raise TypeError(f"{call}: adaptive_clipping must be a vmapdp.AdaptiveClipping(count_noise_multiplier=...), got {type(adaptive_clipping).__name__}.")
