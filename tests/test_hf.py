@@ -106,6 +106,21 @@ def test_padded_batches_give_oracle_per_sample_grads(name):
     vmapdp.testing.assert_grads_close(grads, ref, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert-sdpa", "llama-sdpa"])
+def test_equal_length_rows_without_an_attention_mask_run_as_all_real_tokens(name):
+    """Found by review: rows without attention_mask (no padding) failed under vmap in transformers'
+    own mask builder, with an error blaming the user's loss for reading a value in Python; they are
+    all real tokens, and give the per-sample grads of a ones mask, which equal the oracle."""
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    rows = {k: v[:, :3] if v.dim() == 2 else v for k, v in batch.items() if k != "attention_mask"}  # (every row's first 3 tokens are real)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, rows)
+    ones = vmapdp.per_sample_grads(loss)(params, buffers, {**rows, "attention_mask": torch.ones_like(rows["input_ids"])})
+    for k in grads:
+        assert torch.equal(grads[k], ones[k]), k
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, rows), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, left", [("gpt2", False), ("bert-sdpa", False), ("roberta", False), ("llama-sdpa", False), ("qwen2-sdpa", False), ("gpt2", True),
                                         ("opt-eager", True), ("bert-sdpa", True)])
 def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name, left):

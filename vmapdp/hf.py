@@ -334,9 +334,10 @@ def sample_loss(
         key = _label_key(sample) if task in ("classification", "token_classification") or "labels" in sample or "label" in sample else None
         inputs = {k: v[None] for k, v in sample.items() if k != key}
         mask = sample.get("attention_mask")
-        if mask is None and pooled_pad and not alibi and "input_ids" in sample:
-            # without a mask transformers' classifier checks the ids for padding with data-dependent code that
-            # vmap refuses (found by review): an equal-length sample is all real tokens, which a ones mask says
+        if mask is None and not alibi and "input_ids" in sample:
+            # without a mask transformers' classifier checks the ids for padding, and its mask builder runs, with
+            # data-dependent code that vmap refuses (found by review: a decoder classifier; then GPT-2 and BERT, whose
+            # error blamed the user's loss): an equal-length sample is all real tokens, which a ones mask says
             mask = torch.ones_like(sample["input_ids"])
         if mask is not None and mask.dim() == 1:
             if causal is None:
