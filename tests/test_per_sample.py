@@ -294,8 +294,10 @@ def _bad_inputs():
         return base(p, b, s) if s[0].sum() > 0 else 2 * base(p, b, s)
 
     return params, buffers, {
-        "float64 batch": (base, (x.double(), y), TypeError, r"have different dtypes.*Cast the batch to the params' dtype \(x.float\(\)\)"),
-        "float labels": (base, (x, y.float()), TypeError, r"got a float tensor.*Pass the labels \(or token ids\) as integers: y.long\(\)"),
+        "float64 batch": (base, (x.double(), y), TypeError, r"have different dtypes.*Cast the batch's floating-point tensors to the params' dtype .* x.float\(\) for float32"),
+        "float labels": (base, (x, y.float()), TypeError, r"got a tensor of another dtype than int64.*Pass the labels \(or token ids\) as int64: y.long\(\)"),
+        # (found by review: uint8 labels were called "a float tensor")
+        "uint8 labels": (base, (x, y.to(torch.uint8)), TypeError, r"got a tensor of another dtype than int64.*y.long\(\)"),
         "(loss, aux) without has_aux": (aux, (x, y), TypeError, r"returned (a )?tuple where a loss tensor was expected.*has_aux=True"),
         ".item()": (item, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*t instead of t.item\(\)"),
         "if on a value": (branch, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*torch.where"),

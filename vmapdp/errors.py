@@ -79,13 +79,14 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
         )
     if "int32/int64 for index" in low or "expected scalar type long" in low:
         return TypeError(
-            f"{call}: an op that takes class indices (cross_entropy, nll_loss, gather, embedding) got a float tensor "
-            f"(torch said: {first}). Pass the labels (or token ids) as integers: y.long()."
+            f"{call}: an op that takes class indices (cross_entropy, nll_loss, gather, embedding) got a tensor of another "
+            f"dtype than int64 (torch said: {first}). Pass the labels (or token ids) as int64: y.long()."
         )
     if "same dtype" in low or "expected scalar type" in low or "should be the same" in low:
         return TypeError(
             f"{call}: the model's params and the batch (or two inputs) have different dtypes (torch said: {first}). "
-            "Cast the batch to the params' dtype (x.float()), or the model to the batch's before functionalize "
-            "(model.double()); labels stay integer."
+            "Cast the batch's floating-point tensors to the params' dtype (x.to(torch.float64) for float64 params, x.float() "
+            "for float32), or the model to the batch's before functionalize (model.double(), model.float()); labels stay "
+            "integer."
         )
     return None
