@@ -247,6 +247,7 @@ def test_a_delta_at_or_above_one_over_n_is_refused_where_epsilon_is_read_and_in_
         (dict(batch_size=12, sampler=torch.utils.data.WeightedRandomSampler(torch.ones(120), 120)), r"custom sampler \(WeightedRandomSampler\).*Poisson sampling"),
         (dict(batch_size=12, sampler=torch.utils.data.RandomSampler(range(120), replacement=True)), r"custom sampler \(RandomSampler\)"),
         (dict(batch_sampler=torch.utils.data.BatchSampler(range(120), 12, False)), r"custom batch_sampler \(BatchSampler\).*Poisson sampling"),
+        (dict(batch_size=None), r"the DataLoader has batch_size=None \(it yields single rows, no batches\).*Pass loader.dataset with batch_size="),
     ],
 )
 def test_loader_settings_that_change_a_batch_are_refused(loader_kw, match):

@@ -164,6 +164,8 @@ def test_load_state_dict_refuses_another_sampler():
         s.load_state_dict(ShuffledSampler(30, 8, key=KEY).state_dict())
     with pytest.raises(ValueError, match=r"the state comes from a generator-driven sampler, this one is key-driven"):
         s.load_state_dict(ShuffledSampler(30, 7, generator=torch.Generator()).state_dict())
+    with pytest.raises(ValueError, match=r"ShuffledSampler.load_state_dict\(state\): the state is a PoissonSampler's .*not a ShuffledSampler's"):
+        s.load_state_dict(PoissonSampler(30, 0.2, key=KEY).state_dict())  # (found by review: "the state has kind=None")
 
 
 @pytest.mark.parametrize("make", [

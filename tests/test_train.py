@@ -286,6 +286,14 @@ def test_bad_arguments(kwargs, match):
         vmapdp.make_train_step(loss_fn, optim.sgd(0.1), **args)
 
 
+def test_a_missing_expected_batch_size_is_named_as_required_with_the_fix():
+    """Found by review: "expected_batch_size must be a real number, got NoneType" said neither that it is
+    required with sample_rate= alone nor what to pass."""
+    _, _, _, _, loss_fn = problem()
+    with pytest.raises(TypeError, match=r"expected_batch_size is required with sample_rate= alone: .*sample_rate \* num_samples.*Or pass sampler="):
+        vmapdp.make_train_step(loss_fn, optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1)
+
+
 def test_bad_state_and_batch():
     _, params, buffers, (x, y), loss_fn = problem()
     step = make(loss_fn)

@@ -453,6 +453,12 @@ class _KeyedSampler:
         call = f"{type(self).__name__}.load_state_dict(state)"
         _check_state(call, state)
         mine = {"kind": type(self).__name__, **self._params()}
+        if "kind" not in state and "sample_rate" in state:  # (found by review: "the state has kind=None")
+            raise ValueError(
+                f"{call}: the state is a PoissonSampler's (or a TruncatedPoissonSampler's), not a {type(self).__name__}'s: "
+                "resuming it would continue another sampling process than the one the run (and its privacy ledger) used. "
+                "Resume it with the sampler the run was made with."
+            )
         for name, value in mine.items():
             if state.get(name) != value:
                 raise ValueError(

@@ -443,6 +443,8 @@ def _check_loader(call: str, loader: torch.utils.data.DataLoader) -> None:
 
     replaced = "make_private replaces the loader's batching by Poisson sampling (each row in a step's batch independently, with probability batch_size / len(dataset)); the accounting assumes exactly that"
     fix = "Pass loader.dataset with batch_size= instead"
+    if loader.batch_size is None and loader.batch_sampler is None:  # (found by review: called a custom batch_sampler (NoneType))
+        raise ValueError(f"{call}: the DataLoader has batch_size=None (it yields single rows, no batches): {replaced}. {fix}.")
     if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         raise ValueError(f"{call}: the DataLoader has a custom batch_sampler ({type(loader.batch_sampler).__name__}), which would be ignored: {replaced}. {fix}.")
     sampler = loader.sampler

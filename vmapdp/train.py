@@ -1114,6 +1114,11 @@ def make_train_step(
     sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
     if expected_batch_size is None and sampler is not None:
         expected_batch_size = sampler.expected_batch_size
+    elif expected_batch_size is None:  # (found by review: "must be a real number, got NoneType" said neither)
+        raise TypeError(
+            f"{call}: expected_batch_size is required with sample_rate= alone: the public divisor of the noisy sum, "
+            "sample_rate * num_samples (e.g. expected_batch_size=sample_rate * len(dataset)). Or pass sampler=, which knows it."
+        )
     expected_batch_size = _checks.positive(call, "expected_batch_size", expected_batch_size, meaning="the public divisor of the noisy sum")
     # the size the charged sampling draws on average: the sampler's (a given expected_batch_size is the divisor
     # only, the caller's choice: 1.0 releases the noisy sum itself); unknown with sample_rate= alone (not checked)
