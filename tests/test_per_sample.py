@@ -293,6 +293,9 @@ def _bad_inputs():
     def branch(p, b, s):  # (found by review: torch's raw vmap message under clipped_grad_sum)
         return base(p, b, s) if s[0].sum() > 0 else 2 * base(p, b, s)
 
+    def four(p, b, extra, s):  # (called with one shared argument fewer than it takes)
+        return base(p, b, s)
+
     return params, buffers, {
         "float64 batch": (base, (x.double(), y), TypeError, r"have different dtypes.*Cast the batch's floating-point tensors to the params' dtype .* x.float\(\) for float32"),
         "float labels": (base, (x, y.float()), TypeError, r"got a tensor of another dtype than int64.*Pass the labels \(or token ids\) as int64: y.long\(\)"),
@@ -301,6 +304,10 @@ def _bad_inputs():
         "(loss, aux) without has_aux": (aux, (x, y), TypeError, r"returned (a )?tuple where a loss tensor was expected.*has_aux=True"),
         ".item()": (item, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*t instead of t.item\(\)"),
         "if on a value": (branch, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*torch.where"),
+        # (found by review: torch's raw errors, the per-sample view's "1x5" among them)
+        "wrong width": (base, (x[:, :2], y), ValueError, r"a layer got inputs of another size than it takes \(torch said: mat1 and mat2.*in_features"),
+        "label out of range": (base, (x, y + 5), ValueError, r"an index is out of range \(torch said: .*\): a label outside \[0, num_classes\)"),
+        "a shared argument missing": (four, (x, y), TypeError, r"got another number of arguments than it takes .*loss_fn\(params, \*shared, sample\).*mask=mask"),
     }
 
 

@@ -486,7 +486,7 @@ class ClippedGradSum:
         try:
             summed, norms, losses = self._dispatch(args, mask, sink)
             return summed, norms, losses
-        except RuntimeError as err:
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
             if "saved tensor hooks" in str(err):
                 raise UnsupportedModuleError(
                     f"{_CALL}: the loss uses torch.utils.checkpoint (or other saved tensor hooks), which "
@@ -657,8 +657,11 @@ class ClippedGradSum:
                     loss_fn, params, shared, batch, mask, lambda n: self._weights(n / grad_scale), randomness=self.randomness, plan=plan, call=_CALL, sink=sink
                 )
                 norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
-        except RuntimeError as err:
-            raise explain_runtime_error(_CALL, err) from err
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            explained = explain_runtime_error(_CALL, err)
+            if explained is err:
+                raise
+            raise explained from err
         if self.nonfinite == "raise":
             released_rows(norms, mask, self.nonfinite, _CALL)
         # a param wider than the dtype it is used in (float64 cast to float32 by the model) gets its sum in its own

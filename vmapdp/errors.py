@@ -27,6 +27,13 @@ class PublicSeedWarning(UserWarning):
 _BATCH_NORM_SIGN = "expected more than 1 value per channel when training"
 
 
+def _positional_mismatch(msg: str) -> bool:
+    """Python's own message for a call with too many or too few positional arguments."""
+    import re
+
+    return bool(re.search(r"takes (from )?\d+ (to \d+ )?positional arguments? but \d+ (were|was) given|missing \d+ required positional argument", msg))
+
+
 def explain_torch_error(call: str, err: BaseException) -> Exception | None:
     """torch's raw error, raised inside the per-sample engine, as one that names the cause and the
     fix; ``None`` when it is not one vmapdp knows (raise the original then)."""
@@ -81,6 +88,26 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
         return TypeError(
             f"{call}: an op that takes class indices (cross_entropy, nll_loss, gather, embedding) got a tensor of another "
             f"dtype than int64 (torch said: {first}). Pass the labels (or token ids) as int64: y.long()."
+        )
+    # (found by review: these reached the user raw; the per-sample view's "1x" in torch's shapes confused them)
+    if "mat1 and mat2 shapes cannot be multiplied" in low:
+        return ValueError(
+            f"{call}: a layer got inputs of another size than it takes (torch said: {first}). loss_fn runs on ONE sample "
+            "(the batch's leading dim removed; a leading 1 in torch's shapes is the [None] your loss adds back): check "
+            "each sample's feature size against the layer's in_features, and that dim 0 of every batch tensor is the batch."
+        )
+    if "index out of range in self" in low or "out of bounds for dimension" in low or "index out of bounds" in low:
+        return ValueError(
+            f"{call}: an index is out of range (torch said: {first}): a label outside [0, num_classes) (cross_entropy, "
+            "nll_loss), or a token id or position past an embedding's size (a vocabulary or sequence length larger than "
+            "the model's config). Check the batch's labels and ids against the model's sizes."
+        )
+    if isinstance(err, TypeError) and _positional_mismatch(msg):
+        return TypeError(
+            f"{call}: a function got another number of arguments than it takes (torch said: {first}). If it is loss_fn: it "
+            "is called as loss_fn(params, *shared, sample), so the shared arguments (step(state, batch, mask, *shared); "
+            "fn(params, *shared, batch)) must be exactly the ones it takes between params and sample, buffers included; "
+            "pass a mask by keyword (fn(params, *shared, batch, mask=mask)), not after the batch."
         )
     if "same dtype" in low or "expected scalar type" in low or "should be the same" in low:
         return TypeError(

@@ -99,8 +99,11 @@ def _mapped(
         try:
             with batched_attention(args[nums[0]]):
                 grads, value = mapped(*args)
-        except (RuntimeError, ValueError) as err:
-            raise explain_runtime_error(call, err) from err
+        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+            explained = explain_runtime_error(call, err)
+            if explained is err:
+                raise
+            raise explained from err
         if has_aux:
             losses, aux = value
         else:
@@ -215,8 +218,11 @@ def _on_first_row(call: str, fwd: Callable[[Any], Any], batch: Any, params: Any,
                 if randomness != "different" or "same randomness with a batched tensor input" not in str(err):
                     raise
                 vmap(fwd, randomness=randomness)(one)
-    except RuntimeError as err:
-        raise explain_runtime_error(call, err) from err
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        explained = explain_runtime_error(call, err)
+        if explained is err:
+            raise
+        raise explained from err
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:
