@@ -256,6 +256,22 @@ def test_a_budget_without_noise_is_refused_when_the_step_is_made():
     _step(noise_multiplier=0.0)  # a non-private run without a budget: fine
 
 
+def test_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """Found by review: each raised a bare AttributeError or TypeError (or, for criterion, was taken
+    and failed at the first step)."""
+    with pytest.raises(TypeError, match=r"Ledger: events must be an iterable of events \(Ledger\(\[event, ...\]\)\), got NoneType"):
+        Ledger(None)
+    with pytest.raises(TypeError, match=r"Ledger: events must be an iterable .*got PoissonGaussianEvent"):
+        Ledger(PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1))
+    with pytest.raises(TypeError, match=r"add_noise\(tree, std, generator\): leaves \[1\] are not tensors \(float\).*torch.as_tensor"):
+        vmapdp.add_noise({"a": torch.zeros(2), "b": 3.0}, 1.0, key=b"k" * 16)
+    with pytest.raises(TypeError, match=r"save_state\(path, state\): sampler must be a vmapdp.data sampler .*got str. Nothing was written"):
+        vmapdp.save_state(str(tmp_path / "s.pt"), _STATE, sampler="s")
+    assert not (tmp_path / "s.pt").exists()
+    with pytest.raises(TypeError, match=r"make_private\(model, optimizer, data\): criterion must be a function .*got str"):
+        _private(criterion="ce")
+
+
 def test_checks_module_basics():
     assert _checks.positive("f(x)", "x", 2) == 2.0 and isinstance(_checks.positive("f(x)", "x", 2), float)
     assert _checks.accountant("f", "prv") == "pld"

@@ -279,6 +279,8 @@ def make_private(
     """
     call = "make_private(model, optimizer, data)"
     secure = _checks.flag(call, "secure", secure)
+    if criterion is not None and not callable(criterion):  # (found by review: criterion="ce" was taken, and failed at fit)
+        raise TypeError(f"{call}: criterion must be a function criterion(logits [1, K], target [1]) such as torch.nn.functional.cross_entropy, got {type(criterion).__name__}.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{call}: model must be a torch.nn.Module, got {type(model).__name__}.")
     from vmapdp.sharding import is_fsdp_module

@@ -688,6 +688,8 @@ def _event_from_dict(d: dict) -> Event:
 
 
 def _merged(events: Iterable[Event]) -> tuple[Event, ...]:
+    if isinstance(events, _EVENT_TYPES) or not isinstance(events, Iterable):  # (found by review: Ledger(None) was a bare TypeError)
+        raise TypeError(f"Ledger: events must be an iterable of events (Ledger([event, ...])), got {type(events).__name__}.")
     out: list[Event] = []
     for e in events:
         if not isinstance(e, _EVENT_TYPES):

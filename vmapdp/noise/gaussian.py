@@ -690,6 +690,12 @@ def add_noise(
         if value is not None:  # (named as called: found by review)
             _checks.guessable(f"add_noise(tree, std, {name}={'...' if name == 'key' else 'generator'})", name, value, "the noise and subtract it")
     leaves, spec = optree.tree_flatten(tree, namespace="torch")
+    other = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, Tensor)]
+    if other:  # (found by review: a float leaf raised a bare AttributeError)
+        raise TypeError(
+            f"{call}: leaves {other[:5]} are not tensors ({type(leaves[other[0]]).__name__}); add_noise noises a pytree of "
+            "floating-point tensors. Make them tensors: torch.as_tensor(v, dtype=torch.float32)."
+        )
     complex_leaves = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor) and leaf.is_complex()]
     if complex_leaves:  # (real noise cast to a complex dtype leaves the imaginary parts noiseless: found by review)
         raise TypeError(
