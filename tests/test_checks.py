@@ -265,7 +265,7 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path):
         Ledger(PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1))
     with pytest.raises(TypeError, match=r"add_noise\(tree, std, generator\): leaves \[1\] are not tensors \(float\).*torch.as_tensor"):
         vmapdp.add_noise({"a": torch.zeros(2), "b": 3.0}, 1.0, key=b"k" * 16)
-    with pytest.raises(TypeError, match=r"save_state\(path, state\): sampler must be a vmapdp.data sampler .*got str. Nothing was written"):
+    with pytest.raises(TypeError, match=r"save_state\(path, state\): sampler must be the sampler that drew the state's batches .*got str. Nothing was written"):
         vmapdp.save_state(str(tmp_path / "s.pt"), _STATE, sampler="s")
     assert not (tmp_path / "s.pt").exists()
     with pytest.raises(TypeError, match=r"make_private\(model, optimizer, data\): criterion must be a function .*got str"):

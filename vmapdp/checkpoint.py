@@ -105,8 +105,11 @@ def state_payload(call: str, state: TrainState, sampler: Any = None, *, check_sa
     ``check_sampler``: refuse a sampler not at the state's step (``save_sharded``: on the rank
     whose sampler state is written only)."""
     require_train_state(call, state)
-    if sampler is not None and not (callable(getattr(sampler, "state_dict", None)) and hasattr(sampler, "event")):  # (found by review: AttributeError)
-        raise TypeError(f"{call}: sampler must be a vmapdp.data sampler (the one that drew the state's batches), got {type(sampler).__name__}. Nothing was written.")
+    if sampler is not None and not all(callable(getattr(sampler, m, None)) for m in ("state_dict", "load_state_dict")):  # (found by review: AttributeError)
+        raise TypeError(
+            f"{call}: sampler must be the sampler that drew the state's batches (a vmapdp.data sampler, or an object with "
+            f"state_dict() and load_state_dict()), got {type(sampler).__name__}. Nothing was written."
+        )
     ns = state.noise_state
     if unowned(ns) and int(ns["t"]) > 0:
         # (a state stepped by this version has one: loading binds an owner-less one to the run it is read into,
