@@ -270,6 +270,20 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path):
     assert not (tmp_path / "s.pt").exists()
     with pytest.raises(TypeError, match=r"make_private\(model, optimizer, data\): criterion must be a function .*got str"):
         _private(criterion="ce")
+    # gather: a negative index wrapped around and could name a row twice (one example stepped as two rows)
+    from vmapdp.data import gather
+
+    with pytest.raises(IndexError, match=r"gather\(data, indices\): indices must be in \[0, 6\) \(the data's rows\), got -1"):
+        gather((_X, _Y), torch.tensor([-1, 5]))
+    with pytest.raises(IndexError, match=r"indices must be in \[0, 6\) .*got 6"):
+        gather((_X, _Y), torch.tensor([0, 6]))
+    for bad in (torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]]), [0, 1]):
+        with pytest.raises(TypeError, match=r"gather\(data, indices\): indices must be a 1-D integer tensor"):
+            gather((_X, _Y), bad)
+    assert torch.equal(gather((_X, _Y), torch.tensor([5, 0]))[0], _X[[5, 0]])
+    # adaptive clipping's initial threshold outside its range was clamped after the first step without a word
+    with pytest.raises(ValueError, match=r"the initial l2_clip_norm=10000.0 is outside adaptive clipping's clip_norm_range=\(0.1, 10.0\)"):
+        _step(l2_clip_norm=1e4, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=10.0, clip_norm_range=(0.1, 10)))
 
 
 def test_checks_module_basics():

@@ -133,6 +133,12 @@ class AdaptiveClipping:
             raise ValueError(
                 f"{call}: adaptive clipping supports rule='clip' (one flat threshold); got rule={rule!r}. Drop adaptive_clipping= or rule=."
             )
+        lo, hi = self.clip_norm_range
+        if not lo <= l2_clip_norm <= hi:  # (found by review: clamped after the first step without a word)
+            raise ValueError(
+                f"{call}: the initial l2_clip_norm={l2_clip_norm!r} is outside adaptive clipping's clip_norm_range={self.clip_norm_range!r}, "
+                "which the threshold is clamped to after every update. Start inside the range, or widen it."
+            )
         self.gradient_noise_multiplier(noise_multiplier)  # raises if the count would spend it all
 
     def count_privatizer(self, *, secure: bool) -> Privatizer:

@@ -844,7 +844,19 @@ class CyclicPoissonSampler(_KeyedSampler):
 
 
 def gather(data: Any, indices: Tensor) -> Any:
-    """Rows ``indices`` of every leaf of a pytree of tensors (leading dim = dataset size)."""
+    """Rows ``indices`` of every leaf of a pytree of tensors (leading dim = dataset size).
+
+    ``indices`` must be a 1-D integer tensor in ``[0, rows)``: a negative index would wrap
+    around and could name a row twice (found by review: ``[-1, n - 1]`` stepped one example as
+    two rows, each adding up to the clip norm to a sum charged as one)."""
+    call = "gather(data, indices)"
+    if not isinstance(indices, Tensor) or indices.dim() != 1 or indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise TypeError(f"{call}: indices must be a 1-D integer tensor (a sampler's draw), got {type(indices).__name__}{' ' + str(tuple(indices.shape)) + ' ' + str(indices.dtype) if isinstance(indices, Tensor) else ''}.")
+    leaves = [x for x in optree.tree_leaves(data, namespace="torch") if isinstance(x, Tensor)]
+    if indices.numel() and leaves:
+        lo, hi, rows = int(indices.min()), int(indices.max()), min(x.shape[0] if x.dim() else 0 for x in leaves)
+        if lo < 0 or hi >= rows:
+            raise IndexError(f"{call}: indices must be in [0, {rows}) (the data's rows), got {lo if lo < 0 else hi}. Pass a sampler's indices for this dataset.")
     return optree.tree_map(lambda x: x[indices], data, namespace="torch")
 
 
