@@ -308,6 +308,7 @@ def _bad_inputs():
         "wrong width": (base, (x[:, :2], y), ValueError, r"a layer got inputs of another size than it takes \(torch said: mat1 and mat2.*in_features"),
         "label out of range": (base, (x, y + 5), ValueError, r"an index is out of range \(torch said: .*\): a label outside \[0, num_classes\)"),
         "a shared argument missing": (four, (x, y), TypeError, r"got another number of arguments than it takes .*loss_fn\(params, \*shared, sample\).*mask=mask"),
+        "a None in the batch": (lambda p, b, s: base(p, b, s[:2]), (x, y, None), TypeError, r"the batch holds a leaf that is not a tensor .*such as None"),
     }
 
 

@@ -102,6 +102,12 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             "nll_loss), or a token id or position past an embedding's size (a vocabulary or sequence length larger than "
             "the model's config). Check the batch's labels and ids against the model's sizes."
         )
+    if "we cannot vmap over non-tensor arguments" in low:
+        return TypeError(
+            f"{call}: the batch holds a leaf that is not a tensor (torch said: {first}), such as None or a number: every "
+            "leaf of the batch must be a tensor whose dim 0 is the batch. Leave such values out of the batch (pass a "
+            "constant as a shared argument, or close over it in loss_fn)."
+        )
     if isinstance(err, TypeError) and _positional_mismatch(msg):
         return TypeError(
             f"{call}: a function got another number of arguments than it takes (torch said: {first}). If it is loss_fn: it "
