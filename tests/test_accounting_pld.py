@@ -76,6 +76,29 @@ def test_a_delta_below_the_ffts_rounding_is_not_certified_by_pld():
     assert eps == acc.epsilon(**kw, accountant="rdp") >= fine
 
 
+def test_delta_beyond_the_composed_losses_keeps_its_certified_slack():
+    """Found by mutation testing: no test failed with the upper delta's slack (the mass allowed
+    outside the FFT window, and the FFT's rounding) left out. The Gaussian's true delta is positive
+    at every epsilon; past the grid's largest loss the upper bound is that slack, never 0."""
+    b = pld.pld_delta_bounds([(1.0, 0.01, 1000)], epsilon=30.0, value_discretization_interval=1e-3)
+    assert b.lower == 0.0 and b.upper >= pld._TAIL and b.upper > 0.0
+
+
+def test_replace_one_rdp_is_the_weak_triangle_inequality_of_the_add_remove_curve():
+    """Found by mutation testing: no accounting test failed with the (a - 1/2) / (a - 1) factor
+    dropped (a mixed Poisson and fixed-size ledger then under-reported by 2.4%). Pinned on the
+    Gaussian's curve a / (2 sigma^2): D_a <= (a - 1/2)/(a - 1) D_2a + D_{2a - 1} (Mironov 2017, Prop. 11)."""
+    from vmapdp.accounting.rdp import rdp_replace_one_from_add_remove
+
+    sigma = 1.7
+    curve = lambda orders: [o / (2 * sigma**2) for o in orders]  # noqa: E731
+    orders = [1.5, 2.0, 8.0, 100.0]
+    got = rdp_replace_one_from_add_remove(curve, orders).tolist()
+    want = [(a - 0.5) / (a - 1.0) * (2 * a) / (2 * sigma**2) + (2 * a - 1) / (2 * sigma**2) for a in orders]
+    assert got == pytest.approx(want, rel=1e-12)
+    assert math.isinf(rdp_replace_one_from_add_remove(curve, [5000.0])[0])  # (doubled order past 8192: unused)
+
+
 @pytest.mark.parametrize("noise, steps, delta", [(2.0, 10, 1e-5), (0.9, 1, 1e-6), (20.0, 400, 1e-8)])
 def test_gaussian_mechanism_bracket_contains_the_exact_epsilon(noise, steps, delta):
     mu = math.sqrt(steps) / noise  # T Gaussian steps compose to one with sensitivity sqrt(T)

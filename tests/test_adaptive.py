@@ -98,6 +98,31 @@ def test_the_step_clips_at_the_carried_threshold_with_the_split_noise():
     assert abs(float(z.mean())) < stats.norm.ppf(1 - ALPHA / 2) / math.sqrt(k)
 
 
+def test_the_count_is_released_with_its_own_noise_from_its_own_key():
+    """Found by mutation testing: no test failed with the count released without noise (infinite
+    epsilon, charged as a Gaussian step), drawn from the gradient's key (the first gradient
+    coordinate's noise: one combination of the two releases then carries none), or with non-finite
+    rows counted as unclipped. White box: the count is add_noise of sum_i (b_i - 1/2) under the key
+    + b":adaptive-count"; over 400 keys its noise passes a two-sided chi-square test at ALPHA."""
+    from vmapdp.train import StepStats
+
+    sb, sigma = 3.0, 0.8
+    adaptive = vmapdp.AdaptiveClipping(count_noise_multiplier=sb)
+    sg = adaptive.gradient_noise_multiplier(sigma)
+    gp, cp = gaussian_privatizer(sg), adaptive.count_privatizer(secure=False)
+    t = lambda v: torch.tensor(float(v))  # noqa: E731
+    step_stats = StepStats(loss_sum=t(0), rows=t(10), clipped=t(3), norm_sum=t(0), nonfinite=t(2))  # half count 5 - 3 - 2 = 0
+    z = []
+    for seed in range(400):
+        key = seed.to_bytes(4, "little") * 8
+        noisy, count, _ = adaptive.release({"w": torch.zeros(3)}, step_stats, torch.tensor(1.0), key, (), privatizer=gp, count_privatizer=cp)
+        assert torch.equal(count, vmapdp.add_noise(torch.tensor(0.0), sb, key=key + b":adaptive-count"))
+        assert float(count) / sb != pytest.approx(float(noisy["w"][0]) / sg, rel=1e-6)  # not the gradient's draw
+        z.append(float(count) / sb)
+    z = torch.tensor(z, dtype=torch.float64)
+    assert stats.chi2.ppf(ALPHA / 2, len(z)) < float((z**2).sum()) < stats.chi2.ppf(1 - ALPHA / 2, len(z))
+
+
 def test_the_ledger_records_the_step_at_the_effective_noise_multiplier():
     params, x, loss_fn = linear_problem()
     step = make(loss_fn, vmapdp.AdaptiveClipping(count_noise_multiplier=4.0), noise=1.1)

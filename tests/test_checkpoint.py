@@ -212,6 +212,22 @@ def test_a_keyed_checkpoint_refuses_a_forger_who_recomputes_the_hash(saved, tmp_
         vmapdp.save_state(keyed, state, key=b"abc")
 
 
+def test_a_ledger_that_counts_fewer_steps_than_the_state_is_refused(saved, tmp_path):
+    """Found by mutation testing: the load's check that the ledger records the state's step count was
+    never exercised. A file whose digest is valid (a plain SHA-256 re-computed, as the format is public)
+    but whose ledger misses a step would resume with an epsilon that leaves that release out."""
+    path, state, _, _, _ = saved
+
+    def drop_a_step(p):
+        ledger = json.loads(p["ledger"])
+        ledger["events"][0]["count"] -= 1
+        p["ledger"] = json.dumps(ledger)
+
+    forged = tmp_path / "fewer.pt"
+    forged.write_bytes(edited(path.read_bytes(), drop_a_step, rehash=True))
+    _refused(forged, match=r"the ledger records 1 steps but the state says 2; the checkpoint is inconsistent")
+
+
 def test_sampler_state_is_restored_or_the_load_refused(saved, tmp_path):
     path, state, sampler_state, _, _ = saved
     with pytest.raises(ValueError, match=r"holds the sampler's state .* but no sampler was given.*Pass sampler=PoissonSampler"):

@@ -130,6 +130,40 @@ def test_masked_rows_contribute_nothing_even_nan():
     clip_and_sum(poisoned, 0.5, mask=mask, nonfinite="raise")
 
 
+def test_masked_finite_rows_contribute_nothing_under_every_method():
+    """Found by mutation testing: with the mask ignored for finite rows no clipping test failed (the
+    masked rows above are NaN, dropped anyway). The samplers pad with copies of row 0 under a False
+    mask: summed, they would add example 0 once per padding row, each up to C, to a sum charged as C."""
+    grads = random_grads(4, b=6)
+    mask = torch.tensor([True, True, True, False, False, False])
+    padded = {k: torch.cat([v[:3], v[:1].expand(3, *v.shape[1:])]) for k, v in grads.items()}  # (as data._pad)
+    expected, _ = clip_and_sum({k: v[:3] for k, v in padded.items()}, 0.5)
+    summed, _ = clip_and_sum(padded, 0.5, mask=mask)
+    per_layer, _ = clip_and_sum_per_layer(padded, {k: 0.5 for k in padded}, mask=mask)
+    per_layer_expected, _ = clip_and_sum_per_layer({k: v[:3] for k, v in padded.items()}, {k: 0.5 for k in padded})
+    for k in padded:
+        torch.testing.assert_close(summed[k], expected[k], rtol=0, atol=0)
+        torch.testing.assert_close(per_layer[k], per_layer_expected[k], rtol=0, atol=0)
+    # ... and the engine's methods, on a linear loss whose per-sample gradient is the sample itself
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(9))
+    batch, m = torch.cat([x, x[:1].expand(3, 4)]), mask
+    for method in ("vmap", "two_pass", "ghost"):
+        out, _, _ = vmapdp.clipped_grad_sum(lambda p, s: (p["w"] * s).sum(), l2_clip_norm=0.5, method=method)({"w": torch.zeros(4)}, batch, mask=m)
+        ref, _, _ = vmapdp.clipped_grad_sum(lambda p, s: (p["w"] * s).sum(), l2_clip_norm=0.5, method=method)({"w": torch.zeros(4)}, x)
+        torch.testing.assert_close(out["w"], ref["w"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_sample_non_finite_in_one_group_is_dropped_from_every_group():
+    """Found by mutation testing (a sample kept when only one of its groups was non-finite: no test
+    mixed them): such a sample is dropped whole, its finite groups too, and the sums stay finite."""
+    grads = {"a": torch.tensor([[math.inf, 0.0], [1.0, 0.0]]), "b": torch.tensor([[3.0, 4.0], [0.0, 1.0]])}
+    summed, norms = clip_and_sum_per_layer(grads, {"a": 1.0, "b": 1.0})
+    alone, _ = clip_and_sum_per_layer({k: v[1:] for k, v in grads.items()}, {"a": 1.0, "b": 1.0})
+    for k in grads:
+        assert torch.isfinite(summed[k]).all() and torch.equal(summed[k], alone[k]), k
+    assert not math.isfinite(float(norms["a"][0]))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_normalize_rule_bounds_and_formula(seed):
     grads = random_grads(seed)

@@ -55,6 +55,12 @@ def test_secure_noise_is_gaussian_and_rejects_generators():
     assert stats.kstest(raw, "norm", args=(0.0, 1.1)).pvalue < alpha
     assert vmapdp.noise.secure_normal((3, 2), dtype=torch.float64).dtype == torch.float64
     assert vmapdp.noise.secure_normal((0, 4)).shape == (0, 4)
+    # the step's secure privatizer draws at its std too (found by mutation testing: halved, no test failed;
+    # the ledger would report epsilon 1.83 for a run at 13.4); same alpha and control
+    noisy, _ = vmapdp.noise.gaussian_privatizer(0.7, secure=True).privatize(tree, (), None)
+    z = noisy["a"].double().numpy()
+    assert stats.kstest(z, "norm", args=(0.0, 0.7)).pvalue > alpha
+    assert stats.kstest(z, "norm", args=(0.0, 0.7 * 1.1)).pvalue < alpha
 
 
 @pytest.mark.parametrize("wrong", [0.9, 1.1, 1 / math.sqrt(2)])
