@@ -140,6 +140,7 @@ ENTRY_POINTS = {
         "init_train_state(secure=)": lambda v: vmapdp.init_train_state(_PARAMS, vmapdp.optim.sgd(0.1), secure=v),
         "make_private(secure=)": lambda v: _private(secure=v),
         "add_noise(secure=)": lambda v: vmapdp.add_noise({"w": torch.zeros(2)}, 1.0, secure=v),
+        "gaussian_privatizer(secure=)": lambda v: vmapdp.noise.gaussian_privatizer(1.0, secure=v),
         "validate(raise_on_problem=)": lambda v: vmapdp.validate(nn.Linear(2, 2), raise_on_problem=v),
     },
 }

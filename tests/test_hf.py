@@ -121,6 +121,18 @@ def test_equal_length_rows_without_an_attention_mask_run_as_all_real_tokens(name
     vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, rows), rtol=1e-4, atol=1e-6)
 
 
+def test_an_attention_free_model_without_a_mask_keeps_running_without_one():
+    """Found by review: the ones mask above broke Mamba (it multiplies its states by a 2-D mask, which
+    the adapter's 4-D one is not), which ran without a mask before; it still does, with oracle grads."""
+    torch.manual_seed(0)
+    m = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=2)).eval()
+    apply, params, buffers, loss = hf.loss_fn(m)
+    ids = torch.randint(1, V, (3, 5), generator=torch.Generator().manual_seed(1))
+    rows = {"input_ids": ids, "labels": ids}
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, rows)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, rows), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, left", [("gpt2", False), ("bert-sdpa", False), ("roberta", False), ("llama-sdpa", False), ("qwen2-sdpa", False), ("gpt2", True),
                                         ("opt-eager", True), ("bert-sdpa", True)])
 def test_the_adapters_loss_is_the_models_own_on_the_unpadded_sample(name, left):

@@ -306,7 +306,7 @@ def _bad_inputs():
         "if on a value": (branch, (x, y), ValueError, r"reads a per-sample tensor's value in Python.*torch.where"),
         # (found by review: torch's raw errors, the per-sample view's "1x5" among them)
         "wrong width": (base, (x[:, :2], y), ValueError, r"a layer got inputs of another size than it takes \(torch said: mat1 and mat2.*in_features"),
-        "label out of range": (base, (x, y + 5), ValueError, r"an index is out of range \(torch said: .*\): a label outside \[0, num_classes\)"),
+        "label out of range": (base, (x, y + 5), ValueError, r"an index is out of range \(torch said: (?!clipped_grad_sum).*\); most often a label outside \[0, num_classes\)"),
         "a shared argument missing": (four, (x, y), TypeError, r"got another number of arguments than it takes .*loss_fn\(params, \*shared, sample\).*mask=mask"),
         "a None in the batch": (lambda p, b, s: base(p, b, s[:2]), (x, y, None), TypeError, r"the batch holds a leaf that is not a tensor .*such as None"),
     }
@@ -326,6 +326,23 @@ def test_embeddings_vmap_cannot_batch_are_named_with_the_fix(kw, match, method):
 
     with pytest.raises(vmapdp.UnsupportedModuleError, match=match):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1.0, method=method)(params, buffers, batch)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])
+def test_a_callers_own_error_is_not_relabelled(method):
+    """Found by review: with ValueError and TypeError explained too, a loss's own ValueError("... should
+    be the same") came back as a dtype TypeError, and "only supports scalar labels" as "loss_fn must
+    return a scalar"; only torch's own errors are explained (and once: not again around the engine)."""
+    params, buffers, cases = _bad_inputs()
+    base, batch = cases["float labels"][0], (cases["float labels"][1][0], cases["float labels"][1][1].long())
+
+    for text in ("the two inputs should be the same", "this metric only supports scalar labels"):
+        def loss(p, b, s, text=text):
+            raise ValueError(text)
+
+        with pytest.raises(ValueError, match=rf"^{text}$"):
+            vmapdp.clipped_grad_sum(loss, l2_clip_norm=1.0, method=method)(params, buffers, batch)
+    assert base(params, buffers, (batch[0][0], batch[1][0])).dim() == 0  # (the problem's loss itself is fine)
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost", "two_pass"])

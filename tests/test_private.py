@@ -229,6 +229,20 @@ def test_a_delta_at_or_above_one_over_n_is_refused_where_epsilon_is_read_and_in_
     indices, mask = sampler.sample()
     with pytest.raises(ValueError, match=r"a budget's delta=0.005 must be below 1/num_samples = 1/1000"):
         step(state, torch.ones(len(indices), 1), mask)
+    # a small dataset's make_private takes a delta below its 1/n that is above 1/100 (found by review: its own
+    # init_train_state(budget=) refused it), as does init_train_state told the size
+    small = torch.utils.data.TensorDataset(torch.randn(60, 6), torch.randint(0, 2, (60,)))
+    m = model()
+    vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), small, batch_size=6, l2_clip_norm=1.0, target_epsilon=8.0, epochs=1, delta=0.01, compile=False)
+    vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=(1.0, 0.01), num_samples=60)
+    with pytest.raises(ValueError, match=r"budget delta=0.02 must be below 1/num_samples = 1/60"):
+        vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=(1.0, 0.02), num_samples=60)
+    # ... and a budget a state already holds is checked too by a step that does not know the size (found by review)
+    unsized = vmapdp.make_train_step(lambda p, s: (p["w"] * s).sum(), vmapdp.optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0,
+                                     sample_rate=0.1, expected_batch_size=10.0, compile=False)
+    held = vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1))._replace(budgets=((1.0, 0.5, "pld"),))
+    with pytest.raises(ValueError, match=r"a budget's delta=0.5 is 1/100 or more"):
+        unsized(held, torch.ones(4, 1), torch.ones(4, dtype=torch.bool))
     # where the dataset's size is unknown (init_train_state, sample_rate= alone), a delta of 1/100 or more protects
     # nobody in any dataset of 100 rows or more (found by review: budget=(1.0, 0.5) was enforced for 14 steps)
     for make in (lambda b: vmapdp.init_train_state({"w": torch.zeros(1)}, vmapdp.optim.sgd(0.1), budget=b),

@@ -51,6 +51,7 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             "if its running statistics come from public data."
         )
     low = msg.lower()
+    torch_kind = isinstance(err, (RuntimeError, IndexError))  # (a caller's own ValueError or TypeError is not torch's: found by review)
     if "embedding_renorm_" in low:
         return UnsupportedModuleError(
             f"{call}: nn.Embedding(max_norm=...) renormalises rows of its weight in place during the forward (torch said: "
@@ -84,23 +85,23 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             f"{call}: loss_fn returned a tuple where a loss tensor was expected (torch said: {first}). For (loss, aux) "
             "pass per_sample_grads(loss_fn, has_aux=True); clipped_grad_sum and make_train_step take the loss alone."
         )
-    if "int32/int64 for index" in low or "expected scalar type long" in low:
+    if torch_kind and ("int32/int64 for index" in low or "expected scalar type long" in low):
         return TypeError(
             f"{call}: an op that takes class indices (cross_entropy, nll_loss, gather, embedding) got a tensor of another "
             f"dtype than int64 (torch said: {first}). Pass the labels (or token ids) as int64: y.long()."
         )
     # (found by review: these reached the user raw; the per-sample view's "1x" in torch's shapes confused them)
-    if "mat1 and mat2 shapes cannot be multiplied" in low:
+    if torch_kind and "mat1 and mat2 shapes cannot be multiplied" in low:
         return ValueError(
             f"{call}: a layer got inputs of another size than it takes (torch said: {first}). loss_fn runs on ONE sample "
             "(the batch's leading dim removed; a leading 1 in torch's shapes is the [None] your loss adds back): check "
             "each sample's feature size against the layer's in_features, and that dim 0 of every batch tensor is the batch."
         )
-    if "index out of range in self" in low or "out of bounds for dimension" in low or "index out of bounds" in low:
+    if torch_kind and ("index out of range in self" in low or "out of bounds for dimension" in low or "index out of bounds" in low):
         return ValueError(
-            f"{call}: an index is out of range (torch said: {first}): a label outside [0, num_classes) (cross_entropy, "
-            "nll_loss), or a token id or position past an embedding's size (a vocabulary or sequence length larger than "
-            "the model's config). Check the batch's labels and ids against the model's sizes."
+            f"{call}: an index is out of range (torch said: {first}); most often a label outside [0, num_classes) "
+            "(cross_entropy, nll_loss), or a token id or position past an embedding's size (a vocabulary or sequence "
+            "length larger than the model's config). Check the batch's labels and ids against the model's sizes."
         )
     if "we cannot vmap over non-tensor arguments" in low:
         return TypeError(
@@ -115,7 +116,7 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
             "fn(params, *shared, batch)) must be exactly the ones it takes between params and sample, buffers included; "
             "pass a mask by keyword (fn(params, *shared, batch, mask=mask)), not after the batch."
         )
-    if "same dtype" in low or "expected scalar type" in low or "should be the same" in low:
+    if torch_kind and ("same dtype" in low or "expected scalar type" in low or "should be the same" in low):
         return TypeError(
             f"{call}: the model's params and the batch (or two inputs) have different dtypes (torch said: {first}). "
             "Cast the batch's floating-point tensors to the params' dtype (x.to(torch.float64) for float64 params, x.float() "

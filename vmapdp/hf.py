@@ -334,10 +334,11 @@ def sample_loss(
         key = _label_key(sample) if task in ("classification", "token_classification") or "labels" in sample or "label" in sample else None
         inputs = {k: v[None] for k, v in sample.items() if k != key}
         mask = sample.get("attention_mask")
-        if mask is None and not alibi and "input_ids" in sample:
+        if mask is None and not alibi and "input_ids" in sample and "mamba" not in str(getattr(config, "model_type", "")):
             # without a mask transformers' classifier checks the ids for padding, and its mask builder runs, with
             # data-dependent code that vmap refuses (found by review: a decoder classifier; then GPT-2 and BERT, whose
-            # error blamed the user's loss): an equal-length sample is all real tokens, which a ones mask says
+            # error blamed the user's loss): an equal-length sample is all real tokens, which a ones mask says (not for
+            # the attention-free Mamba family, which multiplies its states by a 2-D mask the adapter's 4-D one would break)
             mask = torch.ones_like(sample["input_ids"])
         if mask is not None and mask.dim() == 1:
             if causal is None:

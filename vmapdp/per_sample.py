@@ -281,9 +281,23 @@ def _path_name(path: tuple, is_param: bool) -> str:
 
 
 def explain_runtime_error(call: str, err: Exception) -> Exception:
+    """torch's raw ``err`` as an error naming the cause and the fix, or ``err`` itself where it is
+    not one vmapdp knows (or is one vmapdp raised or explained already: found by review, an error
+    explained by ``per_sample_grads`` was explained again around it)."""
+    if getattr(err, "_vmapdp_explained", False):
+        return err
+    explained = _explained(call, err)
+    if explained is not err:
+        explained._vmapdp_explained = True
+    return explained
+
+
+def _explained(call: str, err: Exception) -> Exception:
     known = explain_torch_error(call, err)
     if known is not None:
         return known
+    if not isinstance(err, RuntimeError):  # (a caller's own ValueError is not relabelled: found by review)
+        return err
     msg = str(err)
     if "randomness" in msg and "vmap" in msg:
         return RuntimeError(f"{call}: {_RANDOMNESS_HELP}")

@@ -407,7 +407,7 @@ def make_private(
         _checks.guessable(call, "seed", seed, "the noise (and subtract it) and the batches")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PublicSeedWarning)
-        state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None, privatizer=privatizer)
+        state = init_train_state(params, opt, seed=seed, secure=secure, budget=(target_epsilon, delta) if target_epsilon is not None else None, privatizer=privatizer, num_samples=n)
     trainer = PrivateTrainer(model, step, state, sampler, data, noise_multiplier, l2_clip_norm, delta, buffers)
     trainer._collate_fn = collate_fn
     return trainer

@@ -166,18 +166,24 @@ def _check_budget(call: str, budget: Any, accountant: str, num_samples: int | No
         raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
     eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
     delta = _checks.delta(call, budget[1], name="budget delta", num_samples=num_samples)
-    if num_samples is None and delta >= _UNSIZED_DELTA:
-        raise ValueError(
-            f"{call}: budget delta={delta!r} is 1/{round(1 / _UNSIZED_DELTA)} or more, which protects nobody in a dataset of "
-            f"{round(1 / _UNSIZED_DELTA)} rows or more ({_checks.DELTA_MEANING}), and the dataset's size is not known here. "
-            "Pass a delta well below 1/num_samples (e.g. 1e-5); for a dataset smaller than that, give the budget to "
-            "make_train_step(sampler=...), which checks it against the sampler's num_samples."
-        )
+    _sized_delta(call, delta, num_samples, "budget delta")
     accountant = _budget_accountant(call, accountant)
     return (eps, float(budget[1]), accountant)
 
 
 _UNSIZED_DELTA = 1e-2  # the largest budget delta taken where the dataset's size is unknown (exclusive)
+
+
+def _sized_delta(call: str, delta: float, num_samples: int | None, name: str) -> None:
+    """Where the dataset's size is unknown, a budget's delta must be below 1/100 (see
+    :func:`_check_budget`); with it, ``_checks.delta`` checks ``1/num_samples``."""
+    if num_samples is None and delta >= _UNSIZED_DELTA:
+        raise ValueError(
+            f"{call}: {name}={delta!r} is 1/{round(1 / _UNSIZED_DELTA)} or more, which protects nobody in a dataset of "
+            f"{round(1 / _UNSIZED_DELTA)} rows or more ({_checks.DELTA_MEANING}), and the dataset's size is not known here. "
+            "Pass a delta well below 1/num_samples (e.g. 1e-5); for a dataset smaller than that, give the budget to "
+            "make_train_step(sampler=...) (or num_samples= to init_train_state), which checks it against 1/num_samples."
+        )
 
 
 def merge_budgets(budgets: tuple, new: tuple[float, float, str] | None) -> tuple[tuple[float, float, str], ...]:
@@ -212,6 +218,7 @@ def init_train_state(
     accountant: str = "pld",
     privatizer: Privatizer | None = None,
     sharding: Sharding | None = None,
+    num_samples: int | None = None,
 ) -> TrainState:
     """The state before the first step.
 
@@ -237,6 +244,8 @@ def init_train_state(
             on its descendants and checkpoints) raises :class:`PrivacyBudgetExceeded` rather than
             spend past it, whatever budget the step itself was given (see ``make_train_step``).
         accountant: the accountant ``budget`` is enforced with (``"rdp"`` or ``"pld"``).
+        num_samples: the dataset's size, where known: ``budget``'s delta must be below
+            ``1/num_samples`` (without it, below 1/100; a step with a sampler checks its own).
         privatizer: the :class:`vmapdp.noise.Privatizer` the run's steps use, when it keeps state
             (``state.noise_state = privatizer.init(params)``); ``None``: no noise state (the
             default Gaussian keeps none).
@@ -258,7 +267,8 @@ def init_train_state(
     if seed is not None:
         seed = _checks.positive_int(call, "seed", seed, minimum=0, fix="Or pass seed=None (128 bits of OS entropy).")  # (a NumPy int: a Python int)
         _checks.guessable(call, "seed", seed, "the noise and subtract it")
-    recorded = _check_budget(call, budget, accountant)
+    num_samples = _checks.optional_positive_int(call, "num_samples", num_samples, meaning="num_samples is the dataset's size")
+    recorded = _check_budget(call, budget, accountant, num_samples)
     if not secure and seed is None:
         seed = secrets.randbits(128)
     run_id = params_digest(params)  # of the full params, sharded or not
@@ -472,6 +482,7 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
     for _, b_delta, _ in budgets:  # (found by review: init_train_state(budget=(1.0, 0.2)) on 100 rows was enforced at 0.2)
         _checks.delta(call, b_delta, name="a budget's delta", num_samples=num_samples)
+        _sized_delta(call, b_delta, num_samples, "a budget's delta")  # (a budget a state holds: found by review)
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
@@ -600,8 +611,8 @@ def _check_sampler_position(call: str, sampler: Any, step: int, distributed: boo
 def _plausible_rows(call: str, rows: int, expected: float, sampler: Any = None) -> None:
     """With a sampler given for its events only (no draw to compare with), the batch's real rows
     must be a size that sampler could draw: at most ``E + 10 sqrt(E) + 20`` for its expected size
-    ``E`` (a Poisson or fixed-size batch exceeds it with probability below 1e-17, by Bernstein's
-    inequality). Found by review: a whole dataset stepped every step (200 rows for E = 10) was
+    ``E`` (a binomial batch exceeds it with probability below 1e-17: by Bernstein's inequality for
+    ``E >= 1``, by the exact tail, at most 7e-24, below). Found by review: a whole dataset stepped every step (200 rows for E = 10) was
     charged at the sampler's rate. What vmapdp's samplers know is checked too (found by review:
     50 rows were charged as a FixedSizeSampler's 8, and a PoissonSampler(40, 0.2)'s whole dataset
     passed the bound): a fixed-size sampler's sizes exactly (``draw_sizes``), a truncated one's
@@ -1267,6 +1278,7 @@ def make_train_step(
     chooser, compiled_or_eager = AutoChooser(agree=agree), AutoChooser(agree=agree)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
     first_shapes: list[tuple] = []  # the per-sample shapes of the first batch (fixed_shapes)
+    nan_checked: dict[int, tuple] = {}  # the shared tensors found free of NaN, by id: (weakref, version)
 
     def runner(ran: str) -> Callable:
         """The chunk function of a recorded choice ``ran``: ``"<method>"`` (compiled when ``compile``)
@@ -1397,7 +1409,7 @@ def make_train_step(
         failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
-            _checks.no_nan_shared(scall, shared)
+            _checks.no_nan_shared(scall, shared, nan_checked)
             shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)

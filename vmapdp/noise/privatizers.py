@@ -178,6 +178,7 @@ def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None
     """
     call = "gaussian_privatizer(std)"
     std = _checks.noise_std(call, std)
+    secure = _checks.flag(call, "secure", secure)
 
     def init(params: Any) -> tuple:
         return ()
