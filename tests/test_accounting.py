@@ -72,6 +72,15 @@ def dp_event(noise_multiplier, sample_rate):
 # ---------------------------------------------------------------------------------------
 
 
+def test_step_counts_past_float64_are_refused_by_name():
+    """Found by review: steps=10**30 raised a bare OverflowError in both accountants."""
+    for accountant in ("rdp", "pld"):
+        with pytest.raises(ValueError, match=r"epsilon: steps=10{30}\d* is above 2\*\*53"):
+            acc.epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=10**30, delta=1e-5, accountant=accountant)
+    with pytest.raises(ValueError, match=r"count=.* is above 2\*\*53"):
+        PoissonGaussianEvent(noise_multiplier=1.0, sample_rate=0.1, count=2**53 + 1)
+
+
 def test_append_merges_identical_consecutive_events_and_is_pure():
     ledger = Ledger()
     for _ in range(100_000):

@@ -29,7 +29,13 @@ def check_sample_rate(where: str, value) -> float:
 
 
 def check_steps(where: str, value, *, name: str = "steps", minimum: int = 0) -> int:
-    return _checks.positive_int(where, name, value, minimum=minimum, meaning="it counts noisy steps")
+    steps = _checks.positive_int(where, name, value, minimum=minimum, meaning="it counts noisy steps")
+    if steps > _MAX_STEPS:  # (found by review: 10**30 overflowed in the accountants' float / int64 arithmetic)
+        raise ValueError(f"{where}: {name}={steps} is above 2**53, where the accountants' float64 arithmetic no longer counts steps exactly; no run takes that many. Pass the steps the run takes.")
+    return steps
+
+
+_MAX_STEPS = 1 << 53
 
 
 def check_delta(where: str, value, *, name: str = "delta") -> float:
