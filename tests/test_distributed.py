@@ -284,6 +284,13 @@ def _worker(rank, world, init_file, out_dir):
         mirror = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=cyc2, compile=False, distributed=True, method="ghost")
         indices, mask = vdist.shard(*cyc2.sample(), cyc2.capacity) if vdist.rank() == 1 else cyc3.sample()
         res["mirror_error"] = _expect_error(lambda: mirror(st, gather(data, indices), mask, buffers))
+        # and no rank's sampler drawn at all (given for its events only), each rank stepping its own draw of another
+        # object (found by review: accepted, every check switched off; the DDP habit of a DistributedSampler too)
+        events_only = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, key=SAMPLER_KEY)
+        own = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=events_only, physical_batch_size=CAPACITY,
+                                     compile=False, distributed=True, method="ghost")
+        indices, mask = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, key=SAMPLER_KEY + bytes([vdist.rank()])).sample()
+        res["events_only_error"] = _expect_error(lambda: own(st, gather(data, indices), mask, buffers))
         sec = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
         whole = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sec, physical_batch_size=CAPACITY,
                                        compile=False, distributed=True, method="ghost")
@@ -467,6 +474,7 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
         # (a rank stepping a batch while its own sampler drew nothing: refused as such, whatever the counts; a third review)
         assert r["mixed_error"] is not None and "another rank's drew nothing" in r["mixed_error"], r["mixed_error"]
         assert r["mirror_error"] is not None and "another rank's drew nothing" in r["mirror_error"], r["mirror_error"]
+        assert r["events_only_error"] is not None and "no rank's sampler (PoissonSampler) drew this step's batch" in r["events_only_error"], r["events_only_error"]
         assert r["secure_whole_error"] is not None and "on more than one rank" in r["secure_whole_error"], r["secure_whole_error"]
     r0, r1 = ranks
     assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]

@@ -710,6 +710,17 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | N
             "stopped with it after the reduction, before the noise: nothing was released on any rank."
         )
     if hi < 0:
+        if sampler is not None and _dist.world_size() > 1:
+            # (found by review: a sampler given for its events only let every rank step its own draw, each rank the
+            # whole batch, or a DistributedSampler's shuffled batches charged as Poisson, with nothing checked; the
+            # rows summed over the ranks cannot show one draw dealt out. sample_rate= alone warns at make_train_step)
+            raise ValueError(
+                f"{call}: no rank's sampler ({type(sampler).__name__}) drew this step's batch: with several ranks the step "
+                "must see the draw it charges, to check that the ranks' rows are that one draw dealt out (each rank drawing "
+                "its own batch, or stepping the whole batch, puts an example on two ranks: 2 C charged as C; a "
+                "DistributedSampler's shuffled batches would be charged as the sampler's). Draw every batch from the "
+                "step's sampler and deal it: for indices, mask in vmapdp.distributed.sharded(sampler). Nothing was released."
+            )
         if expected is not None:  # (the ranks' rows summed: the same figure on every rank)
             _plausible_rows(call, int(rows.item()), expected, sampler)
         return
