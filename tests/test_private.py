@@ -87,6 +87,22 @@ def test_target_epsilon_is_calibrated_and_enforced():
             trainer.fit(epochs=bad)
 
 
+def test_make_private_refuses_to_run_on_every_rank_of_a_process_group(monkeypatch, tmp_path):
+    """Found by review: inside a 2-rank process group every rank ran its own private training on the
+    data, each ledger counting its own releases only (the group is faked here: one process)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    m = model()
+    with pytest.raises(ValueError, match=r"a process group of 2 ranks is initialized, and make_private trains in one process.*distributed=True"):
+        vmapdp.make_private(m, torch.optim.SGD(m.parameters(), lr=0.1), data(), batch_size=12, l2_clip_norm=1.0, noise_multiplier=1.0, delta=1e-3)
+    monkeypatch.undo()
+    # (and load_state given a directory says what it is instead of a raw IsADirectoryError)
+    with pytest.raises(ValueError, match=r"load_state\(.*\): .* is a directory; give the checkpoint file's path. Nothing was loaded"):
+        vmapdp.load_state(str(tmp_path))
+
+
 def test_rejects_batchnorm_and_bad_arguments():
     ds = data()
     bn = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))

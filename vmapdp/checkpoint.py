@@ -382,6 +382,12 @@ def load_state(
 
 def read_payload(call: str, path: str, secret: bytes | None, map_location: Any = None) -> dict[str, Any]:
     """The payload of the checkpoint file at ``path``, its digest verified before anything is parsed."""
+    if os.path.isdir(path):  # (found by review: a raw IsADirectoryError)
+        raise ValueError(
+            f"{call}: {os.fspath(path)!r} is a directory"
+            + (", a sharded checkpoint: load it with vmapdp.sharded_checkpoint.load_sharded on every rank" if os.path.exists(os.path.join(path, "vmapdp-meta")) else "; give the checkpoint file's path")
+            + ". Nothing was loaded."
+        )
     with open(path, "rb") as f:
         raw = f.read()
     body = _verified_body(call, raw, secret)
