@@ -434,6 +434,30 @@ def test_nan_rows_contribute_exactly_nothing(method):
         vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method=method, nonfinite="raise")(params, buffers, batch, mask=MASK)
 
 
+@pytest.mark.parametrize("name", ["linear", "linear_on_sequence_mse", "embedding_repeated_tokens"])
+def test_a_non_finite_row_adds_nothing_through_the_book_keeping_sums(monkeypatch, name):
+    """Found by mutation testing: the test above keeps every per-sample grad (a small model), so a
+    NaN row is zeroed there and ghost's book-keeping sums were never reached; with nothing kept, a
+    non-finite row's weight 0 times its NaN would make the whole param's sum NaN (a release that
+    depends on one example). Rows dropped, every sum finite and equal to the finite rows' alone."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
+    params, buffers, batch, loss_fn = _case(name)
+    first = batch[0].clone()
+    if first.is_floating_point():
+        first[1] = math.nan
+    else:  # (token ids: the NaN enters through a param's use, the embedding's output scaled by the sample)
+        params = {k: v.clone() for k, v in params.items()}
+        first[1] = 0
+        params[next(iter(params))][0, 0] = math.inf
+    batch = (first, *batch[1:])
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=C, method="ghost")(params, buffers, batch)
+    finite = torch.isfinite(norms)
+    assert not bool(finite[1]) and bool(finite.sum() >= 3)
+    assert all(torch.isfinite(v).all() for v in summed.values())
+    ref = _reference(loss_fn, params, buffers, tuple(t[finite] for t in batch), None)
+    _assert_close(summed, norms[finite], ref[0], ref[1], rtol=1e-5)
+
+
 def test_every_method_bounds_each_contribution_by_C():
     """One sample at a time: the clipped sum of a single sample has norm exactly min(norm, C)."""
     params, buffers, batch, loss_fn = _case("conv2d_circular_stride")
@@ -973,6 +997,29 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
     assert norms[0] == math.inf
     ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, (x[1:], y[1:])), 1.0, rule=rule)
     _assert_close(summed, norms[1:], *ref, rtol=1e-4)
+
+
+def test_float64_factors_of_extreme_scale_on_a_wide_layer_are_clipped_like_vmap(monkeypatch):
+    """Found by mutation testing: the test above uses a 2 x 2 weight over 8 positions, where the direct
+    norm is cheaper anyway; on a wide layer over few positions the Gram path would run, and the squares
+    of float64 factors at 1e152 and 1e-163 underflow: norm 0, the sample released unclipped (its true
+    norm about 100 C at C = 1e-12). Such factors take the direct norm, as vmap's."""
+    monkeypatch.setattr(limits, "LIMITS", replace(limits.LIMITS, keep_elements=0, keep_ratio=0.0))
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 16, dtype=torch.float64, generator=g)}
+    x, y = torch.randn(3, 2, 16, dtype=torch.float64, generator=g), torch.randn(3, 2, 16, dtype=torch.float64, generator=g)
+    x[0] *= 1e152
+    y[0] *= 1e-163
+    assert linear.gram_cheaper(2, 16, 16)  # (the shape where the Gram path is the cheaper one)
+
+    def loss_fn(p, sample):
+        xs, ys = sample
+        return (ys * F.linear(xs, p["w"])).sum()
+
+    summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=1e-12, method="ghost")(params, (x, y))
+    ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, (x, y)), 1e-12)
+    assert float(norms[0]) > 10 * 1e-12
+    _assert_close(summed, norms, *ref, rtol=1e-9)
 
 
 # the zoo's two-layer LSTM over 6 steps made Inductor's compile 28 s of the suite; one layer over 3 steps uses the cell as often as the path needs

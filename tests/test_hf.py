@@ -291,6 +291,20 @@ def test_windowed_attention_and_a_next_token_loss_on_a_bidirectional_model_are_r
         hf.additive_mask(torch.ones(3, dtype=torch.long), causal=0, dtype=torch.float32)
 
 
+def test_the_additive_mask_lets_every_query_see_itself():
+    """Found by mutation testing (no test failed without it): a query that may see no key (a padding
+    position, an all-padding sample) sees itself, so no row of a float16 model's scores is all -inf
+    (a NaN softmax); every other entry is what transformers' own mask says."""
+    for causal in (True, False):
+        m = hf.additive_mask(torch.tensor([0, 1, 1, 0]), causal=causal, dtype=torch.float16)[0, 0]
+        low = torch.finfo(torch.float16).min
+        assert bool((m.diagonal() == 0).all()) and m.shape == (4, 4)
+        keep = torch.tensor([0, 1, 1, 0]).bool()[None, :].expand(4, 4) & (torch.ones(4, 4).tril().bool() if causal else True)
+        off = ~torch.eye(4, dtype=torch.bool)
+        assert torch.equal(m[off] == 0, keep[off]) and bool((m[off & ~keep] == low).all())
+    assert bool((hf.additive_mask(torch.zeros(3, dtype=torch.long), causal=True, dtype=torch.float16)[0, 0].diagonal() == 0).all())
+
+
 def token_tagger(name):
     """A tagger with 3 tags: BERT (bidirectional) or Llama (causal), and a padded batch whose labels
     are -100 at some real positions (sub-word pieces that carry no tag)."""

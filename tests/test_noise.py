@@ -257,6 +257,12 @@ def test_any_element_range_regenerates_the_slice_of_the_whole(dtype):
     assert torch.equal(keyed_normal((3, 4), KEY, leaf=7, offset=100, dtype=dtype).reshape(-1), whole[100:112])
     big = keyed_normal((300_000,), KEY, dtype=dtype)
     assert torch.equal(keyed_normal((1000,), KEY, offset=262_000, dtype=dtype), big[262_000:263_000])
+    # a slice larger than one call of the small leaves' batch (16k elements, its own path) at an offset, on each
+    # backend (found by mutation testing: the large path's offset dropped, every rank's shard noise a copy of rank 0's)
+    for backend in ("openssl", "torch"):
+        part = keyed_normal((20_000,), KEY, offset=12_345, dtype=dtype, backend=backend)
+        assert torch.equal(part, big[12_345:32_345]), backend
+    assert torch.equal(vmapdp.add_noise({"w": torch.zeros(30_000, dtype=dtype)}, 1.0, key=KEY, offsets={"w": 15_000})["w"], big[15_000:45_000])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
