@@ -347,6 +347,21 @@ def test_sampler_catches_shuffled_fixed_size_batches():
     assert err.value.report.var_batch_size == 0.0 and err.value.report.overlap_mean == pytest.approx(0.0, abs=0.05)
 
 
+def test_sampler_and_independence_checks_refuse_what_they_do_not_test():
+    """Found by review: check_sampler failed the library's own cyclic and fixed-size samplers, telling
+    the user to use a PoissonSampler (they are accounted as what they are); a negative or NaN rtol
+    raised a bare TypeError."""
+    from vmapdp.data import CyclicPoissonSampler, FixedSizeSampler
+
+    for sampler in (CyclicPoissonSampler(100, 0.2, cycle=2, key=b"k" * 16), FixedSizeSampler(100, 10, key=b"k" * 16)):
+        with pytest.raises(ValueError, match=rf"check_sampler tests Poisson sampling .* a {type(sampler).__name__} draws by another scheme"):
+            check_sampler(sampler, steps=10, alpha=ALPHA)
+    params, data = {"w": torch.zeros(3)}, torch.randn(4, 3)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match=r"check_per_sample_independence\(.*\): rtol=.* must be"):
+            check_per_sample_independence(lambda p, s: (p["w"] * s).sum(), params, batch=data, rtol=bad)
+
+
 def test_sampler_catches_truncation_at_capacity():
     sampler = TruncatingPoisson(2000, 0.02, generator=torch.Generator().manual_seed(0), capacity=40)
     with pytest.raises(PrivacyCheckError, match=r"batch-size mean.*batch-size variance"):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from vmapdp import _checks
 from vmapdp._tree import batch_size
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import flat_rows, is_float, rng_devices, seeded, set_rows, tree_map
@@ -157,6 +158,7 @@ def check_per_sample_independence(
         0.0
     """
     call = "check_per_sample_independence(loss_fn, params, *shared, batch=)"
+    _checks.positive(call, "rtol", rtol, allow_zero=True, meaning="the tolerated change of another sample's gradient")  # (found by review: -1 or NaN raised a bare TypeError)
     if grads_fn is None:
         if not callable(loss_fn):
             raise TypeError(f"{call}: loss_fn must be callable (or pass grads_fn=), got {type(loss_fn).__name__}.")

@@ -175,6 +175,14 @@ def check_sampler(
         ValueError: missing ``num_samples``/``sample_rate``, fewer than 2 steps, an empty sampler.
     """
     call = "check_sampler(sampler)"
+    from vmapdp import data as _data
+
+    if isinstance(sampler, _data._KeyedSampler):  # (found by review: failed them, saying to use a PoissonSampler)
+        raise ValueError(
+            f"{call}: check_sampler tests Poisson sampling (independent draws at one rate, a PoissonSampler's); a "
+            f"{type(sampler).__name__} draws by another scheme, which its own events account for (its batches are not "
+            "meant to pass these tests). Check a PoissonSampler, or a sampler of your own that claims Poisson sampling."
+        )
     n = num_samples if num_samples is not None else getattr(sampler, "num_samples", None)
     q = sample_rate if sample_rate is not None else getattr(sampler, "sample_rate", None)
     if n is None or q is None:
