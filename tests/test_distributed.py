@@ -291,6 +291,15 @@ def _worker(rank, world, init_file, out_dir):
                                      compile=False, distributed=True, method="ghost")
         indices, mask = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, key=SAMPLER_KEY + bytes([vdist.rank()])).sample()
         res["events_only_error"] = _expect_error(lambda: own(st, gather(data, indices), mask, buffers))
+        # ranks whose samplers drew batches of different sizes, their shares adding up to one of them (the line behind
+        # the sampler-id comparison; found by mutation testing: never exercised)
+        sizes = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, key=SAMPLER_KEY)
+        diff = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sizes, physical_batch_size=vdist.local_capacity(CAPACITY),
+                                      compile=False, distributed=True, method="ghost")
+        indices, mask = vdist.shard(*sizes.sample(), sizes.capacity)
+        if vdist.rank() == 1:
+            sizes.last_rows -= 1
+        res["sizes_error"] = _expect_error(lambda: diff(st, gather(data, indices), mask, buffers))
         sec = PoissonSampler(N, 0.5, 2, capacity=CAPACITY, secure=True)
         whole = vmapdp.make_train_step(loss_fn, opt, l2_clip_norm=1.0, noise_multiplier=1.1, sampler=sec, physical_batch_size=CAPACITY,
                                        compile=False, distributed=True, method="ghost")
@@ -475,6 +484,7 @@ def test_ranks_that_deal_out_different_draws_or_step_the_whole_batch_each_are_re
         assert r["mixed_error"] is not None and "another rank's drew nothing" in r["mixed_error"], r["mixed_error"]
         assert r["mirror_error"] is not None and "another rank's drew nothing" in r["mirror_error"], r["mirror_error"]
         assert r["events_only_error"] is not None and "no rank's sampler (PoissonSampler) drew this step's batch" in r["events_only_error"], r["events_only_error"]
+        assert r["sizes_error"] is not None and "drew batches of different sizes" in r["sizes_error"], r["sizes_error"]
         assert r["secure_whole_error"] is not None and "on more than one rank" in r["secure_whole_error"], r["secure_whole_error"]
     r0, r1 = ranks
     assert r1["secure_each_rank_error"] is not None and "secure PoissonSampler has drawn a batch" in r1["secure_each_rank_error"], r1["secure_each_rank_error"]
