@@ -416,7 +416,13 @@ def test_the_noise_and_ledger_self_checks_cover_correlated_noise():
     batch = gather((X, Y), idx)
     vmapdp.testing.check_noise_calibration(step, after, batch, mask, noise_multiplier=fresh, **kw)  # from filled buffers: their part cancels
     vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, privatizer=priv)
-    assert not vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, raise_on_failure=False).passed
+    report = vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, raise_on_failure=False)
+    # (found by review: blamed on a ledger written by hand, with "epsilon 4.704 instead of 4.704")
+    assert not report.passed and "pass privatizer= (the correlated_noise(...)" in report.message
+    same = f"{report.epsilon_expected:.4g}" == f"{report.epsilon_recorded:.4g}"
+    assert ("for both, from other events" in report.message) == same and ("instead of" in report.message.split("Likely")[0]) == (not same)
+    with pytest.raises(TypeError, match=r"check_ledger\(state_before, state_after\): privatizer"):
+        vmapdp.testing.check_ledger(state, after, steps=1, noise_multiplier=NM, sampler=s, privatizer="banded")
 
 
 def test_make_private_takes_a_strategy():

@@ -118,6 +118,8 @@ def check_ledger(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"{call}: steps={steps!r} must be an int >= 0.")
     sample_rate, sampler = _checks.batch_scheme(call, sample_rate, sampler)
+    if privatizer is not None:  # (found by review: privatizer="banded" was taken)
+        _checks.privatizer(call, privatizer)
     if steps == 0:
         added = Ledger()
     elif noise_multiplier == 0:
@@ -155,9 +157,17 @@ def check_ledger(
             hint.append(f"it records noise_multiplier={sorted(sigmas)} instead of {noise_multiplier:g}")
         if after.steps - before.steps != steps:
             hint.append(f"{after.steps - before.steps} event(s) recorded for {steps} step(s) (a step that skips or doubles the record)")
+        if privatizer is None and any(type(e).__name__.endswith("MFEvent") for e in rec_new):
+            # (found by review: a correlated-noise run checked without its privatizer was blamed on a hand-written ledger)
+            hint.append("the steps used correlated noise: pass privatizer= (the correlated_noise(...) the step was made with)")
+        if taken < 0:
+            hint.append("state_before is after state_after (swapped?)")
+        figures = (
+            f"The accountant would report epsilon {e_rec:.4g} instead of {e_exp:.4g}" if f"{e_rec:.4g}" != f"{e_exp:.4g}"
+            else f"The accountant reports epsilon {e_rec:.4g} for both, from other events"
+        )
         message = (
-            f"{call}: FAILED: {'; '.join(problems)}. The accountant would report epsilon {e_rec:.4g} instead of "
-            f"{e_exp:.4g} at delta={delta:g} ({accountant}). Likely: {'; '.join(hint) or 'a ledger written by hand'}. "
+            f"{call}: FAILED: {'; '.join(problems)}. {figures} at delta={delta:g} ({accountant}). Likely: {'; '.join(hint) or 'a ledger written by hand'}. "
             "Build the step with the sampler the batches come from (make_train_step(..., sampler=sampler))."
         )
     return finish(
