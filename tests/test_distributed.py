@@ -332,6 +332,10 @@ def _worker(rank, world, init_file, out_dir):
         same = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=SAMPLER_KEY)
         res["rank_arg_error"] = _expect_error(lambda: next(iter(vdist.sharded(same, rank=0))))
         res["shard_rank_error"] = _expect_error(lambda: vdist.shard(*same.sample(), same.capacity, rank=0))
+        # ranks in different collective calls (save_sharded on rank 0 only, rank 1 stepping) are told so, not that
+        # their states disagree (found by review)
+        res["calls_error"] = _expect_error(lambda: vdist.check_same("save_sharded('/tmp/x')" if vdist.rank() == 0 else "step(state, batch, mask)",
+                                                                     "the state", 1, fix="(the fix)"))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -517,6 +521,8 @@ def test_ranks_with_different_samplers_fail_together(ranks):
     assert "another rank was given a rank= or world_size= that is not its own" in other["rank_arg_error"]
     assert "rank=0, world_size=2 given, but this process is rank 1 of 2" in own["shard_rank_error"]  # (shard: where given)
     assert other["shard_rank_error"] is None
+    for r, where in zip(ranks, ("save_sharded", "step")):
+        assert r["calls_error"] is not None and f"the ranks are in different calls: this rank ({ranks.index(r)} of 2) in {where}, another elsewhere" in r["calls_error"], r["calls_error"]
 
 
 # ---- in one process: the shard function, the helpers, the init check ----

@@ -279,14 +279,6 @@ def make_private(
     """
     call = "make_private(model, optimizer, data)"
     secure = _checks.flag(call, "secure", secure)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        # (found by review: every rank ran its own private training on the data, each charging only its own releases)
-        raise ValueError(
-            f"{call}: a process group of {torch.distributed.get_world_size()} ranks is initialized, and make_private trains in "
-            "one process: every rank calling it would run a training of its own on the data (their releases compose, and "
-            "each ledger counts only its own). Train data-parallel with make_train_step(..., distributed=True) and batches "
-            "from vmapdp.distributed.sharded(sampler), or call make_private in a process outside the group."
-        )
     if criterion is not None and not callable(criterion):  # (found by review: criterion="ce" was taken, and failed at fit)
         raise TypeError(f"{call}: criterion must be a function criterion(logits [1, K], target [1]) such as torch.nn.functional.cross_entropy, got {type(criterion).__name__}.")
     if not isinstance(model, nn.Module):
@@ -299,6 +291,14 @@ def make_private(
             "Train it sharded: apply, params, buffers = vmapdp.functionalize(model); sharding = vmapdp.sharding.Sharding(params); "
             "init_train_state(params, opt, sharding=sharding), make_train_step(..., sharding=sharding) and "
             "sharding.write_to_module(model, state.params) (see vmapdp.sharding); or call make_private before fully_shard."
+        )
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # (found by review: every rank ran its own private training on the data, each charging only its own releases)
+        raise ValueError(
+            f"{call}: a process group of {torch.distributed.get_world_size()} ranks is initialized, and make_private trains in "
+            "one process: every rank calling it would run a training of its own on the data (their releases compose, and "
+            "each ledger counts only its own). Train data-parallel with make_train_step(..., distributed=True) and batches "
+            "from vmapdp.distributed.sharded(sampler), or call make_private in a process outside the group."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{call}: optimizer must be a torch.optim.Optimizer over model.parameters(), got {type(optimizer).__name__}.")
