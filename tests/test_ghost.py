@@ -999,6 +999,38 @@ def test_extreme_values_cannot_overflow_the_rounding_margin(dtype, big, small, r
     _assert_close(summed, norms[1:], *ref, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths:UserWarning")
+@pytest.mark.parametrize("conv", [lambda: nn.Conv1d(2, 3, 4, padding="same"), lambda: nn.Conv2d(2, 3, (2, 4), padding="same", dilation=(1, 2))])
+def test_same_padding_with_an_even_kernel_matches_the_per_sample_oracle(conv):
+    """Found by mutation testing (the zoo's kernels are all odd): an even kernel's 'same' padding is
+    uneven (one more on the right), and ghost pads the input itself: norms and sums equal vmap's."""
+    torch.manual_seed(0)
+    layer = conv().double()
+    apply, params, buffers = vmapdp.functionalize(layer)
+    x = torch.randn(4, 2, *([9] if isinstance(layer, nn.Conv1d) else [5, 11]), dtype=torch.float64)
+    t = torch.randn(4, 3, *x.shape[2:], dtype=torch.float64)
+
+    def loss_fn(p, b, s):
+        return (apply(p, b, s[0][None]) * s[1][None]).sum()
+
+    for c in (1e9, 0.5):
+        summed, norms, _ = vmapdp.clipped_grad_sum(loss_fn, l2_clip_norm=c, method="ghost")(params, buffers, (x, t))
+        ref = vmapdp.clip_and_sum(vmapdp.per_sample_grads(loss_fn)(params, buffers, (x, t)), c)
+        _assert_close(summed, norms, *ref, rtol=1e-9)
+
+
+def test_the_mass_of_float64_factors_of_extreme_scale_is_not_lost_to_underflow():
+    """Found by mutation testing (no test failed with the scaling dropped): sum_t |u_t| |v_t| of float64
+    factors near 1e-170 and 1e150 is a normal number (about 1e-19) though |u_t| underflows; the
+    margins and the float32 floor scale with it. Against the same sum taken in exact scaled steps."""
+    g = torch.Generator().manual_seed(0)
+    u, v = torch.randn(2, 3, 8, dtype=torch.float64, generator=g) * 1e-170, torch.randn(2, 3, 5, dtype=torch.float64, generator=g) * 1e150
+    want = ((u * 1e170).norm(dim=2) * (v * 1e-150).norm(dim=2)).sum(1) * 1e-20
+    got = linear.pair_mass(u, v)
+    assert bool((got > 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
 def test_float64_factors_of_extreme_scale_on_a_wide_layer_are_clipped_like_vmap(monkeypatch):
     """Found by mutation testing: the test above uses a 2 x 2 weight over 8 positions, where the direct
     norm is cheaper anyway; on a wide layer over few positions the Gram path would run, and the squares
