@@ -280,6 +280,15 @@ def test_race_keeps_the_first_candidate_unless_another_is_more_than_the_margin_f
     assert clipped.race({"ghost": lambda: None, "vmap": lambda: None}, torch.device("cpu")) == winner
 
 
+def test_race_leaves_the_global_rng_where_it_found_it():
+    """Found by mutation testing (the restore was never reached by a test that races): candidates that
+    draw from torch's global generator (dropout) leave it as it was, so the step draws as without a race."""
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    clipped.race({"ghost": lambda: torch.rand(5), "vmap": lambda: torch.rand(7)}, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("seconds, rounds", [(1e-3, clipped.RACE_MAX_ROUNDS), (0.05, 3), (1.0, limits.LIMITS.auto_rounds)])
 def test_race_times_more_rounds_while_the_calls_are_short(monkeypatch, seconds, rounds):
     """Millisecond calls get up to RACE_MAX_ROUNDS rounds (within RACE_SECONDS); long ones auto_rounds."""
