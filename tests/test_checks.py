@@ -331,6 +331,15 @@ def test_a_step_refuses_nan_in_its_shared_inputs_before_charging():
         step(state, (_X, _Y), mask, buffers, torch.tensor([0.0, math.nan]).to(torch.float8_e4m3fn))
     new, metrics = step(state, (_X, _Y), mask, buffers, bias)  # -inf is fine; nothing was charged before
     assert state.ledger.steps == 0 and new.ledger.steps == 1 and int(metrics["nonfinite"]) == 0
+    # read at every step: a NaN written after a clean step through .data (no version bump) is refused too (found by
+    # review: a cache by version missed it), and a sparse input's stored values are read
+    buffers["1.running_mean"].data[0] = math.nan
+    with pytest.raises(ValueError, match=r"hold NaN at \[\(0, '1.running_mean'\)\]"):
+        step(new, (_X, _Y), mask, buffers, bias)
+    buffers["1.running_mean"].data[0] = 0.0
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([0.0, math.nan]), (2,), check_invariants=True)
+    with pytest.raises(ValueError, match=r"hold NaN at \[\(1,\)\]"):
+        _checks.no_nan_shared("step(state, batch, mask)", (buffers, sparse))
 
 
 def test_guessable_seeds_keys_and_generators_warn_at_the_callers_line():

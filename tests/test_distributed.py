@@ -332,10 +332,6 @@ def _worker(rank, world, init_file, out_dir):
         same = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=SAMPLER_KEY)
         res["rank_arg_error"] = _expect_error(lambda: next(iter(vdist.sharded(same, rank=0))))
         res["shard_rank_error"] = _expect_error(lambda: vdist.shard(*same.sample(), same.capacity, rank=0))
-        # ranks in different collective calls (save_sharded on rank 0 only, rank 1 stepping) are told so, not that
-        # their states disagree (found by review)
-        res["calls_error"] = _expect_error(lambda: vdist.check_same("save_sharded('/tmp/x')" if vdist.rank() == 0 else "step(state, batch, mask)",
-                                                                     "the state", 1, fix="(the fix)"))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -521,8 +517,6 @@ def test_ranks_with_different_samplers_fail_together(ranks):
     assert "another rank was given a rank= or world_size= that is not its own" in other["rank_arg_error"]
     assert "rank=0, world_size=2 given, but this process is rank 1 of 2" in own["shard_rank_error"]  # (shard: where given)
     assert other["shard_rank_error"] is None
-    for r, where in zip(ranks, ("save_sharded", "step")):
-        assert r["calls_error"] is not None and f"the ranks are in different calls: this rank ({ranks.index(r)} of 2) in {where}, another elsewhere" in r["calls_error"], r["calls_error"]
 
 
 # ---- in one process: the shard function, the helpers, the init check ----
@@ -569,6 +563,12 @@ def test_the_ranks_compare_the_sampler_id_only_of_a_keyed_sampler_that_has_a_pos
     secure = PoissonSampler(N, Q, secure=True)
     secure.sample()
     assert _compared_sampler_id(secure, "recorded") is None
+    # an undrawn sampler is refused under distributed only where it is one of vmapdp's, which record their draws: a
+    # caller's own sampler, dealt by hand, may not (found by review: refused as undrawn)
+    from vmapdp.train import _records_draws
+
+    assert all(_records_draws(s) for s in (keyed, FixedSizeSampler(N, 4, key=SAMPLER_KEY), PoissonSampler(N, Q, secure=True)))
+    assert not _records_draws(object()) and not _records_draws(None)
 
 
 def test_shard_and_helpers_without_a_process_group():

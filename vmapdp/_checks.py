@@ -650,40 +650,31 @@ def _all_finite(v: torch.Tensor) -> bool:
     return bool(torch.isfinite(v if v.element_size() > 1 else v.float()).all())
 
 
-def no_nan_shared(call: str, shared: Any, seen: dict | None = None) -> None:
+def no_nan_shared(call: str, shared: Any) -> None:
     """Refuse shared inputs (buffers, public tensors every sample reads) holding NaN: every sample
     would read them, its gradient be non-finite and dropped, and each step release noise alone
     (found by review: NaN BatchNorm running statistics, silently). Infinities pass (an additive
-    attention mask holds -inf). ``seen`` (the step's): each tensor is read once per version
-    (found by review: a LoRA run's frozen base model, its buffers here, took 0.66 s a step on a
-    CPU), one host sync per device."""
-    import weakref
-
+    attention mask holds -inf). Each step, each tensor's sum (one pass, no copy: 31 ms for a
+    GPT-2-small-sized frozen base on a 2-core CPU; NaN in, NaN out), one host sync per device, and
+    the exact check only where a sum is NaN (+inf and -inf together make one too). Not cached by
+    version (found by review: writes through .data or a NumPy view leave it unchanged)."""
     paths, leaves, _ = optree.tree_flatten_with_path(shared, namespace="torch")
-    floats = []
+    by_device: dict[torch.device, list] = {}
     for p, v in zip(paths, leaves):
         if not (isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()) or "float4" in str(v.dtype):
             continue  # (float4 has no NaN)
         if hasattr(v, "to_local"):  # (a DTensor: this rank's part; the step's failure is told to every rank)
             v = v.to_local()
-        if v.layout != torch.strided or v.is_nested or v.device.type == "meta":
+        if v.layout == torch.sparse_coo:
+            v = v._values()
+        if v.layout != torch.strided or v.is_nested or v.device.type == "meta" or not v.numel():
             continue
-        entry = None if seen is None else seen.get(id(v))
-        if entry is not None and entry[0]() is v and entry[1] == v._version:
-            continue  # (read before, unchanged since)
-        floats.append((p, v))
-    if not floats:
-        return
-    by_device: dict[torch.device, list] = {}
-    for p, v in floats:  # (float8 read through float32: torch has no isnan for it)
-        by_device.setdefault(v.device, []).append((p, torch.isnan(v if v.element_size() > 1 else v.float()).any()))
+        v = v if v.element_size() > 1 else v.float()  # (float8: no sum or isnan for it)
+        by_device.setdefault(v.device, []).append((p, v, v.sum()))
     where = []
-    for found in by_device.values():  # (one host sync per device)
-        bad = torch.stack([b for _, b in found]).cpu().tolist()
-        where += [p for (p, _), b in zip(found, bad) if b]
-    if not where and seen is not None:
-        for _, v in floats:
-            seen[id(v)] = (weakref.ref(v), v._version)
+    for found in by_device.values():
+        sums = torch.stack([s for _, _, s in found]).cpu().tolist()
+        where += [p for (p, v, _), total in zip(found, sums) if math.isnan(total) and bool(torch.isnan(v).any())]
     if where:
         raise ValueError(
             f"{call}: the shared inputs (buffers and the other tensors after the mask) hold NaN at {where[:5]}: every sample "

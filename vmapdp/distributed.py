@@ -225,10 +225,8 @@ def check_same(
 ) -> None:
     """Raise on EVERY rank (none is left waiting in a collective) unless all ranks hold the same ``value``.
 
-    One tiny ``all_reduce(MAX)`` of ``[digest, -digest, failed, call, -call]``: every rank sees the
-    largest and the smallest digest, and they agree iff all ranks do; ``call``'s function name too,
-    so that ranks in different calls (``save_sharded`` on rank 0 only, the others stepping: found by
-    review, told that their states disagree) are told so. ``error``: an exception this rank hit on
+    One tiny ``all_reduce(MAX)`` of ``[digest, -digest, failed]``: every rank sees the largest and
+    the smallest digest, and they agree iff all ranks do. ``error``: an exception this rank hit on
     its own before the collective (a bad argument, a refusal only it checks); then every rank
     raises instead of the others waiting in their next collective until the process group's
     timeout: this rank ``error``, the others a RuntimeError (``elsewhere``, default: another rank
@@ -241,22 +239,13 @@ def check_same(
             raise error
         return
     d = 0 if error is not None else _digest(value)
-    c = _digest(call.split("(", 1)[0])
-    t = torch.tensor([d, -d, int(error is not None), c, -c], dtype=torch.int64, device=device if device is not None else _comm_device())
+    t = torch.tensor([d, -d, int(error is not None)], dtype=torch.int64, device=device if device is not None else _comm_device())
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     except Exception as failure:
         if error is not None:
             raise error from failure  # this rank's own failure, not the collective's (a peer gone, the timeout)
         raise
-    if int(t[3]) != -int(t[4]):  # (checked first: the other fields then compare different things)
-        if error is not None:
-            raise error
-        raise ValueError(
-            f"{call}: the ranks are in different calls: this rank ({rank()} of {world_size()}) in {call.split('(', 1)[0]}, "
-            "another elsewhere (a collective call made on some ranks only: save_sharded, load_sharded and the step run on "
-            "every rank, at the same point). Nothing was released or written."
-        )
     if int(t[2]):
         if error is not None:
             raise error

@@ -149,6 +149,6 @@ def explain_torch_error(call: str, err: BaseException) -> Exception | None:
     low = msg.lower()
     for test, kind, text in _KNOWN:
         if test(err, low):
-            op = msg.split("aten::", 1)[1].split(";", 1)[0].split()[0] if "aten::" in msg else ""
+            op = (msg.split("aten::", 1)[1].split(";", 1)[0].split() or [""])[0] if "aten::" in msg else ""
             return kind(text.format(call=call, first=first, op=op))
     return None

@@ -293,12 +293,16 @@ def make_private(
             "sharding.write_to_module(model, state.params) (see vmapdp.sharding); or call make_private before fully_shard."
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        # (found by review: every rank ran its own private training on the data, each charging only its own releases)
-        raise ValueError(
+        # (found by review: every rank ran its own private training on the data, each charging only its own releases;
+        # a warning, not a refusal: one rank training alone, after a public data-parallel phase, is a use of its own)
+        warnings.warn(
             f"{call}: a process group of {torch.distributed.get_world_size()} ranks is initialized, and make_private trains in "
-            "one process: every rank calling it would run a training of its own on the data (their releases compose, and "
-            "each ledger counts only its own). Train data-parallel with make_train_step(..., distributed=True) and batches "
-            "from vmapdp.distributed.sharded(sampler), or call make_private in a process outside the group."
+            "one process: if every rank calls it, each runs a training of its own on the data, and their releases compose "
+            "while each ledger counts only its own. To train data-parallel, use make_train_step(..., distributed=True) with "
+            "batches from vmapdp.distributed.sharded(sampler); to train on one rank, call it there only (or after "
+            "torch.distributed.destroy_process_group()).",
+            UserWarning,
+            stacklevel=2,
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{call}: optimizer must be a torch.optim.Optimizer over model.parameters(), got {type(optimizer).__name__}.")

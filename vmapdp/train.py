@@ -482,7 +482,11 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
     for _, b_delta, _ in budgets:  # (found by review: init_train_state(budget=(1.0, 0.2)) on 100 rows was enforced at 0.2)
         _checks.delta(call, b_delta, name="a budget's delta", num_samples=num_samples)
-        _sized_delta(call, b_delta, num_samples, "a budget's delta")  # (a budget a state holds: found by review)
+        if num_samples is None and b_delta >= 0.5:  # (a budget a state holds, past the checks where it was given: found by review)
+            raise ValueError(
+                f"{call}: a budget's delta={b_delta!r} is 1/2 or more, which protects nobody in any dataset of 2 rows or more "
+                f"({_checks.DELTA_MEANING}). Give the run a delta below 1/num_samples (e.g. 1e-5)."
+            )
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
@@ -685,6 +689,14 @@ def _compared_sampler_id(sampler: Any, recorded: str) -> str | None:
     return recorded if _positional(sampler) or (drawn is not None and drawn > 0) else None
 
 
+def _records_draws(sampler: Any) -> bool:
+    """``sampler`` is one of vmapdp's, which record each draw (``last_rows``); a caller's own
+    sampler may not (found by review: one dealt correctly was refused as undrawn)."""
+    from vmapdp.data import PoissonSampler, _KeyedSampler
+
+    return isinstance(sampler, (PoissonSampler, _KeyedSampler))
+
+
 def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | None, *, failed: BaseException | None = None) -> None:
     """The ranks' real rows, summed (``rows``, the reduced telemetry, the same on every rank), must be
     the real rows of the ranks' sampler's last draw (``last_rows`` of every rank that drew, which
@@ -710,7 +722,7 @@ def _check_dealt_rows(call: str, sampler: Any, rows: Tensor, expected: float | N
             "stopped with it after the reduction, before the noise: nothing was released on any rank."
         )
     if hi < 0:
-        if sampler is not None and _dist.world_size() > 1:
+        if _records_draws(sampler) and _dist.world_size() > 1:
             # (found by review: a sampler given for its events only let every rank step its own draw, each rank the
             # whole batch, or a DistributedSampler's shuffled batches charged as Poisson, with nothing checked; the
             # rows summed over the ranks cannot show one draw dealt out. sample_rate= alone warns at make_train_step)
@@ -1289,7 +1301,6 @@ def make_train_step(
     chooser, compiled_or_eager = AutoChooser(agree=agree), AutoChooser(agree=agree)
     digests: dict[tuple, str] = {}  # chunk shape -> its stable digest (the key of TrainState.methods)
     first_shapes: list[tuple] = []  # the per-sample shapes of the first batch (fixed_shapes)
-    nan_checked: dict[int, tuple] = {}  # the shared tensors found free of NaN, by id: (weakref, version)
 
     def runner(ran: str) -> Callable:
         """The chunk function of a recorded choice ``ran``: ``"<method>"`` (compiled when ``compile``)
@@ -1420,7 +1431,7 @@ def make_train_step(
         failed = None  # distributed: what this rank's own checks raised, raised on every rank by the same-state check
         try:
             n, mask = _checked_inputs(scall, state, batch, mask, secure)
-            _checks.no_nan_shared(scall, shared, nan_checked)
+            _checks.no_nan_shared(scall, shared)
             shapes = sample_shapes(batch) if fixed_shapes else None
             if fixed_shapes:
                 _check_shapes(scall, first_shapes, shapes)

@@ -160,8 +160,8 @@ def check_ledger(
         if privatizer is None and any(type(e).__name__.endswith("MFEvent") for e in rec_new):
             # (found by review: a correlated-noise run checked without its privatizer was blamed on a hand-written ledger)
             hint.append("the steps used correlated noise: pass privatizer= (the correlated_noise(...) the step was made with)")
-        if taken < 0:
-            hint.append("state_before is after state_after (swapped?)")
+        if taken < 0:  # (the other hints then do not apply)
+            hint = ["state_before is after state_after (swapped?)"]
         figures = (
             f"The accountant would report epsilon {e_rec:.4g} instead of {e_exp:.4g}" if f"{e_rec:.4g}" != f"{e_exp:.4g}"
             else f"The accountant reports epsilon {e_rec:.4g} for both, from other events"
