@@ -257,6 +257,28 @@ def test_a_budget_without_noise_is_refused_when_the_step_is_made():
     _step(noise_multiplier=0.0)  # a non-private run without a budget: fine
 
 
+@pytest.mark.parametrize("entry", [
+    lambda f: vmapdp.per_sample_grads(f),
+    lambda f: vmapdp.clipped_grad_sum(f, l2_clip_norm=1.0),
+    lambda f: vmapdp.make_train_step(f, vmapdp.optim.sgd(0.1), l2_clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.5, expected_batch_size=3.0, compile=False),
+    lambda f: vmapdp.precision.mixed_precision(f, torch.bfloat16),
+    lambda f: vmapdp.curvature.per_sample_hessian(f),
+], ids=["per_sample_grads", "clipped_grad_sum", "make_train_step", "mixed_precision", "per_sample_hessian"])
+def test_a_module_passed_as_the_loss_is_named_with_the_fix(entry):
+    """Found by review: the module itself as loss_fn met a raw 'forward() takes 2 positional arguments
+    but 4 were given' at the first call."""
+    with pytest.raises(TypeError, match=r"loss_fn is a torch.nn.Module \(Linear\); the transforms take a function of the params.*vmapdp.functionalize"):
+        entry(nn.Linear(3, 2))
+    with pytest.raises(TypeError, match=r"loss_fn must be callable, got int"):
+        entry(3)
+
+    class Loss(nn.Module):  # (a loss written as a module of its own, without parameters: taken)
+        def forward(self, p, *rest):
+            return (p["w"] * rest[-1]).sum()
+
+    entry(Loss())
+
+
 def test_arguments_of_the_wrong_kind_are_named(tmp_path):
     """Found by review: each raised a bare AttributeError or TypeError (or, for criterion, was taken
     and failed at the first step)."""

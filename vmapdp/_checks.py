@@ -385,6 +385,21 @@ def no_dtensor(call: str, tree: Any, what: str = "params") -> None:
         )
 
 
+def loss_function(call: str, fn: Any, name: str = "loss_fn") -> Any:
+    """A callable of the params, not a model (found by review: an nn.Module passed as the loss met
+    a raw "forward() takes 2 positional arguments but 4 were given"). A module without parameters
+    passes: a loss written as a module whose forward takes ``(params, ..., sample)``."""
+    if isinstance(fn, torch.nn.Module) and any(True for _ in fn.parameters()):
+        raise TypeError(
+            f"{call}: {name} is a torch.nn.Module ({type(fn).__name__}); the transforms take a function of the params. "
+            f"Make one: apply, params, buffers = vmapdp.functionalize(model), then {name} = lambda p, b, sample: "
+            "criterion(apply(p, b, x[None]), y[None]) for sample = (x, y)."
+        )
+    if not callable(fn):
+        raise TypeError(f"{call}: {name} must be callable, got {type(fn).__name__}.")
+    return fn
+
+
 def optimizer(call: str, value: Any) -> Any:
     """A functional optimizer: an init/update pair (``vmapdp.optim``'s)."""
     if not (hasattr(value, "init") and hasattr(value, "update")):

@@ -330,8 +330,7 @@ def clipped_grad_sum(
     ``"vmap"`` may still compute a finite norm: safe, but the methods then differ.
     """
     call = "clipped_grad_sum(loss_fn)"
-    if not callable(loss_fn):
-        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _checks.loss_function(call, loss_fn)
     _checks.choice(call, "method", method, METHODS)
     check_rule(call, rule, stability, nonfinite)
     _checks.clip_norm(call, "l2_clip_norm", l2_clip_norm)

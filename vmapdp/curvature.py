@@ -107,8 +107,7 @@ def _prepare_forward_ad() -> None:
 
 
 def _check_callable(call: str, name: str, fn: Any) -> None:
-    if not callable(fn):
-        raise TypeError(f"{call}: {name} must be callable, got {type(fn).__name__}.")
+    _checks.loss_function(call, fn, name)
 
 
 def _check_nargs(call: str, args: tuple, n_batched: int, form: str) -> None:

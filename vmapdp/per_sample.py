@@ -364,8 +364,7 @@ def per_sample_grads(
         torch.Size([5, 2, 3])
     """
     call = "per_sample_grads(loss_fn)"
-    if not callable(loss_fn):
-        raise TypeError(f"per_sample_grads(loss_fn): loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _checks.loss_function("per_sample_grads(loss_fn)", loss_fn)
     _check_options(call, chunk_size, randomness, argnums)
     run = _mapped(loss_fn, call, argnums=argnums, has_aux=has_aux, chunk_size=chunk_size, randomness=randomness)
 

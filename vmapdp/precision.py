@@ -124,8 +124,9 @@ def mixed_precision(
         torch.float32
     """
     call = "mixed_precision(loss_fn, dtype)"
-    if not callable(loss_fn):
-        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    from vmapdp import _checks
+
+    _checks.loss_function(call, loss_fn)
     if dtype not in _LOW_PRECISION:
         raise ValueError(
             f"{call}: dtype={dtype!r} must be torch.bfloat16 or torch.float16 (the compute dtype; "

@@ -1135,8 +1135,7 @@ def make_train_step(
         run inside :func:`vmapdp.noise.unreleased`).
     """
     call = "make_train_step(loss_fn, optimizer)"
-    if not callable(loss_fn):
-        raise TypeError(f"{call}: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    _checks.loss_function(call, loss_fn)
     secure, fixed_shapes, distributed = (_checks.flag(call, k, v) for k, v in (("secure", secure), ("fixed_shapes", fixed_shapes), ("distributed", distributed)))
     if precision is not None:
         loss_fn = mixed_precision(loss_fn, precision)  # float32 params, clipping and noise
