@@ -166,23 +166,22 @@ def _check_budget(call: str, budget: Any, accountant: str, num_samples: int | No
         raise TypeError(f"{call}: budget must be a tuple (epsilon, delta), got {budget!r}.")
     eps = _checks.epsilon(call, budget[0], name="budget epsilon", allow_zero=False)
     delta = _checks.delta(call, budget[1], name="budget delta", num_samples=num_samples)
-    _sized_delta(call, delta, num_samples, "budget delta")
+    _sized_delta(call, delta, num_samples, "budget delta", rows=100)
     accountant = _budget_accountant(call, accountant)
-    return (eps, float(budget[1]), accountant)
+    return (eps, delta, accountant)
 
 
-_UNSIZED_DELTA = 1e-2  # the largest budget delta taken where the dataset's size is unknown (exclusive)
-
-
-def _sized_delta(call: str, delta: float, num_samples: int | None, name: str) -> None:
-    """Where the dataset's size is unknown, a budget's delta must be below 1/100 (see
-    :func:`_check_budget`); with it, ``_checks.delta`` checks ``1/num_samples``."""
-    if num_samples is None and delta >= _UNSIZED_DELTA:
+def _sized_delta(call: str, delta: float, num_samples: int | None, name: str, *, rows: int) -> None:
+    """Where the dataset's size is unknown, a budget's delta must be below ``1/rows``: it protects
+    nobody in any dataset of ``rows`` rows or more (100 where a budget is given; 2, the least any
+    dataset has, for one a state already holds, checked where it was given; see
+    :func:`_check_budget`). With the size, ``_checks.delta`` checks ``1/num_samples``."""
+    if num_samples is None and delta >= 1.0 / rows:
         raise ValueError(
-            f"{call}: {name}={delta!r} is 1/{round(1 / _UNSIZED_DELTA)} or more, which protects nobody in a dataset of "
-            f"{round(1 / _UNSIZED_DELTA)} rows or more ({_checks.DELTA_MEANING}), and the dataset's size is not known here. "
-            "Pass a delta well below 1/num_samples (e.g. 1e-5); for a dataset smaller than that, give the budget to "
-            "make_train_step(sampler=...) (or num_samples= to init_train_state), which checks it against 1/num_samples."
+            f"{call}: {name}={delta!r} is 1/{rows} or more, which protects nobody in a dataset of {rows} rows or more "
+            f"({_checks.DELTA_MEANING}), and the dataset's size is not known here. Pass a delta well below 1/num_samples "
+            "(e.g. 1e-5); for a dataset smaller than that, give the budget to make_train_step(sampler=...) (or "
+            "num_samples= to init_train_state), which checks it against 1/num_samples."
         )
 
 
@@ -482,11 +481,7 @@ def _charged(call: str, state: TrainState, event: Any, own_budget: tuple[float, 
     budgets = merge_budgets(tuple(state.budgets), own_budget)  # the step's and every one the state holds
     for _, b_delta, _ in budgets:  # (found by review: init_train_state(budget=(1.0, 0.2)) on 100 rows was enforced at 0.2)
         _checks.delta(call, b_delta, name="a budget's delta", num_samples=num_samples)
-        if num_samples is None and b_delta >= 0.5:  # (a budget a state holds, past the checks where it was given: found by review)
-            raise ValueError(
-                f"{call}: a budget's delta={b_delta!r} is 1/2 or more, which protects nobody in any dataset of 2 rows or more "
-                f"({_checks.DELTA_MEANING}). Give the run a delta below 1/num_samples (e.g. 1e-5)."
-            )
+        _sized_delta(call, b_delta, num_samples, "a budget's delta", rows=2)  # (a budget a state holds, past the checks where it was given: found by review)
     for b_eps, b_delta, b_accountant in budgets:
         if not accounting.within_budget(ledger, epsilon=b_eps, delta=b_delta, accountant=b_accountant):
             try:
