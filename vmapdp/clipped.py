@@ -33,7 +33,7 @@ from vmapdp.functional import rng_kept
 from vmapdp.ghost import limits
 from vmapdp.ghost.engine import ghost_norms_and_sum
 from vmapdp.ghost.plan import Plan, coverage, probe
-from vmapdp.per_sample import check_on_one_sample, check_reads_its_sample, explain_runtime_error, per_sample_grads, refuse_writes, watch_writes
+from vmapdp.per_sample import EXPLAINED, check_on_one_sample, check_reads_its_sample, per_sample_grads, raise_explained, refuse_writes, watch_writes
 from vmapdp.precision import full_float32
 
 __all__ = ["clipped_grad_sum", "ClippedGradSum", "AutoChooser", "METHODS", "auto_candidates", "race", "shape_key", "eager_profile", "EagerProfile"]
@@ -485,7 +485,7 @@ class ClippedGradSum:
         try:
             summed, norms, losses = self._dispatch(args, mask, sink)
             return summed, norms, losses
-        except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        except EXPLAINED as err:
             if "saved tensor hooks" in str(err):
                 raise UnsupportedModuleError(
                     f"{_CALL}: the loss uses torch.utils.checkpoint (or other saved tensor hooks), which "
@@ -494,10 +494,7 @@ class ClippedGradSum:
                     "checkpoint; to bound memory use physical_batch_size (make_train_step) or "
                     "method='two_pass' with a small norm_chunk_size instead."
                 ) from err
-            explained = explain_runtime_error(_CALL, err)  # (torch's raw vmap errors, found by review)
-            if explained is err:
-                raise
-            raise explained from err
+            raise_explained(_CALL, err)  # (torch's raw vmap errors, found by review)
 
     def _dispatch(self, args: tuple, mask: Tensor | None, sink: Callable[[str, Tensor], Tensor] | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         if len(args) < 2:
@@ -656,11 +653,8 @@ class ClippedGradSum:
                     loss_fn, params, shared, batch, mask, lambda n: self._weights(n / grad_scale), randomness=self.randomness, plan=plan, call=_CALL, sink=sink
                 )
                 norms, summed = norms / grad_scale, {k: v / grad_scale for k, v in summed.items()}
-        except (RuntimeError, ValueError, TypeError, IndexError) as err:
-            explained = explain_runtime_error(_CALL, err)
-            if explained is err:
-                raise
-            raise explained from err
+        except EXPLAINED as err:
+            raise_explained(_CALL, err)
         if self.nonfinite == "raise":
             released_rows(norms, mask, self.nonfinite, _CALL)
         # a param wider than the dtype it is used in (float64 cast to float32 by the model) gets its sum in its own

@@ -60,7 +60,7 @@ from torch.func import grad, hessian, jacrev, jvp, vjp, vmap
 from vmapdp import _checks
 from vmapdp._tree import acc_dtype, batch_size, check_chunk_size, check_mask, leaves_with_paths
 from vmapdp._tree import leaves as _leaves
-from vmapdp.per_sample import explain_runtime_error, per_sample_grads
+from vmapdp.per_sample import per_sample_grads, raise_explained
 
 __all__ = [
     "per_sample_hessian",
@@ -220,10 +220,7 @@ def _mapped(call: str, fn: Callable[..., Any], args: tuple, in_dims: tuple, chun
         msg = str(err)
         if "randomness" in msg and "vmap" in msg:
             raise RuntimeError(f"{call}: {_RANDOM_HELP}") from err
-        explained = explain_runtime_error(call, err)
-        if explained is err:
-            raise
-        raise explained from err
+        raise_explained(call, err)
 
 
 def _check_vector(call: str, params: Any, vector: Any, b: int, per_sample: bool) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, NoReturn
 
 import optree
 import torch
@@ -99,11 +99,8 @@ def _mapped(
         try:
             with batched_attention(args[nums[0]]):
                 grads, value = mapped(*args)
-        except (RuntimeError, ValueError, TypeError, IndexError) as err:
-            explained = explain_runtime_error(call, err)
-            if explained is err:
-                raise
-            raise explained from err
+        except EXPLAINED as err:
+            raise_explained(call, err)
         if has_aux:
             losses, aux = value
         else:
@@ -218,11 +215,8 @@ def _on_first_row(call: str, fwd: Callable[[Any], Any], batch: Any, params: Any,
                 if randomness != "different" or "same randomness with a batched tensor input" not in str(err):
                     raise
                 vmap(fwd, randomness=randomness)(one)
-    except (RuntimeError, ValueError, TypeError, IndexError) as err:
-        explained = explain_runtime_error(call, err)
-        if explained is err:
-            raise
-        raise explained from err
+    except EXPLAINED as err:
+        raise_explained(call, err)
 
 
 def _copy(t: Tensor, tracked: bool) -> Tensor:
@@ -278,6 +272,19 @@ def _path_name(path: tuple, is_param: bool) -> str:
         return ".".join(keys)
     where = "loss_fn's argument 1 (params)" if is_param else f"loss_fn's argument {path[0] + 2}"
     return where + "".join(f"[{k!r}]" for k in keys)
+
+
+# the exception types torch's failures inside the engine come as (and a caller's own, passed through unchanged)
+EXPLAINED = (RuntimeError, ValueError, TypeError, IndexError)
+
+
+def raise_explained(call: str, err: Exception) -> NoReturn:
+    """Raise :func:`explain_runtime_error` of ``err`` from it, or ``err`` itself where it is not
+    one vmapdp knows (call it in the ``except`` block that caught ``err``)."""
+    explained = explain_runtime_error(call, err)
+    if explained is err:
+        raise err
+    raise explained from err
 
 
 def explain_runtime_error(call: str, err: Exception) -> Exception:
@@ -364,7 +371,7 @@ def per_sample_grads(
         torch.Size([5, 2, 3])
     """
     call = "per_sample_grads(loss_fn)"
-    _checks.loss_function("per_sample_grads(loss_fn)", loss_fn)
+    _checks.loss_function(call, loss_fn)
     _check_options(call, chunk_size, randomness, argnums)
     run = _mapped(loss_fn, call, argnums=argnums, has_aux=has_aux, chunk_size=chunk_size, randomness=randomness)
 
