@@ -269,7 +269,8 @@ def test_an_epoch_of_poisson_batches_compiles_once_with_a_traced_adaptive_clip_n
     step = make(loss_fn, capacity, compile=True, method=method, adaptive_clipping=vmapdp.AdaptiveClipping(count_noise_multiplier=3.0))
     states, recompiles = run(step, params, buffers, batches)
     assert graphs() - before == 1 and recompiles == 0
-    assert len({float(s.clip_norm) for s in states}) == EPOCH  # a new threshold every step, one graph
+    # a new threshold at (nearly) every step, one graph (the snapped noisy counts are on a grid: the walk may revisit a value)
+    assert len({float(s.clip_norm) for s in states}) > EPOCH // 2
 
 
 @pytest.mark.parametrize("vmap_seconds, winner", [(1.0, "vmap"), (1.8, "vmap"), (1.85, "ghost"), (2.5, "ghost")])

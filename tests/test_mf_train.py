@@ -3,7 +3,9 @@
 The released noise is read exactly: the loss has zero gradient (so the clipped sum is 0), the
 divisor is 1 and a recording optimizer keeps each step's update, which is then the noise itself.
 It is compared with ``std_z * C^{-1} Z`` computed densely in float64 from the same keyed draws
-(``keyed_normal`` under each step's key, rebuilt from the seed, the step and the configuration).
+(``keyed_normal`` under each step's key, rebuilt from the seed, the step and the configuration):
+exactly with snapping off (``vmapdp.noise.gaussian._unsnapped()``, the audits'), and as released, on the snapping grid
+and within half a grid step of it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from vmapdp.data import CyclicPoissonSampler, PoissonSampler, ShuffledSampler, g
 from vmapdp.mf import BandedMFEvent, BandedToeplitz, BufferedToeplitz, MinSeparationMFEvent, calibrate_mf_noise, correlated_noise
 from vmapdp.mf.privatizer import describe
 from vmapdp.mf.streaming import MAX_RECURSION_GAIN, recursion_gain
-from vmapdp.noise import keyed_normal
+from vmapdp.noise import keyed_normal, snap_grid, unreleased
+from vmapdp.noise.gaussian import _release, _unsnapped
 from vmapdp.train import _step_key, noise_binding, scheme_description, step_config
 
 N_DATA, Q, CYCLE, STEPS, SEED = 40, 0.5, 4, 8, 7
@@ -101,18 +104,28 @@ def sens_oracle(strategy, n=STEPS, cycle=CYCLE):
 
 @pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY], ids=["banded", "blt", "identity"])
 def test_released_noise_is_std_times_C_inverse_Z_from_the_steps_keyed_draws(strategy):
-    state, seen, s = run(strategy, STEPS)
-    keys = step_keys(strategy, state, s, STEPS)
     std = NM * CLIP * sens_oracle(strategy)
-    for i, name in enumerate(seen[0]):  # the order of the sum's leaves: the leaf index of the draws
-        shape = PARAMS[name].shape
-        Z = torch.stack([keyed_normal(shape, k, leaf=i).reshape(-1) for k in keys]).double()
-        want = std * torch.linalg.solve_triangular(strategy.matrix(STEPS), Z, upper=False)
-        got = torch.stack([u[name].reshape(-1) for u in seen]).double()
-        if strategy is IDENTITY:  # plain DP-SGD: 0 + z * std in float32, bit for bit
-            assert torch.equal(got.float(), (Z.float() * (NM * CLIP)))
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * std)
-    assert int(state.noise_state["t"]) == STEPS and state.step == STEPS
+    grid = snap_grid(std / strategy.coeffs[0] if isinstance(strategy, BandedToeplitz) else std)
+    for snapped in (True, False):
+        if snapped:
+            state, seen, s = run(strategy, STEPS)
+        else:  # the noise read exactly: unsnapped, and not a release (the run's keys a second time)
+            with unreleased(), _unsnapped():
+                state, seen, s = run(strategy, STEPS)
+        keys = step_keys(strategy, state, s, STEPS)
+        for i, name in enumerate(seen[0]):  # the order of the sum's leaves: the leaf index of the draws
+            shape = PARAMS[name].shape
+            Z = torch.stack([keyed_normal(shape, k, leaf=i).reshape(-1) for k in keys]).double()
+            want = std * torch.linalg.solve_triangular(strategy.matrix(STEPS), Z, upper=False)
+            got = torch.stack([u[name].reshape(-1) for u in seen]).double()
+            if strategy is IDENTITY:  # plain DP-SGD: 0 + z * std in float32 (snapped: add_noise's release), bit for bit
+                assert torch.equal(got.float(), _release(torch.zeros_like(Z.float()), Z.float(), NM * CLIP, snap=snapped))
+            if snapped:  # on the grid of the step's fresh noise, and within half a step of the formula
+                assert torch.equal(torch.remainder(got, grid), torch.zeros_like(got)) and got.ne(0).any()
+                torch.testing.assert_close(got, want, rtol=0, atol=grid / 2 + 2e-6 * std)
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6 * std)
+        assert int(state.noise_state["t"]) == STEPS and state.step == STEPS
 
 
 def test_identity_is_the_gaussian_privatizer_bit_for_bit():
@@ -302,7 +315,8 @@ def mlp_params():
 
 @pytest.mark.parametrize("method,precision", [("vmap", None), ("ghost", None), ("two_pass", None), ("vmap", torch.bfloat16)])
 def test_the_noise_sits_after_every_clipping_method_and_mixed_precision(method, precision):
-    """released - clipped sum (recomputed by clipped_grad_sum, under the same precision) = the formula."""
+    """released - clipped sum (recomputed by clipped_grad_sum, under the same precision) = the formula
+    (unsnapped: the noise read exactly; the snapped release is tested above)."""
     seen, s = [], sampler()
     opt = recording_sgd(seen)
     priv, step = make(BANDED, s, opt, loss_fn=mlp_loss, method=method, precision=precision)
@@ -311,7 +325,8 @@ def test_the_noise_sits_after_every_clipping_method_and_mixed_precision(method, 
     for _ in range(3):
         idx, mask = s.sample()
         inputs.append((state.params, gather((X, Y), idx), mask))
-        state, _ = step(state, inputs[-1][1], mask)
+        with _unsnapped():
+            state, _ = step(state, inputs[-1][1], mask)
     config = step_config(
         l2_clip_norm=CLIP, noise_multiplier=NM, expected_batch_size=1.0, sample_rate=Q, method=method, precision=precision,
         optimizer="recording-sgd", sampler=scheme_description(s), noise=describe(BANDED, STEPS),
@@ -450,7 +465,8 @@ def test_make_private_takes_a_strategy():
 
 def test_secure_noise_carries_the_same_recursion():
     """secure=True: the draws come from the OS CSPRNG (not reproducible), the recursion is the same:
-    with a zero clipped sum the release is std * y_t and the state keeps y_t (banded: row 0)."""
+    with a zero clipped sum the release is std * y_t (snapped: within half a grid step) and the state
+    keeps y_t (banded: row 0)."""
     seen, s = [], sampler()
     opt = recording_sgd(seen)
     priv, step = make(BANDED, s, opt, secure=True)
@@ -461,7 +477,7 @@ def test_secure_noise_carries_the_same_recursion():
         idx, mask = s.sample()
         state, _ = step(state, gather((X, Y), idx), mask)
         for k in PARAMS:
-            torch.testing.assert_close(seen[-1][k] / std, state.noise_state["buffers"][k][0], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(seen[-1][k] / std, state.noise_state["buffers"][k][0], rtol=0, atol=snap_grid(std) / std / 2 + 1e-6)
             if previous is not None:
                 assert torch.equal(state.noise_state["buffers"][k][1], previous[k])
         previous = {k: state.noise_state["buffers"][k][0].clone() for k in PARAMS}
@@ -471,10 +487,8 @@ def test_secure_noise_carries_the_same_recursion():
 def test_secure_draws_are_a_stream_under_one_fresh_os_key_per_step(monkeypatch):
     """secure=True: each step asks the OS CSPRNG for one 256-bit key and draws every leaf's z_t from
     the keyed stream under it (as add_noise(secure=True)): with the OS's bytes fixed, the release of a
-    zero sum is std * z_t of that keyed draw, float32 and float64 leaves alike."""
+    zero sum is std * z_t of that keyed draw (snapped, as add_noise's), float32 and float64 leaves alike."""
     import secrets
-
-    from vmapdp.noise import keyed_normal
 
     priv = correlated_noise(IDENTITY, steps=STEPS)
     bound, _, _ = priv.bind("t", noise_multiplier=NM, l2_sensitivity=CLIP, sample_rate=Q, sampler=sampler(), secure=True)
@@ -484,8 +498,8 @@ def test_secure_draws_are_a_stream_under_one_fresh_os_key_per_step(monkeypatch):
     noisy, _ = bound.privatize(params, priv.init(params), None)
     assert asked == [32]
     std = NM * CLIP * sens_oracle(IDENTITY)
-    torch.testing.assert_close(noisy["a"], keyed_normal((3, 4), b"\x07" * 32, leaf=0) * std, rtol=1e-6, atol=0)
-    torch.testing.assert_close(noisy["b"], keyed_normal((5,), b"\x07" * 32, leaf=1, dtype=torch.float64) * std, rtol=1e-12, atol=0)
+    assert torch.equal(noisy["a"], _release(params["a"], keyed_normal((3, 4), b"\x07" * 32, leaf=0), std))
+    assert torch.equal(noisy["b"], _release(params["b"], keyed_normal((5,), b"\x07" * 32, leaf=1, dtype=torch.float64), std))
 
 
 def test_float64_leaves_get_float64_noise_and_buffers():
@@ -499,8 +513,11 @@ def test_float64_leaves_get_float64_noise_and_buffers():
         noisy, state = bound.privatize({"w": torch.zeros(5, dtype=torch.float64)}, state, f"k{t}".encode())
         got.append(noisy["w"])
     Z = torch.stack([keyed_normal((5,), f"k{t}".encode(), dtype=torch.float64) for t in range(4)])
-    want = NM * CLIP * sens_oracle(BLT) * torch.linalg.solve_triangular(BLT.matrix(4), Z, upper=False)
-    torch.testing.assert_close(torch.stack(got), want, rtol=1e-12, atol=1e-12)
+    std = NM * CLIP * sens_oracle(BLT)
+    want = std * torch.linalg.solve_triangular(BLT.matrix(4), Z, upper=False)
+    got = torch.stack(got)  # snapped: on the grid, within half a step of the formula
+    assert got.dtype == torch.float64 and torch.equal(torch.remainder(got, snap_grid(std)), torch.zeros_like(got))
+    torch.testing.assert_close(got, want, rtol=0, atol=snap_grid(std) / 2 + 1e-12)
 
 
 def test_a_bound_privatizer_is_refused_where_it_would_be_charged_as_gaussian_noise():

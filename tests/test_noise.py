@@ -101,7 +101,7 @@ def test_global_rng_is_never_used():
 
 def test_half_precision_leaves_are_noised_in_float32():
     tree = {"w": torch.zeros(4096, dtype=torch.bfloat16)}
-    out = add_noise(tree, 1.0, make_generator(0))["w"]
+    out = add_noise(tree, 1.0, make_generator(0), snap=False)["w"]
     assert out.dtype == torch.float32
     # a draw made in bfloat16 would only hold bfloat16-representable values
     assert not torch.equal(out, out.to(torch.bfloat16).float())
@@ -262,7 +262,7 @@ def test_any_element_range_regenerates_the_slice_of_the_whole(dtype):
     for backend in ("openssl", "torch"):
         part = keyed_normal((20_000,), KEY, offset=12_345, dtype=dtype, backend=backend)
         assert torch.equal(part, big[12_345:32_345]), backend
-    assert torch.equal(vmapdp.add_noise({"w": torch.zeros(30_000, dtype=dtype)}, 1.0, key=KEY, offsets={"w": 15_000})["w"], big[15_000:45_000])
+    assert torch.equal(vmapdp.add_noise({"w": torch.zeros(30_000, dtype=dtype)}, 1.0, key=KEY, offsets={"w": 15_000}, snap=False)["w"], big[15_000:45_000])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -605,7 +605,7 @@ def test_small_leaves_share_one_transform_and_keep_their_own_bits(monkeypatch, f
     shapes = [(3,), (7, 5), (0,), (_g._SMALL_LEAF + 1,), (1,), (64, 12), (2, 3, 4)] + [(int(k),) for k in torch.randint(1, 900, (40,), generator=g)]
     tree = {f"p{i:02d}": torch.zeros(s, dtype=torch.float64 if i % 3 == 1 else torch.float32) for i, s in enumerate(shapes)}
     offsets = {k: int(o) for k, o in zip(tree, torch.randint(0, 5000, (len(tree),), generator=g))}
-    noisy = _g.add_noise(tree, 1.0, key=KEY, offsets=offsets) if fused is None else None
+    noisy = _g.add_noise(tree, 1.0, key=KEY, offsets=offsets, snap=False) if fused is None else None
     if fused is False:  # (the eager transform: the same sharing)
         noisy = dict(zip(tree, _g._keyed_normals(KEY, [(tuple(v.shape), i, offsets[k], v.dtype, v.device) for i, (k, v) in enumerate(tree.items())], fused=False)))
     assert len(calls) == 3, calls  # the tree's: one per precision for its small leaves, and the large leaf's own
@@ -616,7 +616,7 @@ def test_small_leaves_share_one_transform_and_keep_their_own_bits(monkeypatch, f
 
 def test_keyed_noise_under_grad():
     """add_noise under torch.func.grad: the noise is a constant of the function (plain tensors drawn outside the transform)."""
-    f = lambda x: vmapdp.add_noise({"a": x}, 1.0, key=KEY)["a"]  # noqa: E731
+    f = lambda x: vmapdp.add_noise({"a": x}, 1.0, key=KEY, snap=False)["a"]  # noqa: E731
     g, val = torch.func.grad(lambda x: (f(x).sum(), f(x)), has_aux=True)(torch.zeros(10))
     assert torch.equal(g, torch.ones(10)) and torch.equal(val, f(torch.zeros(10)))
 
@@ -629,10 +629,99 @@ def test_secure_noise_is_a_stream_under_a_fresh_os_key(monkeypatch):
     asked = []
     real = _g.secrets.token_bytes
     monkeypatch.setattr(_g.secrets, "token_bytes", lambda n: asked.append(n) or b"\x07" * n)
-    noisy = vmapdp.add_noise(tree, 2.0, secure=True)
+    noisy = vmapdp.add_noise(tree, 2.0, secure=True, snap=False)
     assert asked == [32]
     assert torch.equal(noisy["a"], keyed_normal((3, 50), b"\x07" * 32, leaf=0) * 2.0)
     assert torch.equal(noisy["b"], keyed_normal((7,), b"\x07" * 32, leaf=1, dtype=torch.float64) * 2.0)
     monkeypatch.setattr(_g.secrets, "token_bytes", real)
     first, second = vmapdp.add_noise(tree, 1.0, secure=True), vmapdp.add_noise(tree, 1.0, secure=True)
     assert not torch.equal(first["a"], second["a"])
+
+
+# --- snapping (Mironov 2012, for Gaussian noise): releases rounded to a grid of the public std ---
+
+
+def _on_grid(t: torch.Tensor, grid: float) -> bool:
+    return torch.equal(torch.remainder(t.double(), grid), torch.zeros_like(t, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("std", [1.0, 0.7, 1.3, 2.0**-20 * 3, 1e3])
+def test_releases_are_snapped_to_a_power_of_two_grid_of_the_std(std):
+    """Every released value, from every source and leaf dtype, is a multiple of snap_grid(std), a
+    power of two in (std/128, std/64], and within half a grid step of the plain x + std * z (a leaf
+    larger than the CPU's piece of the computation among them)."""
+    grid = _g.snap_grid(std)
+    assert std / 128 < grid <= std / 64 and math.frexp(grid)[0] == 0.5
+    g = torch.Generator().manual_seed(0)
+    tree = {"a": torch.randn(_g._SNAP_CHUNK + 1234, generator=g) * 5 * std, "b": torch.randn(7, 3, generator=g, dtype=torch.float64), "c": torch.randn(40, generator=g).bfloat16()}
+    for source in ({"key": KEY}, {"generator": make_generator(1)}, {"secure": True}):
+        out = add_noise(tree, std, **source)
+        for k, v in out.items():
+            assert v.dtype == _g._dt(tree[k]) and _on_grid(v, grid), (source, k)
+    snapped, plain = add_noise(tree, std, key=KEY), add_noise(tree, std, key=KEY, snap=False)
+    for k in tree:
+        cast = plain[k].double().abs() * torch.finfo(plain[k].dtype).eps  # (each side cast to the leaf's dtype, half an ulp each: float32 at a tiny std)
+        assert ((snapped[k].double() - plain[k].double()).abs() <= grid / 2 * (1 + 1e-6) + cast * 1.01).all(), k
+        assert not torch.equal(snapped[k], plain[k]), k  # (the plain sum is not on the grid)
+    zero = add_noise(tree, 0.0, key=KEY)  # no noise, nothing to snap: the sum itself
+    assert all(torch.equal(zero[k], tree[k].to(_g._dt(tree[k]))) for k in tree)
+
+
+def test_snapping_drops_the_low_bits_of_the_input():
+    """The point of snapping: with one noise, inputs that differ by delta << grid release the same
+    value except where x + noise lies within delta of a cell's edge (a fraction delta / grid =
+    1e-3 of the coordinates here; the bound of 250 among 10**5 has a false-alarm rate below 1e-20
+    under Binomial(10**5, 1e-3)); the plain sums differ in every coordinate, each carrying delta in
+    its low bits, from which a released value rules inputs out (Mironov's attack)."""
+    std, n = 1.0, 100_000
+    grid = _g.snap_grid(std)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    y = x + grid / 1000
+    assert (y != x).float().mean() > 0.99
+    a, b = add_noise({"w": x}, std, key=KEY)["w"], add_noise({"w": y}, std, key=KEY)["w"]
+    moved = int((a != b).sum())
+    assert 0 < moved <= 250, moved
+    pa, pb = add_noise({"w": x}, std, key=KEY, snap=False)["w"], add_noise({"w": y}, std, key=KEY, snap=False)["w"]
+    assert (pa != pb).float().mean() > 0.99
+
+
+def test_snapping_is_one_function_on_every_path():
+    """The CPU's pieces, the whole-tensor expression (under a transform, or with grad), a tensor std
+    give the same bits; the audits' runs (_unsnapped) are not snapped."""
+    std = 0.9
+    x = torch.randn(_g._SNAP_CHUNK * 2 + 5, generator=torch.Generator().manual_seed(3)) * 30
+    z = keyed_normal(tuple(x.shape), KEY)
+    pieces = _g._release(x, z, std)
+    assert _on_grid(pieces, _g.snap_grid(std))
+    assert torch.equal(pieces, _g._release(x.clone().requires_grad_(True), z, std).detach())
+    assert torch.equal(pieces, _g._release(x, z, torch.tensor(std, dtype=torch.float64)))
+    assert torch.equal(pieces, add_noise({"w": x}, std, key=KEY)["w"])
+    under = torch.func.grad(lambda t: (_g._release(t, z, std) * 0).sum() + 0 * t.sum(), has_aux=False)  # (traced through functorch)
+    assert torch.equal(under(x), torch.zeros_like(x))
+    value = torch.func.vmap(lambda t: _g._release(t, z[:3], std))(x[:6].reshape(2, 3))
+    assert torch.equal(value.reshape(-1), torch.cat([_g._release(x[:3], z[:3], std), _g._release(x[3:6], z[:3], std)]))
+    with _g._unsnapped():
+        assert torch.equal(add_noise({"w": x}, std, key=KEY)["w"], x + z * std)
+    # where the float64 sum is coarser than the grid it is kept (|v| >= 2**52 grid), float64 leaves included
+    big = torch.tensor([2.0**60, -(2.0**70), 3.0], dtype=torch.float64)
+    out = _g._release(big, torch.zeros(3, dtype=torch.float64), 2.0**-900)
+    assert torch.equal(out, big)
+
+
+def test_snapped_noise_keeps_its_moments():
+    """mean 0 and variance std**2 + grid**2 / 12 (the rounding's share, <= std**2 / 49152): each
+    within 5 standard errors over 400k draws (false-alarm rate ~1e-6 each)."""
+    std, n = 1.3, 400_000
+    out = add_noise({"w": torch.zeros(n)}, std, key=KEY)["w"].double()
+    var = std**2 + _g.snap_grid(std) ** 2 / 12
+    assert abs(float(out.mean())) < 5 * math.sqrt(var / n)
+    assert abs(float(out.var()) - var) < 5 * var * math.sqrt(2 / n)
+
+
+def test_the_default_privatizer_snaps_and_the_audits_do_not():
+    """gaussian_privatizer (the step's default) releases add_noise's snapped sum; a keyed one equals
+    add_noise under its key, bit for bit."""
+    summed = {"w": torch.randn(300, generator=torch.Generator().manual_seed(4))}
+    priv = vmapdp.noise.gaussian_privatizer(0.8)
+    out, _ = priv.privatize(summed, (), KEY)
+    assert torch.equal(out["w"], add_noise(summed, 0.8, key=KEY)["w"]) and _on_grid(out["w"], _g.snap_grid(0.8))

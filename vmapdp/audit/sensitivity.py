@@ -17,6 +17,7 @@ from torch import Tensor
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
+from vmapdp.noise.gaussian import _unsnapped
 from vmapdp.noise.spent import unreleased
 
 __all__ = ["SensitivityReport", "check_sensitivity"]
@@ -161,7 +162,8 @@ def check_sensitivity(
     replaced by NaN, and by huge finite values, must be bitwise equal to the original update.
 
     The noise cancels: both runs start from the same seeded state, so they add the same noise (a
-    step with ``noise_multiplier=0`` works too); they run inside
+    step with ``noise_multiplier=0`` works too), unsnapped (snapping, post-processing of each
+    release, would round neighbouring sums to different grid cells); they run inside
     :func:`vmapdp.noise.spent.unreleased`, so the step's guard against releasing one noise key
     twice lets them through, and nothing they compute may be published. All runs use torch's global RNG seeded to
     ``seed`` (dropout sees the same masks).
@@ -203,7 +205,8 @@ def check_sensitivity(
     devices = rng_devices((state.params, batch))
 
     def params_after(data: Any, m: Tensor) -> dict[str, Tensor]:
-        with unreleased():  # one state stepped on neighbouring batches: nothing of it is released
+        # one state stepped on neighbouring batches: nothing of it is released; unsnapped, so the noise cancels exactly
+        with unreleased(), _unsnapped():
             new, _ = seeded(seed, devices, lambda: step(state, data, m, *shared))
         return params_of(new)
 

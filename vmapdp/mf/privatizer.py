@@ -1,6 +1,7 @@
 """Correlated noise as a privatizer: ``make_train_step(..., privatizer=correlated_noise(strategy, steps=n))``.
 
-At step ``t`` the step releases ``summed_t + std_z * (C^{-1} z)_t``, where ``z_t`` is the step's
+At step ``t`` the step releases ``summed_t + std_z * (C^{-1} z)_t`` (snapped to a grid as
+``add_noise``'s releases are: ``snap_grid(std_z / c_0)``, of the part drawn at that step), where ``z_t`` is the step's
 keyed standard normal draw (leaf ``i`` of the sum: ``keyed_normal(shape, key, leaf=i)``, the same
 draw plain DP-SGD adds) and ``(C^{-1} z)_t`` is streamed from buffers
 (:mod:`vmapdp.mf.streaming`). ``std_z = noise_multiplier * l2_clip_norm * sens``, with ``sens``
@@ -42,7 +43,7 @@ from vmapdp._tree import acc_dtype
 from vmapdp.mf.accounting import mf_event, noise_sensitivity
 from vmapdp.mf.strategies import BandedToeplitz, BufferedToeplitz
 from vmapdp.mf.streaming import MAX_RECURSION_GAIN, next_noise, recursion_gain, state_rows
-from vmapdp.noise.gaussian import _keyed_normals
+from vmapdp.noise.gaussian import _keyed_normals, _release, snap_grid
 from vmapdp.noise.privatizers import Privatizer, is_correlated_state
 
 __all__ = ["correlated_noise", "describe", "fresh_noise_multiplier"]
@@ -142,6 +143,8 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
     call = "step(state, batch, mask): correlated noise"
     rows = state_rows(strategy)
     fingerprint = _fingerprint(strategy, steps)
+    # releases snapped as add_noise's (vmapdp.noise.gaussian), to the grid of the part drawn at this step (std / c_0)
+    grid = snap_grid(std / (strategy.coeffs[0] if isinstance(strategy, BandedToeplitz) else 1.0))
 
     def privatize(summed: Any, state: Any, key: bytes | None) -> tuple[Any, Any]:
         if secure != (key is None):
@@ -185,7 +188,7 @@ def _privatize(strategy: BandedToeplitz | BufferedToeplitz, steps: int, std: flo
         def release(i: int, z: torch.Tensor) -> torch.Tensor:  # a leaf's release as soon as its draw is made (the tree's noise is never alive at once)
             name, leaf = names[i], leaves[i]
             y, buffers[name] = next_noise(strategy, z, state["buffers"][name].to(leaf.device))
-            return leaf.to(acc_dtype(leaf.dtype)) + y * std
+            return _release(leaf, y, std, grid=grid)
 
         # every leaf's draw in as few launches as their sizes allow (on a GPU: one launch of the noise
         # kernel); secure: under a fresh key from the OS CSPRNG, as add_noise(secure=True)

@@ -13,7 +13,8 @@ step's secret noise key (bytes, derived from the state's seed, step, run and con
 ``None`` for a ``secure`` run, whose noise comes from the OS CSPRNG.
 
 :func:`gaussian_privatizer` is the default: independent ``N(0, std**2)`` per coordinate, no
-state. Noise that needs state (correlated noise from a matrix factorization keeps a few buffers
+state, each released value snapped to a grid of ``std/128`` to ``std/64`` against floating-point
+attacks (``add_noise``'s default; :mod:`vmapdp.noise.gaussian`). Noise that needs state (correlated noise from a matrix factorization keeps a few buffers
 of past draws) or another generator plugs in here without touching the step.
 
 What the ledger records: for a privatizer without ``bind`` (the default Gaussian, or one of
@@ -160,7 +161,8 @@ class Privatizer(NamedTuple):
 
 
 def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None) -> Privatizer:
-    """Independent Gaussian noise ``N(0, std**2)`` on every coordinate of the sum; no state.
+    """Independent Gaussian noise ``N(0, std**2)`` on every coordinate of the sum, snapped
+    (``add_noise(snap=True)``: each value rounded to a multiple of ``snap_grid(std)``); no state.
 
     Args:
         std: the noise standard deviation, ``>= 0`` (DP-SGD: ``noise_multiplier * l2_sensitivity``).
