@@ -210,9 +210,10 @@ def test_noise_std_is_unchanged_by_bf16(precision_unbound):
     sigma, clip = 2.0, 0.5
     z16 = torch.cat([_released_noise(loss_fn, params, buffers, batch, torch.bfloat16, sigma=sigma, clip=clip, seed=s) for s in range(3, 9)])
     z32 = torch.cat([_released_noise(loss_fn, params, buffers, batch, None, sigma=sigma, clip=clip, seed=s) for s in range(3, 9)])
-    # the same seeds draw the same float32 noise whatever the compute dtype (up to the rounding of the update)
-    torch.testing.assert_close(z16, z32, rtol=0.0, atol=2e-6)  # measured 2.4e-7
+    # the same seeds draw the same float32 noise whatever the compute dtype, up to the rounding of the update
+    # (measured 2.4e-7 unsnapped) and the snapping of each release: the sums differ, so their cells may (one grid step)
     std = sigma * clip
+    torch.testing.assert_close(z16, z32, rtol=0.0, atol=vmapdp.noise.snap_grid(std) + 2e-6)
     z = z16.double().numpy()
     assert stats.kstest(z, "norm", args=(0.0, std)).pvalue > 1e-3
     for wrong in (std / math.sqrt(2), std * 1.1):  # negative controls: a std off by sqrt(2) or 10% fails
