@@ -14,6 +14,9 @@ Rows: one per size. Columns (median ms over interleaved rounds, and the ratio to
   leaf): OpenSSL's ChaCha20 keystream, a cache-sized piece at a time, each transformed by one
   Inductor-compiled float32 Box-Muller kernel.
 * ``chacha20 f64``: the same for a float64 leaf (16 bytes of keystream per pair instead of 12).
+* ``add_noise`` / ``add_noise_plain``: the release of a float32 leaf of ``n`` elements,
+  ``add_noise({"w": x}, 1.0, key=)``: the draw plus the sum computed in float64 and snapped to the
+  grid (the default), and the plain float32 ``x + z`` (``snap=False``).
 * ``randn``: ``torch.randn(n)`` from the global generator (Mersenne Twister: not keyed, not
   secret-safe; the speed to aim for); ``randn gen``: with an explicit ``torch.Generator``.
 
@@ -139,6 +142,11 @@ def main(argv=None) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in sizes:
+        leaf = {"w": torch.zeros(n, device=device)}
+        releases = {
+            "add_noise": lambda: gaussian.add_noise(leaf, 1.0, key=key),
+            "add_noise_plain": lambda: gaussian.add_noise(leaf, 1.0, key=key, snap=False),
+        }
         if cuda:
             methods = {
                 "chacha20_f32": lambda: gaussian.keyed_normal((n,), key, device=device),
@@ -146,6 +154,7 @@ def main(argv=None) -> list[dict]:
                 "chacha20_f32_host_copy": lambda: gaussian.keyed_normal((n,), key, device=device, backend="openssl"),
                 "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64, device=device),
                 **({"chacha20_f64_inductor": lambda: inductor((n,), torch.float64)} if args.inductor else {}),
+                **releases,
                 "randn": lambda: torch.randn(n, device=device),
             }
         else:
@@ -153,6 +162,7 @@ def main(argv=None) -> list[dict]:
                 "shake_old": lambda: shake_normal(n, key),
                 "chacha20_f32": lambda: gaussian.keyed_normal((n,), key),
                 "chacha20_f64": lambda: gaussian.keyed_normal((n,), key, dtype=torch.float64),
+                **releases,
                 "randn": lambda: torch.randn(n),
                 "randn_gen": lambda: torch.randn(n, generator=gen),
             }

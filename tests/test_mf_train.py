@@ -102,7 +102,7 @@ def sens_oracle(strategy, n=STEPS, cycle=CYCLE):
     return best
 
 
-@pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY], ids=["banded", "blt", "identity"])
+@pytest.mark.parametrize("strategy", [BANDED, BLT, IDENTITY, BandedToeplitz((2.0, 0.5))], ids=["banded", "blt", "identity", "c0=2"])
 def test_released_noise_is_std_times_C_inverse_Z_from_the_steps_keyed_draws(strategy):
     std = NM * CLIP * sens_oracle(strategy)
     grid = snap_grid(std / strategy.coeffs[0] if isinstance(strategy, BandedToeplitz) else std)

@@ -653,7 +653,7 @@ def test_releases_are_snapped_to_a_power_of_two_grid_of_the_std(std):
     grid = _g.snap_grid(std)
     assert std / 128 < grid <= std / 64 and math.frexp(grid)[0] == 0.5
     g = torch.Generator().manual_seed(0)
-    tree = {"a": torch.randn(_g._SNAP_CHUNK + 1234, generator=g) * 5 * std, "b": torch.randn(7, 3, generator=g, dtype=torch.float64), "c": torch.randn(40, generator=g).bfloat16()}
+    tree = {"a": torch.randn(150_000, generator=g) * 5 * std, "b": torch.randn(7, 3, generator=g, dtype=torch.float64), "c": torch.randn(40, generator=g).bfloat16()}
     for source in ({"key": KEY}, {"generator": make_generator(1)}, {"secure": True}):
         out = add_noise(tree, std, **source)
         for k, v in out.items():
@@ -685,27 +685,40 @@ def test_snapping_drops_the_low_bits_of_the_input():
     assert (pa != pb).float().mean() > 0.99
 
 
-def test_snapping_is_one_function_on_every_path():
-    """The CPU's pieces, the whole-tensor expression (under a transform, or with grad), a tensor std
-    give the same bits; the audits' runs (_unsnapped) are not snapped."""
+def test_snapping_is_one_function_on_every_path(monkeypatch):
+    """The CPU's compiled loop, the expression op by op (under a transform, with grad, where nothing
+    compiles) and a tensor std give the same bits; check_sensitivity's runs (_unsnapped) are not snapped."""
     std = 0.9
-    x = torch.randn(_g._SNAP_CHUNK * 2 + 5, generator=torch.Generator().manual_seed(3)) * 30
+    x = torch.randn(100_005, generator=torch.Generator().manual_seed(3)) * 30
     z = keyed_normal(tuple(x.shape), KEY)
     pieces = _g._release(x, z, std)
     assert _on_grid(pieces, _g.snap_grid(std))
     assert torch.equal(pieces, _g._release(x.clone().requires_grad_(True), z, std).detach())
     assert torch.equal(pieces, _g._release(x, z, torch.tensor(std, dtype=torch.float64)))
     assert torch.equal(pieces, add_noise({"w": x}, std, key=KEY)["w"])
-    under = torch.func.grad(lambda t: (_g._release(t, z, std) * 0).sum() + 0 * t.sum(), has_aux=False)  # (traced through functorch)
-    assert torch.equal(under(x), torch.zeros_like(x))
+    monkeypatch.setattr(_g, "_snap_ok", False)  # (no C++ compiler: op by op)
+    assert torch.equal(pieces, _g._release(x, z, std))
+    monkeypatch.undo()
+    # the exact float64 reference, written out here: the sum rounded once in float64, ties to even (a sum
+    # rounded to float32 first, at |x| up to 4096 std, differs in ~0.5% of the coordinates)
+    wide = (torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * 2 - 1) * 4096 * std
+    zw = keyed_normal(tuple(wide.shape), KEY, leaf=1)
+    grid = _g.snap_grid(std)
+    exact = (torch.round((zw.double() * std + wide.double()) / grid) * grid).float()
+    assert torch.equal(_g._release(wide, zw, std), exact)
+    assert torch.equal(_g._release(torch.tensor([grid / 2, 3 * grid / 2]), torch.zeros(2), 1.0 * std), torch.tensor([0.0, 2 * grid]))  # ties: even
+    # the release is not differentiable in x: round() has gradient 0 (snap=False keeps the plain sum's)
+    assert torch.equal(torch.func.grad(lambda t: _g._release(t, z, std).sum())(x), torch.zeros_like(x))
     value = torch.func.vmap(lambda t: _g._release(t, z[:3], std))(x[:6].reshape(2, 3))
     assert torch.equal(value.reshape(-1), torch.cat([_g._release(x[:3], z[:3], std), _g._release(x[3:6], z[:3], std)]))
     with _g._unsnapped():
         assert torch.equal(add_noise({"w": x}, std, key=KEY)["w"], x + z * std)
-    # where the float64 sum is coarser than the grid it is kept (|v| >= 2**52 grid), float64 leaves included
-    big = torch.tensor([2.0**60, -(2.0**70), 3.0], dtype=torch.float64)
-    out = _g._release(big, torch.zeros(3, dtype=torch.float64), 2.0**-900)
-    assert torch.equal(out, big)
+    # where the float64 sum is coarser than the grid it is kept (|v| >= 2**52 grid), even where v / grid overflows
+    big = torch.tensor([2.0**60, -(2.0**70), 3.0, 1e308], dtype=torch.float64)
+    assert torch.equal(_g._release(big, torch.zeros(4, dtype=torch.float64), 2.0**-900), big)
+    assert torch.equal(_g._release(big[-1:], torch.zeros(1, dtype=torch.float64), 1.0), big[-1:])
+    # a tensor std of 0 adds nothing and snaps nothing (its exponent would give a grid of 1/128)
+    assert torch.equal(_g._release(torch.tensor([0.3]), torch.ones(1), torch.tensor(0.0, dtype=torch.float64)), torch.tensor([0.3]))
 
 
 def test_snapped_noise_keeps_its_moments():
@@ -719,9 +732,36 @@ def test_snapped_noise_keeps_its_moments():
 
 
 def test_the_default_privatizer_snaps_and_the_audits_do_not():
-    """gaussian_privatizer (the step's default) releases add_noise's snapped sum; a keyed one equals
-    add_noise under its key, bit for bit."""
+    """gaussian_privatizer (the step's default) releases add_noise's snapped sum, bit for bit;
+    check_sensitivity's runs are unsnapped (it sees the release inside its step) and snapping is on
+    again after it, after a failing one and after an exception inside _unsnapped()."""
     summed = {"w": torch.randn(300, generator=torch.Generator().manual_seed(4))}
     priv = vmapdp.noise.gaussian_privatizer(0.8)
     out, _ = priv.privatize(summed, (), KEY)
     assert torch.equal(out["w"], add_noise(summed, 0.8, key=KEY)["w"]) and _on_grid(out["w"], _g.snap_grid(0.8))
+
+    seen = []
+
+    def loss(p, sample):
+        x, y = sample
+        return (p["w"] @ x - y) ** 2
+
+    params = {"w": torch.zeros(3)}
+    batch = (torch.randn(4, 3, generator=torch.Generator().manual_seed(6)), torch.randn(4, generator=torch.Generator().manual_seed(7)))
+    mask = torch.tensor([True, True, True, False])
+    for divisor in (4.0, 1.0):  # (1.0: a step the check fails, raising inside its _unsnapped block)
+        step = vmapdp.make_train_step(loss, vmapdp.optim.sgd(1.0), l2_clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4.0, sample_rate=0.5, compile=False, method="vmap",
+                                      privatizer=vmapdp.noise.Privatizer(priv.init, lambda s, st, k: seen.append(_g._SNAPPING.get()) or vmapdp.noise.gaussian_privatizer(1.0).privatize(s, st, k), config="spy", std=1.0))
+        state = vmapdp.init_train_state(params, vmapdp.optim.sgd(1.0), seed=0)
+        try:
+            vmapdp.audit.check_sensitivity(step, state, batch, mask, lr=1.0, l2_clip_norm=1.0, expected_batch_size=divisor)
+        except vmapdp.audit.PrivacyCheckError:
+            assert divisor == 1.0
+        assert seen and not any(seen) and _g._SNAPPING.get()
+        seen.clear()
+    try:
+        with _g._unsnapped():
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert _g._SNAPPING.get() and _on_grid(add_noise(summed, 0.8, key=KEY)["w"], _g.snap_grid(0.8))

@@ -34,14 +34,19 @@ then cast to the leaf's dtype. Why: the floats a plain ``x + std * z`` can produ
 ``x`` (the noise is a float with its own gaps, and the sum is rounded at ``x``'s scale), so a
 released value can rule inputs out whatever the noise (Mironov's least-significant-bits attack;
 Jin et al. 2022 for Gaussian samplers). Rounding to ``L`` is post-processing of the real-valued
-release; in floating point the float64 sum is within ``2**-53 |v|`` of it, so the snapped value
-equals the exact one's rounding except within that distance of a cell's edge, and every multiple
-of ``L`` within the noise's reach is reachable from every ``x`` (a cell holds ~``10**4``
-float32 noise values). Its cost: variance ``L**2 / 12 <= std**2 / 49152`` added, the gradient of
-the release with respect to ``x`` is 0, about 1 ms per million elements on a CPU core. What it is
-not: a proof. The per-cell probabilities of the float sampler differ from the Gaussian's by a
-relative ``~2**-16`` (float32 noise; ``~2**-45`` float64), which no accountant here charges;
-a discrete Gaussian with its own accounting (Canonne, Kamath, Steinke 2020) would close that.
+release; in floating point the float64 sum is within ``~2**-53 (|v| + |std z|)`` of it (the
+product is rounded, then the sum), so the snapped value equals the exact one's rounding except
+within that distance of a cell's edge, and every multiple of ``L`` within the noise's reach is
+reachable from every ``x`` (a cell near the mode holds ~``10**4`` float32 noise values). Its
+cost: variance ``L**2 / 12 <= std**2 / 49152`` added, the gradient of the release with respect
+to ``x`` is 0, about 3 ms per million elements on a CPU core (one compiled loop). What it is
+not: a proof. The float sampler's probability of a cell differs from the Gaussian's by a
+relative ``~2**-16`` near the mode, growing to ``~2**-13`` at 8 standard deviations (float32
+noise; ``~2**-45`` to ``2**-42`` float64); beyond ~9 the radius takes a few discrete values,
+cells apart, so there is no relative bound, only their total mass (~``3e-18`` per draw, an
+uncharged delta like the truncation at 9.42, :func:`keyed_normal`). None of it is charged by an
+accountant here; a discrete Gaussian with its own accounting (Canonne, Kamath, Steinke 2020)
+would close it.
 ``snap=False`` gives the plain ``x + std * z`` (differentiable in ``x``; exactly ``keyed_normal``'s
 draws, for tests of the noise itself), and so do ``check_sensitivity``'s runs (thrown away,
 inside ``unreleased()``), whose two runs from one state must add noise that cancels exactly.
@@ -759,9 +764,9 @@ def _dt(leaf: Tensor) -> torch.dtype:
 
 
 _SNAP_BITS = 6  # the grid is 2**-6 to 2**-7 of the std
-_SNAP_CHUNK = 1 << 17  # elements per piece on the CPU: the float64 temporaries stay in cache (as fast as the unsnapped sum)
 
 
+_DEVICE_SNAP_PIECE = 1 << 24  # elements per piece on an accelerator: 128 MiB per float64 temporary
 _SNAPPING: contextvars.ContextVar[bool] = contextvars.ContextVar("vmapdp_snapping", default=True)
 
 
@@ -805,23 +810,61 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
     g = snap_grid(std) if grid is None else grid
     if g == 0.0:
         return x.to(dtype) + z * std
-    # guarded where q = v / grid could overflow (float64 leaves; a grid below 2**-890 for float32 ones)
-    guarded = dtype == torch.float64 or g < 2.0**-890
-    if x.requires_grad or torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
-        v = z.to(torch.float64) * std + x.to(torch.float64)
-        q = v / g
-        snapped = torch.round(q) * g
-        return (torch.where(q.abs() < 2.0**52, snapped, v) if guarded else snapped).to(dtype)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    xs, zs, os_ = x.reshape(-1), z.reshape(-1), out.view(-1)
-    n = xs.numel()
-    piece = _SNAP_CHUNK if _host(x.device) else max(n, 1)
-    for lo in range(0, n, piece):
-        hi = min(lo + piece, n)
-        v = zs[lo:hi].to(torch.float64).mul_(std).add_(xs[lo:hi].to(torch.float64))
-        if guarded:
-            q = v / g
-            os_[lo:hi] = torch.where(q.abs() < 2.0**52, q.round_().mul_(g), v)
+    if x.numel() == 0 or x.requires_grad or torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return _snapped(x, z, std, g).to(dtype)  # (under a transform: op by op)
+    if not _host(x.device):  # an accelerator's kernels, op by op, a piece at a time (float64 temporaries of one piece only)
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+        xs, zs, os_ = x.reshape(-1), z.reshape(-1), out.view(-1)
+        for lo in range(0, xs.numel(), _DEVICE_SNAP_PIECE):
+            os_[lo : lo + _DEVICE_SNAP_PIECE] = _snapped(xs[lo : lo + _DEVICE_SNAP_PIECE], zs[lo : lo + _DEVICE_SNAP_PIECE], std, g)
+        return out
+    global _snap_ok
+    if _snap_ok is not False:  # on the host: one compiled loop, one thread (no float64 temporaries; no OpenMP team per op)
+        out = torch.empty(x.shape, dtype=dtype)
+        f64 = torch.float64
+        try:
+            with torch._C._DisableFuncTorch():
+                _snap_kernel(x.dtype, z.dtype, dtype)(x.reshape(-1), z.reshape(-1), torch.tensor(float(std), dtype=f64), torch.tensor(g, dtype=f64), out.view(-1))
+        except Exception:
+            if _snap_ok:
+                raise
+            _snap_ok = False  # no C++ compiler here: op by op from now on (the same bits)
         else:
-            os_[lo:hi] = v.div_(g).round_().mul_(g)
-    return out
+            _snap_ok = True
+            return out
+    return _snapped(x, z, std, g).to(dtype)
+
+
+def _snapped(x: Tensor, z: Tensor, std: Any, grid: Any) -> Tensor:
+    """The snapped release in float64: ``round(v / grid) * grid`` for ``v = z * std + x``, or ``v``
+    where ``|v / grid| >= 2**52`` (already a multiple; and no overflow of the quotient)."""
+    v = z.to(torch.float64) * std + x.to(torch.float64)
+    q = v / grid
+    return torch.where(q.abs() < 2.0**52, torch.round(q) * grid, v)
+
+
+def _snap_into(x: Tensor, z: Tensor, std: Tensor, grid: Tensor, out: Tensor):  # (unannotated return, as _into32)
+    out.copy_(_snapped(x, z, std, grid))
+    return ()
+
+
+_SNAP_KERNELS: dict[tuple[torch.dtype, torch.dtype, torch.dtype], Any] = {}
+_snap_ok: bool | None = None  # None: not tried yet
+
+
+def _snap_kernel(x_dtype: torch.dtype, z_dtype: torch.dtype, out_dtype: torch.dtype) -> Any:
+    """:func:`_snapped` into ``out``, compiled by Inductor into one single-threaded loop over 1-D
+    tensors of any size (once per process and dtypes; as :func:`_fused`). Op by op, each of its
+    seven float64 passes on a loaded 2-core machine waited ~6 ms for its OpenMP team (a piece of a
+    leaf, 10M elements: 3.9 s; in one loop: ~30 ms)."""
+    with _LOCK:
+        key = (x_dtype, z_dtype, out_dtype)
+        if key not in _SNAP_KERNELS:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            one = torch.ones((), dtype=torch.float64)
+            example = [torch.zeros(997, dtype=x_dtype), torch.zeros(997, dtype=z_dtype), one, one.clone(), torch.empty(997, dtype=out_dtype)]
+            graph = make_fx(_snap_into, tracing_mode="symbolic")(*example)
+            with torch._inductor.config.patch({"cpp.threads": 1}):
+                _SNAP_KERNELS[key] = torch._inductor.standalone_compile(graph, example)
+        return _SNAP_KERNELS[key]
