@@ -305,6 +305,40 @@ def test_the_additive_mask_lets_every_query_see_itself():
     assert bool((hf.additive_mask(torch.zeros(3, dtype=torch.long), causal=True, dtype=torch.float16)[0, 0].diagonal() == 0).all())
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama-sdpa", "opt-eager", "bert-sdpa"])
+def test_zeros_inside_the_mask_hide_tokens_with_oracle_grads(name):
+    """The contract for a zero inside attention_mask (a hidden token, not padding at an end). A causal
+    LM's loss is the model's own on the sample with its hidden tokens removed (later tokens neither
+    see them nor count positions for them), except that the target right after a hidden token,
+    which would be predicted from it, does not count; an encoder's is the model's own with the mask
+    as given (its positions are its own). Per-sample grads equal the oracle's."""
+    m, batch = model_batch(name)
+    apply, params, buffers, loss = hf.loss_fn(m)
+    mask = batch["attention_mask"].clone()
+    for i in range(mask.shape[0]):
+        mask[i, int(mask[i].sum()) // 2] = 0  # (inside: rows hold >= 3 real tokens)
+    batch = {**batch, "attention_mask": mask}
+    compared = 0
+    for i in range(3):
+        sample = {k: v[i] for k, v in batch.items()}
+        if batch["labels"].dim() == 2:  # causal LM: the hidden tokens removed
+            kept = mask[i] != 0
+            after_hidden = torch.cat([torch.tensor([False]), mask[i, :-1] == 0])
+            labels = torch.where(after_hidden, -100, batch["labels"][i])[kept]
+            if not bool((labels[1:] != -100).any()):  # (no target left: the adapter's loss is 0, transformers' NaN)
+                assert float(loss(params, buffers, sample)) == 0.0
+                continue
+            own = m(input_ids=batch["input_ids"][i][kept][None], labels=labels[None])
+            compared += 1
+        else:
+            n = int(mask[i].nonzero().max()) + 1
+            own = m(input_ids=batch["input_ids"][i : i + 1, :n], attention_mask=mask[i : i + 1, :n], labels=batch["labels"][i : i + 1])
+        torch.testing.assert_close(loss(params, buffers, sample), own.loss, rtol=1e-5, atol=1e-6)
+    assert compared == 2 or batch["labels"].dim() == 1  # (the rows of 6 and 4 real tokens; the row of 3 has no target left)
+    grads = vmapdp.per_sample_grads(loss)(params, buffers, batch)
+    vmapdp.testing.assert_grads_close(grads, vmapdp.testing.microbatch_grads(loss, params, buffers, batch), rtol=1e-4, atol=1e-6)
+
+
 def token_tagger(name):
     """A tagger with 3 tags: BERT (bidirectional) or Llama (causal), and a padded batch whose labels
     are -100 at some real positions (sub-word pieces that carry no tag)."""

@@ -33,7 +33,11 @@ Losses, per sample (a padded position never counts):
 A left-padded sample is seen as right-padded (its leading padding moved to its end, labels
 with it): its real tokens sit at positions 0, 1, ... whatever the batch's longest sample, so the
 loss of a sample never depends on the other rows (a model counting positions from 0 would
-otherwise place them by the batch's padded length). Sliding-window and chunked attention
+otherwise place them by the batch's padded length). A zero inside the mask hides that token: a
+causal LM's loss is the model's own on the sample with its hidden tokens removed (positions
+count real tokens), except that the target right after a hidden token, which would be predicted
+from it, does not count; an encoder's is the model's own with the mask as given (its positions
+are its own). Sliding-window and chunked attention
 (``config.sliding_window``, ``config.attention_chunk_size``) are refused beyond their span, and a
 next-token loss on a model whose attention is bidirectional is refused.
 
