@@ -332,6 +332,21 @@ def _worker(rank, world, init_file, out_dir):
         same = PoissonSampler(N, Q, 1, capacity=CAPACITY, key=SAMPLER_KEY)
         res["rank_arg_error"] = _expect_error(lambda: next(iter(vdist.sharded(same, rank=0))))
         res["shard_rank_error"] = _expect_error(lambda: vdist.shard(*same.sample(), same.capacity, rank=0))
+        # check_sensitivity on the distributed step, each rank with its own rows: rank 0 adds the adversarial sample
+        # (found by review: every rank added one, the global update moved by two samples, a false failure)
+        params, buffers, data, loss_fn = problem()
+        sgd = optim.sgd(0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (sample_rate= alone: the step warns that it cannot check the ranks' draw)
+            chk = vmapdp.make_train_step(loss_fn, sgd, l2_clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=N * Q, sample_rate=Q,
+                                         physical_batch_size=4, compile=False, distributed=True, method="ghost")
+        rows, cmask = torch.arange(4) + 4 * vdist.rank(), torch.tensor([True, True, True, False])
+        start = vmapdp.init_train_state(params, sgd, seed=77)
+        res["sensitivity"] = [
+            (r.passed, r.max_distance, r.ratio, r.padding_inert)
+            for r in (vmapdp.audit.check_sensitivity(chk, start, gather(data, rows), cmask, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=ebs, raise_on_failure=False)
+                      for ebs in (N * Q, 2 * N * Q))
+        ]
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -671,3 +686,14 @@ def test_a_secure_epoch_sampler_runs_through_sharded_on_every_rank(tmp_path):
     assert r0["ledger"] == r1["ledger"]
     assert sum(e.get("epochs", 0) for e in __import__("json").loads(r0["ledger"])["events"]) == 2
     _assert_trees_equal(r0["params"], r1["params"])
+
+
+def test_check_sensitivity_of_a_distributed_step_adds_one_sample_to_the_global_batch(ranks):
+    """Every rank calls it with its own rows; rank 0 adds the adversarial sample, so the global update
+    moves by one clipped sample at most: passed on every rank with the same distance, near the bound
+    (a sample clipped to C), and failed on every rank when told a bound half as large."""
+    right, half = zip(*(r["sensitivity"] for r in ranks))
+    assert right[0] == right[1] and half[0] == half[1]
+    passed, distance, ratio, inert = right[0]
+    assert passed and inert and 0.5 <= ratio <= 1.001, right[0]
+    assert not half[0][0] and half[0][1] == distance

@@ -439,6 +439,23 @@ def forked_sharded_step(rank):
     step(state, x[idx], mask, buffers)
 
 
+def sensitivity_runs():
+    """check_sensitivity on the sharded step, every rank with its own rows: rank 0 adds the adversarial
+    sample and the distance is summed over the ranks' shards (found by review: every rank added one, and
+    each measured its own shards only, which could pass an update that moved too far), at the step's
+    bound and at half of it."""
+    params, buffers, data, loss_fn, _ = problem("mlp")
+    sgd = optim.sgd(0.5)
+    sharding = Sharding(params)
+    step = vmapdp.make_train_step(loss_fn, sgd, l2_clip_norm=1.0, noise_multiplier=1.1, sample_rate=Q, expected_batch_size=N * Q,
+                                  physical_batch_size=4, compile=False, method="ghost", sharding=sharding)
+    state = vmapdp.init_train_state(params, sgd, seed=SEED, sharding=sharding)
+    rows, mask = torch.arange(4) + 4 * vdist.rank(), torch.tensor([True, True, True, False])
+    reports = [vmapdp.audit.check_sensitivity(step, state, gather(data, rows), mask, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=ebs,
+                                              raise_on_failure=False) for ebs in (N * Q, 2 * N * Q)]
+    return [(r.passed, r.max_distance, r.ratio, r.padding_inert) for r in reports]
+
+
 def _worker4(rank, world, init_file, out):
     _init(rank, world, init_file)
     try:
@@ -518,6 +535,7 @@ def _worker2(rank, world, init_file, out):
         res["fork_error"] = _error(lambda: forked_sharded_step(rank))
         res["fsdp"] = fsdp_run()
         res["secure"] = secure_run()
+        res["sensitivity"] = sensitivity_runs()
         res.update(mf_adaptive_runs(out, world))
         torch.save(res, os.path.join(out, f"w2-rank{rank}.pt"))
         dist.barrier()
@@ -1471,3 +1489,13 @@ def test_a_resumed_secure_sharded_run_saves_again(tmp_path):
     assert r0["error"] is None and r1["error"] is None, (r0["error"], r1["error"])
     assert (r0["drawn"], r0["step"], r1["drawn"]) == (4, 4, 2)
     assert os.path.isdir(tmp_path / "c4")
+
+
+def test_check_sensitivity_of_a_sharded_step_measures_the_whole_update(runs):
+    """The verdict and the distance are every rank's (the shards' distances summed); one sample
+    moves the update near the bound, a bound half as large fails on every rank."""
+    right, half = zip(*(r["sensitivity"] for r in runs["w2"]))
+    assert right[0] == right[1] and half[0] == half[1]
+    passed, distance, ratio, inert = right[0]
+    assert passed and inert and 0.5 <= ratio <= 1.001, right[0]
+    assert not half[0][0] and half[0][1] == distance

@@ -14,6 +14,7 @@ import optree
 import torch
 from torch import Tensor
 
+from vmapdp import distributed as _dist
 from vmapdp._tree import batch_size, check_mask
 from vmapdp.audit.report import finish
 from vmapdp.audit.runs import check_step_hyperparameters, is_float, params_of, rng_devices, rounding_slack, seeded, set_rows, tree_map, update_distance
@@ -58,7 +59,30 @@ def _require_seeded(call: str, state: Any) -> None:
         )
 
 
-def _padding_leaks(params_after: Callable[[Any, Tensor], dict[str, Tensor]], batch: Any, mask: Tensor, first: int, pad: list[int], scale: float) -> list[str]:
+class _Ranks:
+    """How the step's ranks take part: ``adds`` whether this rank adds the adversarial sample (rank 0
+    only: one sample added to the global batch, not one per rank), ``sharded`` whether this rank's
+    params are its shards (distances summed over the ranks, squared). One process: adds, not sharded."""
+
+    def __init__(self, step: Any) -> None:
+        across = bool(getattr(step, "distributed", False)) and _dist.is_initialized() and _dist.world_size() > 1
+        self.adds = not across or _dist.rank() == 0
+        self.sharded = across and bool(getattr(step, "sharded", False))
+
+    def norms(self, *squares: float) -> list[float]:
+        """The square roots of ``squares``, each summed over the ranks first where the params are sharded."""
+        if self.sharded:
+            squares = tuple(_dist.all_reduce_sum(torch.tensor(squares, dtype=torch.float64)).tolist())
+        return [math.sqrt(x) for x in squares]
+
+    def any(self, flag: bool) -> bool:
+        """``flag`` on any rank (sharded: each rank sees its shards only)."""
+        if self.sharded:
+            return bool(_dist.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0)
+        return flag
+
+
+def _padding_leaks(params_after: Callable[[Any, Tensor], dict[str, Tensor]], batch: Any, mask: Tensor, first: int, pad: list[int], scale: float, ranks: _Ranks) -> list[str]:
     """What changed the update when the padded rows were filled with NaN, then huge values (empty: inert)."""
     nan_batch = set_rows(batch, pad, lambda leaf: torch.full_like(leaf[first], math.nan) if is_float(leaf) else leaf[first])
     huge_batch = set_rows(batch, pad, lambda leaf: leaf[first] * (-scale) + 1.0 if is_float(leaf) else leaf[first])
@@ -67,8 +91,10 @@ def _padding_leaks(params_after: Callable[[Any, Tensor], dict[str, Tensor]], bat
     for what, data in (("NaN", nan_batch), ("huge finite values", huge_batch)):
         other = params_after(data, mask)
         bad = [k for k in clean if not torch.equal(clean[k], other[k])]
-        if bad:
-            leaked.append(f"{what} (changed {bad[:3]}, distance {update_distance(clean, other):.3g})")
+        (dist,) = ranks.norms(update_distance(clean, other) ** 2)
+        if ranks.any(bool(bad)):
+            where = bad[:3] if bad else "another rank's shards"
+            leaked.append(f"{what} (changed {where}, distance {dist:.3g})")
     return leaked
 
 
@@ -96,6 +122,7 @@ def _neighbour_pairs(
     bound: float,
     rtol: float,
     start: dict[str, Tensor],
+    ranks: _Ranks,
 ) -> tuple[str, float, float, float, int, tuple | None, int]:
     """Run every base batch with and without each candidate in ``slot`` and compare the updates.
 
@@ -112,13 +139,12 @@ def _neighbour_pairs(
     failed, n_failed = None, 0
     for base_name, base in bases:
         with_adv = base.clone()
-        with_adv[slot] = True
+        with_adv[slot] = ranks.adds  # (the other ranks step their base rows: one sample added to the global batch)
         for cand_name, row in candidates:
             data = _with_row(call, batch, slot, row)
             a = params_after(data, base)
             b = params_after(data, with_adv)
-            dist = update_distance(a, b)
-            slack = 2.0 * rounding_slack(a, b, start)
+            dist, slack = ranks.norms(update_distance(a, b) ** 2, (2.0 * rounding_slack(a, b, start)) ** 2)
             pairs += 1
             ratio = dist / bound if math.isfinite(dist) else math.inf
             if not math.isfinite(dist) or dist > max_dist:
@@ -160,6 +186,12 @@ def check_sensitivity(
 
     Also checks that padded rows contribute nothing: the update with the padded rows' contents
     replaced by NaN, and by huge finite values, must be bitwise equal to the original update.
+
+    A distributed or sharded step (``make_train_step(distributed=True)`` or ``sharding=``) is
+    checked by calling this on every rank with its own batch: rank 0 adds the adversarial sample
+    (one sample added to the global batch), the others step their base rows, and the distance of
+    a sharded step's updates is summed over the ranks' shards, so every rank reaches the same
+    verdict on the whole update.
 
     The noise cancels: both runs start from the same seeded state, so they add the same noise (a
     step with ``noise_multiplier=0`` works too), unsnapped (snapping, post-processing of each
@@ -210,16 +242,18 @@ def check_sensitivity(
             new, _ = seeded(seed, devices, lambda: step(state, data, m, *shared))
         return params_of(new)
 
+    ranks = _Ranks(step)
+
     # 1. padded rows are inert, bitwise
     first = real[0]
-    leaked = _padding_leaks(params_after, batch, mask, first, pad, scale)
+    leaked = _padding_leaks(params_after, batch, mask, first, pad, scale, ranks)
     inert = not leaked
 
     # 2. one added sample moves the update by at most lr * C / E[B]
     bound = lr * l2_clip_norm / expected_batch_size
     candidates = _candidates(batch, real, adversarial, scale)
     worst, max_dist, max_ratio, slack_at_worst, pairs, failed, n_failed = _neighbour_pairs(
-        call, params_after, batch, mask, real, pad[0], candidates, bound=bound, rtol=rtol, start=state.params
+        call, params_after, batch, mask, real, pad[0], candidates, bound=bound, rtol=rtol, start=state.params, ranks=ranks
     )
     passed = inert and failed is None
     lines = []
