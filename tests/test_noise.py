@@ -696,9 +696,25 @@ def test_snapping_is_one_function_on_every_path(monkeypatch):
     assert torch.equal(pieces, _g._release(x.clone().requires_grad_(True), z, std).detach())
     assert torch.equal(pieces, _g._release(x, z, torch.tensor(std, dtype=torch.float64)))
     assert torch.equal(pieces, add_noise({"w": x}, std, key=KEY)["w"])
-    monkeypatch.setattr(_g, "_snap_ok", False)  # (no C++ compiler: op by op)
+    monkeypatch.setattr(_g, "_snap_ok", False)  # (no C++ compiler: op by op, in pieces)
+    monkeypatch.setattr(_g, "_SNAP_PIECE", 4099)
     assert torch.equal(pieces, _g._release(x, z, std))
     monkeypatch.undo()
+    # a kernel that does not compile here: op by op from then on, the same bits; once it has compiled, an error is raised
+    def broken(*a):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(_g, "_snap_kernel", broken)
+    monkeypatch.setattr(_g, "_snap_ok", None)
+    assert torch.equal(pieces, _g._release(x, z, std)) and _g._snap_ok is False
+    monkeypatch.setattr(_g, "_snap_ok", True)
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler"):
+        _g._release(x, z, std)
+    monkeypatch.undo()
+    # leaves that are views: a column, an expanded one, a transposed matrix (found by review: the kernel asserted stride 1)
+    m = x[:60_000].reshape(300, 200)
+    zm = z[:60_000].reshape(300, 200)
+    for view, zv in ((m[:, 3], zm[:, 3]), (m[:1, 0].expand(50), zm[:50, 0]), (m.t(), zm.t())):
+        assert torch.equal(_g._release(view, zv, std), _g._snapped(view, zv, std, _g.snap_grid(std)).float())
     # the exact float64 reference, written out here: the sum rounded once in float64, ties to even (a sum
     # rounded to float32 first, at |x| up to 4096 std, differs in ~0.5% of the coordinates)
     wide = (torch.rand(100_000, generator=torch.Generator().manual_seed(5)) * 2 - 1) * 4096 * std

@@ -36,8 +36,9 @@ loss of a sample never depends on the other rows (a model counting positions fro
 otherwise place them by the batch's padded length). A zero inside the mask hides that token: a
 causal LM's loss is the model's own on the sample with its hidden tokens removed (positions
 count real tokens), except that the target right after a hidden token, which would be predicted
-from it, does not count; an encoder's is the model's own with the mask as given (its positions
-are its own). Sliding-window and chunked attention
+from it, does not count (with peft prompt tuning it does, predicted from the last real token
+before it: the hidden tokens removed exactly); an encoder's is the model's own with the mask as
+given (its positions are its own). Sliding-window and chunked attention
 (``config.sliding_window``, ``config.attention_chunk_size``) are refused beyond their span, and a
 next-token loss on a model whose attention is bidirectional is refused.
 

@@ -767,6 +767,7 @@ _SNAP_BITS = 6  # the grid is 2**-6 to 2**-7 of the std
 
 
 _DEVICE_SNAP_PIECE = 1 << 24  # elements per piece on an accelerator: 128 MiB per float64 temporary
+_SNAP_PIECE = 1 << 20  # ... on a host without a compiler (8 MiB)
 _SNAPPING: contextvars.ContextVar[bool] = contextvars.ContextVar("vmapdp_snapping", default=True)
 
 
@@ -812,27 +813,20 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
         return x.to(dtype) + z * std
     if x.numel() == 0 or x.requires_grad or torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
         return _snapped(x, z, std, g).to(dtype)  # (under a transform: op by op)
-    if not _host(x.device):  # an accelerator's kernels, op by op, a piece at a time (float64 temporaries of one piece only)
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
-        xs, zs, os_ = x.reshape(-1), z.reshape(-1), out.view(-1)
-        for lo in range(0, xs.numel(), _DEVICE_SNAP_PIECE):
-            os_[lo : lo + _DEVICE_SNAP_PIECE] = _snapped(xs[lo : lo + _DEVICE_SNAP_PIECE], zs[lo : lo + _DEVICE_SNAP_PIECE], std, g)
-        return out
-    global _snap_ok
-    if _snap_ok is not False:  # on the host: one compiled loop, one thread (no float64 temporaries; no OpenMP team per op)
-        out = torch.empty(x.shape, dtype=dtype)
-        f64 = torch.float64
-        try:
+    if _host(x.device):
+        kernel = _snap_kernel_or_none(x.dtype, z.dtype, dtype)
+        if kernel is not None:  # one compiled loop, one thread (no float64 temporaries; no OpenMP team per op)
+            out = torch.empty(x.shape, dtype=dtype)
             with torch._C._DisableFuncTorch():
-                _snap_kernel(x.dtype, z.dtype, dtype)(x.reshape(-1), z.reshape(-1), torch.tensor(float(std), dtype=f64), torch.tensor(g, dtype=f64), out.view(-1))
-        except Exception:
-            if _snap_ok:
-                raise
-            _snap_ok = False  # no C++ compiler here: op by op from now on (the same bits)
-        else:
-            _snap_ok = True
+                kernel(x.reshape(-1).contiguous(), z.reshape(-1).contiguous(), torch.tensor(float(std), dtype=torch.float64), torch.tensor(g, dtype=torch.float64), out.view(-1))
             return out
-    return _snapped(x, z, std, g).to(dtype)
+    # an accelerator's kernels, or a host without a C++ compiler: op by op, a piece at a time (float64 temporaries of one piece)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    xs, zs, os_ = x.reshape(-1), z.reshape(-1), out.view(-1)
+    piece = _SNAP_PIECE if _host(x.device) else _DEVICE_SNAP_PIECE
+    for lo in range(0, xs.numel(), piece):
+        os_[lo : lo + piece] = _snapped(xs[lo : lo + piece], zs[lo : lo + piece], std, g)
+    return out
 
 
 def _snapped(x: Tensor, z: Tensor, std: Any, grid: Any) -> Tensor:
@@ -850,6 +844,23 @@ def _snap_into(x: Tensor, z: Tensor, std: Tensor, grid: Tensor, out: Tensor):  #
 
 _SNAP_KERNELS: dict[tuple[torch.dtype, torch.dtype, torch.dtype], Any] = {}
 _snap_ok: bool | None = None  # None: not tried yet
+
+
+def _snap_kernel_or_none(x_dtype: torch.dtype, z_dtype: torch.dtype, out_dtype: torch.dtype) -> Any:
+    """:func:`_snap_kernel`, or None where Inductor cannot compile here (no C++ compiler: op by op from
+    then on, the same bits). Only compiling is caught: an error of a compiled kernel's call is raised."""
+    global _snap_ok
+    if _snap_ok is False:
+        return None
+    try:
+        kernel = _snap_kernel(x_dtype, z_dtype, out_dtype)
+    except Exception:
+        if _snap_ok:
+            raise
+        _snap_ok = False
+        return None
+    _snap_ok = True
+    return kernel
 
 
 def _snap_kernel(x_dtype: torch.dtype, z_dtype: torch.dtype, out_dtype: torch.dtype) -> Any:
