@@ -182,11 +182,14 @@ def save_sharded(path: str | os.PathLike, state: TrainState, sharding: Sharding,
     _ckpt.require_train_state(call, state)  # (before its fields are read: state_payload comes after the collectives)
     sharding.check_local(call, state.params)
     clip = None if state.clip_norm is None else float(state.clip_norm)
+    # (the optimizer state's structure too: ranks with other optimizers met a raw CheckpointException from torch; found by review)
+    opt_paths = [str(p) for p in optree.tree_paths(state.opt_state, namespace="torch")]
     _dist.check_same(
         call,
-        "the state's step, run and ledger (and the checkpoint path)",
-        (state.step, state.run_id, state.ledger.to_json(), state.noise_seed, path, sharding.replicated(state.noise_state), clip),
-        fix="Call save_sharded on every rank with the same path and the state every rank stepped together.",
+        "the state's step, run, ledger and optimizer state (and the checkpoint path)",
+        (state.step, state.run_id, state.ledger.to_json(), state.noise_seed, path, sharding.replicated(state.noise_state), clip,
+         opt_paths, sharding.replicated(state.opt_state)),
+        fix="Call save_sharded on every rank with the same path and the state every rank stepped together (one optimizer).",
     )
     exists = os.path.exists(path)
     _fail_together(call, ValueError(f"{call}: {path} exists; a checkpoint is never overwritten. Save under a new name (checkpoint_path(root, state.step)).") if exists else None, "the existence check")
