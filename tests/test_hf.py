@@ -305,18 +305,19 @@ def test_the_additive_mask_lets_every_query_see_itself():
     assert bool((hf.additive_mask(torch.zeros(3, dtype=torch.long), causal=True, dtype=torch.float16)[0, 0].diagonal() == 0).all())
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-sdpa", "opt-eager", "bert-sdpa"])
-def test_zeros_inside_the_mask_hide_tokens_with_oracle_grads(name):
+@pytest.mark.parametrize("name, left", [("gpt2", False), ("llama-sdpa", False), ("opt-eager", False), ("bert-sdpa", False), ("llama-sdpa", True), ("opt-eager", True)])
+def test_zeros_inside_the_mask_hide_tokens_with_oracle_grads(name, left):
     """The contract for a zero inside attention_mask (a hidden token, not padding at an end). A causal
     LM's loss is the model's own on the sample with its hidden tokens removed (later tokens neither
     see them nor count positions for them), except that the target right after a hidden token,
     which would be predicted from it, does not count; an encoder's is the model's own with the mask
-    as given (its positions are its own). Per-sample grads equal the oracle's."""
-    m, batch = model_batch(name)
+    as given (its positions are its own). Left-padded rows too. Per-sample grads equal the oracle's."""
+    m, batch = model_batch(name, left=left)
     apply, params, buffers, loss = hf.loss_fn(m)
     mask = batch["attention_mask"].clone()
     for i in range(mask.shape[0]):
-        mask[i, int(mask[i].sum()) // 2] = 0  # (inside: rows hold >= 3 real tokens)
+        real = mask[i].nonzero().flatten()
+        mask[i, real[len(real) // 2]] = 0  # (inside: rows hold >= 3 real tokens)
     batch = {**batch, "attention_mask": mask}
     compared = 0
     for i in range(3):
