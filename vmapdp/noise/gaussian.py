@@ -1,7 +1,7 @@
 """Gaussian noise for DP-SGD, from an explicit source of randomness.
 
-``add_noise(tree, std, ...)`` adds independent ``N(0, std**2)`` to every element of every leaf.
-The noise is drawn in float32 or wider (float64 stays float64) whatever the leaves' dtype, and
+``add_noise(tree, std, ...)`` adds independent ``N(0, std**2)`` to every element of every leaf
+and rounds each sum to a grid of ``std/128`` to ``std/64`` (snapping, below). The noise is drawn in float32 or wider (float64 stays float64) whatever the leaves' dtype, and
 the sum is returned in that dtype: a half-precision gradient is never noised in half precision.
 
 Sources, exactly one per call:
@@ -46,8 +46,7 @@ noise; ``~2**-45`` to ``2**-42`` float64); beyond ~9 the radius takes a few disc
 cells apart, so there is no relative bound, only their total mass (~``3e-18`` per draw, an
 uncharged delta like the truncation at 9.42, :func:`keyed_normal`). None of it is charged by an
 accountant here; a discrete Gaussian with its own accounting (Canonne, Kamath, Steinke 2020)
-would close it.
-``snap=False`` gives the plain ``x + std * z`` (differentiable in ``x``; exactly ``keyed_normal``'s
+would close it. ``snap=False`` gives the plain ``x + std * z`` (differentiable in ``x``; exactly ``keyed_normal``'s
 draws, for tests of the noise itself), and so do ``check_sensitivity``'s runs (thrown away,
 inside ``unreleased()``), whose two runs from one state must add noise that cancels exactly.
 """
