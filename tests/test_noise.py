@@ -781,3 +781,29 @@ def test_the_default_privatizer_snaps_and_the_audits_do_not():
     except KeyError:
         pass
     assert _g._SNAPPING.get() and _on_grid(add_noise(summed, 0.8, key=KEY)["w"], _g.snap_grid(0.8))
+
+
+def test_float64_noise_where_asked():
+    """noise_dtype=torch.float64: a float32 leaf is noised from keyed_normal's float64 stream and
+    released (snapped, or plain) in its own dtype; a privatizer with it binds its own configuration
+    (other noise than the default's) and runs in a step; other dtypes are refused."""
+    x = {"w": torch.randn(2000, generator=torch.Generator().manual_seed(8))}
+    z64 = keyed_normal((2000,), KEY, dtype=torch.float64)
+    out = add_noise(x, 0.7, key=KEY, noise_dtype=torch.float64)["w"]
+    assert out.dtype == torch.float32 and torch.equal(out, _g._release(x["w"], z64, 0.7)) and _on_grid(out, _g.snap_grid(0.7))
+    assert not torch.equal(out, add_noise(x, 0.7, key=KEY)["w"])
+    plain = add_noise(x, 0.7, key=KEY, noise_dtype=torch.float64, snap=False)["w"]
+    assert plain.dtype == torch.float32 and torch.equal(plain, (x["w"].double() + z64 * 0.7).float())
+    for bad in (torch.float16, "float64"):
+        with pytest.raises(ValueError, match=r"noise_dtype=.* must be None"):
+            add_noise(x, 0.7, key=KEY, noise_dtype=bad)
+    wide = vmapdp.noise.gaussian_privatizer(0.7, noise_dtype=torch.float64)
+    assert wide.config != vmapdp.noise.gaussian_privatizer(0.7).config and torch.equal(wide.privatize(x, (), KEY)[0]["w"], out)
+
+    def loss(p, sample):
+        return (p["w"] * sample).sum() * 0.0
+
+    step = vmapdp.make_train_step(loss, vmapdp.optim.sgd(1.0), l2_clip_norm=1.0, noise_multiplier=0.7, expected_batch_size=1.0, sample_rate=0.5,
+                                  compile=False, method="vmap", privatizer=vmapdp.noise.gaussian_privatizer(0.7, noise_dtype=torch.float64))
+    state, _ = step(vmapdp.init_train_state({"w": torch.zeros(50)}, vmapdp.optim.sgd(1.0), seed=3), torch.ones(2, 50), torch.ones(2, dtype=torch.bool))
+    assert state.params["w"].dtype == torch.float32 and _on_grid(state.params["w"], _g.snap_grid(0.7)) and state.params["w"].ne(0).any()

@@ -666,6 +666,7 @@ def add_noise(
     secure: bool = False,
     offsets: Any = None,
     snap: bool = True,
+    noise_dtype: torch.dtype | None = None,
 ) -> Any:
     """Add independent Gaussian noise ``N(0, std**2)`` to every element of every leaf.
 
@@ -686,6 +687,11 @@ def add_noise(
         snap: round each noisy value (computed in float64) to a multiple of ``snap_grid(std)``
             before the cast to the leaf's dtype, against floating-point attacks on the release
             (module docstring). ``False``: the plain ``leaf + std * z``, differentiable in the leaf.
+        noise_dtype: draw the noise in this dtype (``torch.float64``) instead of the leaf's
+            (float32, or float64 for a float64 leaf; the release keeps the leaf's dtype). Float64
+            noise shrinks the gap between the float sampler's probability of a snapping cell and
+            the Gaussian's from ~``2**-16`` to ~``2**-45`` (module docstring), for ~4x the
+            noise's time on a CPU (another stream: ``keyed_normal(dtype=torch.float64)``).
 
     Returns:
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
@@ -704,6 +710,7 @@ def add_noise(
     call = "add_noise(tree, std, generator)"
     secure = _checks.flag(call, "secure", secure)
     snap = _checks.flag(call, "snap", snap)
+    noise_dtype = _noise_dtype(call, noise_dtype)
     # a tensor std is read on the host when not tracing; traced, a NaN/inf/negative one gives NaN noise
     std = _checks.noise_std_guarded(_checks.noise_std(call, std))
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -743,7 +750,7 @@ def add_noise(
     if generator is None:  # keyed: the given key, or (secure=True, or no source) a fresh one from the OS CSPRNG
         base = key_bytes(key, call=call) if key is not None else secrets.token_bytes(32)
         # each leaf's sum as soon as its noise is drawn: the tree's noise is never alive all at once
-        noisy = _keyed_normals(base, [(tuple(leaf.shape), i, starts[i], _dt(leaf), leaf.device) for i, leaf in enumerate(leaves)], then=lambda i, z: _release(leaves[i], z, std, snap=snap))
+        noisy = _keyed_normals(base, [(tuple(leaf.shape), i, starts[i], _nd(leaf, noise_dtype), leaf.device) for i, leaf in enumerate(leaves)], then=lambda i, z: _release(leaves[i], z, std, snap=snap))
         return optree.tree_unflatten(spec, noisy)
     out = []
     for leaf in leaves:
@@ -752,14 +759,24 @@ def add_noise(
                 f"{call}: the generator is on {generator.device} but a leaf is on {leaf.device}; "
                 f"make the generator with vmapdp.make_generator(seed, device={str(leaf.device)!r})."
             )
-        dtype = _dt(leaf)
-        noise = torch.randn(leaf.shape, dtype=dtype, device=leaf.device, generator=generator)
+        noise = torch.randn(leaf.shape, dtype=_nd(leaf, noise_dtype), device=leaf.device, generator=generator)
         out.append(_release(leaf, noise, std, snap=snap))
     return optree.tree_unflatten(spec, out)
 
 
 def _dt(leaf: Tensor) -> torch.dtype:
     return acc_dtype(leaf.dtype)
+
+
+def _nd(leaf: Tensor, noise_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a leaf's noise is drawn in: its own (float32 or wider), or float64 where asked."""
+    return _dt(leaf) if noise_dtype is None else torch.promote_types(_dt(leaf), noise_dtype)
+
+
+def _noise_dtype(call: str, noise_dtype: Any) -> torch.dtype | None:
+    if noise_dtype is not None and noise_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{call}: noise_dtype={noise_dtype!r} must be None (the leaf's: float32, or float64 for a float64 leaf), torch.float32 or torch.float64.")
+    return noise_dtype
 
 
 _SNAP_BITS = 6  # the grid is 2**-6 to 2**-7 of the std
@@ -800,7 +817,7 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
     """
     dtype = _dt(x)
     if not snap or not _SNAPPING.get():
-        return x.to(dtype) + z * std
+        return _plain(x, z, std, dtype)
     if isinstance(std, Tensor):  # (a traced or device std: one expression, the grid from its exponent)
         s = std.to(torch.float64)
         g = torch.ldexp(torch.ones_like(s), torch.frexp(s).exponent - 1 - _SNAP_BITS) if grid is None else torch.as_tensor(grid, dtype=torch.float64, device=s.device)
@@ -809,7 +826,7 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
         return torch.where((s > 0) & (q.abs() < 2.0**52), torch.round(q) * g, v).to(dtype)
     g = snap_grid(std) if grid is None else grid
     if g == 0.0:
-        return x.to(dtype) + z * std
+        return _plain(x, z, std, dtype)
     if x.numel() == 0 or x.requires_grad or torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
         return _snapped(x, z, std, g).to(dtype)  # (under a transform: op by op)
     if _host(x.device):
@@ -826,6 +843,13 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
     for lo in range(0, xs.numel(), piece):
         os_[lo : lo + piece] = _snapped(xs[lo : lo + piece], zs[lo : lo + piece], std, g)
     return out
+
+
+def _plain(x: Tensor, z: Tensor, std: Any, dtype: torch.dtype) -> Tensor:
+    """``x + std * z`` in ``dtype`` (computed in ``z``'s dtype where the noise is wider: noise_dtype=)."""
+    if z.dtype == dtype:
+        return x.to(dtype) + z * std
+    return (x.to(z.dtype) + z * std).to(dtype)
 
 
 def _snapped(x: Tensor, z: Tensor, std: Any, grid: Any) -> Tensor:
