@@ -794,11 +794,22 @@ def test_float64_noise_where_asked():
     assert not torch.equal(out, add_noise(x, 0.7, key=KEY)["w"])
     plain = add_noise(x, 0.7, key=KEY, noise_dtype=torch.float64, snap=False)["w"]
     assert plain.dtype == torch.float32 and torch.equal(plain, (x["w"].double() + z64 * 0.7).float())
-    for bad in (torch.float16, "float64"):
-        with pytest.raises(ValueError, match=r"noise_dtype=.* must be None"):
+    with pytest.raises(ValueError, match=r"noise_dtype=torch.float16 must be None"):
+        add_noise(x, 0.7, key=KEY, noise_dtype=torch.float16)
+    for bad in ("float64", True):
+        with pytest.raises(TypeError, match=r"noise_dtype must be None .* got (str|bool)"):
             add_noise(x, 0.7, key=KEY, noise_dtype=bad)
     wide = vmapdp.noise.gaussian_privatizer(0.7, noise_dtype=torch.float64)
     assert wide.config != vmapdp.noise.gaussian_privatizer(0.7).config and torch.equal(wide.privatize(x, (), KEY)[0]["w"], out)
+    # float32 is the default: the same noise and configuration (found by review: another key for the same noise)
+    assert vmapdp.noise.gaussian_privatizer(0.7, noise_dtype=torch.float32).config == vmapdp.noise.gaussian_privatizer(0.7).config
+    assert torch.equal(add_noise(x, 0.7, key=KEY, noise_dtype=torch.float32)["w"], add_noise(x, 0.7, key=KEY)["w"])
+    # every source draws the float64 stream (secure: under the OS's key), sharded offsets its slice
+    assert torch.equal(add_noise(x, 0.7, key=KEY, offsets={"w": 0}, noise_dtype=torch.float64)["w"], out)
+    part = add_noise({"w": x["w"][500:]}, 0.7, key=KEY, offsets={"w": 500}, noise_dtype=torch.float64)["w"]
+    assert torch.equal(part, out[500:])
+    g64 = add_noise(x, 0.7, make_generator(2), noise_dtype=torch.float64, snap=False)["w"]
+    assert torch.equal(g64, (x["w"].double() + torch.randn(2000, dtype=torch.float64, generator=make_generator(2)) * 0.7).float())
 
     def loss(p, sample):
         return (p["w"] * sample).sum() * 0.0

@@ -453,7 +453,8 @@ def sharding(call: str, value: Any, *, privatizer: Any = None, method: str | Non
                 f"{call}: with sharding= each rank noises its own shards, so the privatizer must be told the shard layout; "
                 "this one has no bind hook that takes offsets= and would give every shard the noise of the parameter's start "
                 "(the same noise on every rank). Leave privatizer=None (the keyed Gaussian, sliced per shard), pass "
-                "vmapdp.mf.correlated_noise(...), or train unsharded (distributed=True)."
+                "vmapdp.mf.correlated_noise(...), or train unsharded (distributed=True), where any privatizer runs "
+                "(gaussian_privatizer(std, noise_dtype=torch.float64): float64 noise is not available sharded)."
             )
     return value
 

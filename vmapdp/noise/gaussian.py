@@ -690,8 +690,8 @@ def add_noise(
         noise_dtype: draw the noise in this dtype (``torch.float64``) instead of the leaf's
             (float32, or float64 for a float64 leaf; the release keeps the leaf's dtype). Float64
             noise shrinks the gap between the float sampler's probability of a snapping cell and
-            the Gaussian's from ~``2**-16`` to ~``2**-45`` (module docstring), for ~4x the
-            noise's time on a CPU (another stream: ``keyed_normal(dtype=torch.float64)``).
+            the Gaussian's from ~``2**-16`` to ~``2**-45`` (module docstring), for ~4x the draw's
+            time on a CPU, ~2x the whole call's (another stream: ``keyed_normal(dtype=torch.float64)``).
 
     Returns:
         A pytree like ``tree``; each leaf in ``promote_types(leaf.dtype, float32)``.
@@ -702,10 +702,10 @@ def add_noise(
         with ``key=`` leaf ``i`` of that order draws ``keyed_normal(..., leaf=i)``. The noise is drawn in float32 or wider.
 
     Raises:
-        TypeError: ``std`` not a number or a 0-dim floating tensor.
+        TypeError: ``std`` not a number or a 0-dim floating tensor; ``noise_dtype`` not a dtype.
         ValueError: ``std`` negative or not finite (a tensor one too: read on the host when not
         tracing; while tracing such a std gives NaN, that is nothing released); a generator on
-        another device than a leaf.
+        another device than a leaf; ``noise_dtype`` another dtype than float32 or float64.
     """
     call = "add_noise(tree, std, generator)"
     secure = _checks.flag(call, "secure", secure)
@@ -774,9 +774,13 @@ def _nd(leaf: Tensor, noise_dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _noise_dtype(call: str, noise_dtype: Any) -> torch.dtype | None:
+    """None (the leaf's own), or torch.float64; torch.float32 is the default's None (the same noise, the same key)."""
+    fix = "must be None (the leaf's: float32, or float64 for a float64 leaf), torch.float32 or torch.float64"
+    if noise_dtype is not None and not isinstance(noise_dtype, torch.dtype):
+        raise TypeError(f"{call}: noise_dtype {fix}, got {type(noise_dtype).__name__} ({noise_dtype!r}).")
     if noise_dtype is not None and noise_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{call}: noise_dtype={noise_dtype!r} must be None (the leaf's: float32, or float64 for a float64 leaf), torch.float32 or torch.float64.")
-    return noise_dtype
+        raise ValueError(f"{call}: noise_dtype={noise_dtype!r} {fix}.")
+    return None if noise_dtype == torch.float32 else noise_dtype
 
 
 _SNAP_BITS = 6  # the grid is 2**-6 to 2**-7 of the std

@@ -178,9 +178,11 @@ def gaussian_privatizer(std: float, *, secure: bool = False, offsets: Any = None
             noise and ``offsets`` is not used.
         noise_dtype: ``torch.float64`` draws float64 noise for float32 sums (``add_noise(noise_dtype=)``:
             the snapped release's per-cell gap to the Gaussian ~``2**-45`` instead of ~``2**-16``, for
-            ~4x the noise's time on a CPU); None: the sum's own.
+            ~2x the release's time on a CPU); None (or float32): the sum's own. Not with
+            ``make_train_step(sharding=)``, which noises each shard with its default privatizer.
 
     Raises:
+        TypeError / ValueError: ``noise_dtype`` not None, float32 or float64 (at construction).
         ValueError: at ``privatize``, a key given to a secure privatizer or none to a keyed one.
     """
     call = "gaussian_privatizer(std)"
