@@ -347,6 +347,11 @@ def _worker(rank, world, init_file, out_dir):
             for r in (vmapdp.audit.check_sensitivity(chk, start, gather(data, rows), cmask, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=ebs, raise_on_failure=False)
                       for ebs in (N * Q, 2 * N * Q))
         ]
+        # a rank whose mask has no padded row (the adversarial slot) refuses, and so does every other rank: none waits
+        # in the step's collectives for it
+        res["sensitivity_refused"] = _expect_error(lambda: vmapdp.audit.check_sensitivity(
+            chk, start, gather(data, rows), cmask if vdist.rank() == 0 else torch.ones(4, dtype=torch.bool), buffers,
+            lr=0.5, l2_clip_norm=1.0, expected_batch_size=N * Q))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         vdist.shutdown()
@@ -697,3 +702,5 @@ def test_check_sensitivity_of_a_distributed_step_adds_one_sample_to_the_global_b
     passed, distance, ratio, inert = right[0]
     assert passed and inert and 0.5 <= ratio <= 1.001, right[0]
     assert not half[0][0] and half[0][1] == distance
+    assert "another rank refused its arguments" in ranks[0]["sensitivity_refused"]
+    assert "the mask has 4 real and 0 padded rows" in ranks[1]["sensitivity_refused"]

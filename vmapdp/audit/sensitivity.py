@@ -65,15 +65,22 @@ class _Ranks:
     params are its shards (distances summed over the ranks, squared). One process: adds, not sharded."""
 
     def __init__(self, step: Any) -> None:
-        across = bool(getattr(step, "distributed", False)) and _dist.is_initialized() and _dist.world_size() > 1
-        self.adds = not across or _dist.rank() == 0
-        self.sharded = across and bool(getattr(step, "sharded", False))
+        self.across = bool(getattr(step, "distributed", False)) and _dist.is_initialized() and _dist.world_size() > 1
+        self.adds = not self.across or _dist.rank() == 0
+        self.sharded = self.across and bool(getattr(step, "sharded", False))
 
     def norms(self, *squares: float) -> list[float]:
         """The square roots of ``squares``, each summed over the ranks first where the params are sharded."""
         if self.sharded:
             squares = tuple(_dist.all_reduce_sum(torch.tensor(squares, dtype=torch.float64)).tolist())
         return [math.sqrt(x) for x in squares]
+
+    def refused(self, call: str, err: BaseException | None) -> None:
+        """Across the ranks of a distributed step: raise on every rank where another refused its
+        arguments (``err`` is this rank's refusal, raised by the caller), so none waits in the
+        step's collectives for a rank that left."""
+        if self.across and _dist.max_ints([int(err is not None)])[0] and err is None:
+            raise ValueError(f"{call}: another rank refused its arguments (its error is raised there); nothing was run.")
 
     def any(self, flag: bool) -> bool:
         """``flag`` on any rank (sharded: each rank sees its shards only)."""
@@ -223,17 +230,23 @@ def check_sensitivity(
         ValueError: a mask without a real or a padded row; a secure (unseeded) state.
     """
     call = "check_sensitivity(step, state, batch, mask, *shared)"
-    check_step_hyperparameters(call, lr=lr, l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size)
-    _require_seeded(call, state)
-    n = batch_size(batch, call=call)
-    check_mask(mask, n, call=call)
-    real = mask.nonzero().flatten().tolist()
-    pad = (~mask).nonzero().flatten().tolist()
-    if not real or not pad:
-        raise ValueError(
-            f"{call}: the mask has {len(real)} real and {len(pad)} padded rows; the check needs at least one "
-            "of each (a padded row is the slot for the adversarial sample). Pad the batch by one row."
-        )
+    ranks = _Ranks(step)
+    try:
+        check_step_hyperparameters(call, lr=lr, l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size)
+        _require_seeded(call, state)
+        n = batch_size(batch, call=call)
+        check_mask(mask, n, call=call)
+        real = mask.nonzero().flatten().tolist()
+        pad = (~mask).nonzero().flatten().tolist()
+        if not real or not pad:
+            raise ValueError(
+                f"{call}: the mask has {len(real)} real and {len(pad)} padded rows; the check needs at least one "
+                "of each (a padded row is the slot for the adversarial sample). Pad the batch by one row."
+            )
+    except (TypeError, ValueError) as err:
+        ranks.refused(call, err)
+        raise
+    ranks.refused(call, None)  # (a distributed step: every rank refuses if one does, none waits in the step's collectives)
     devices = rng_devices((state.params, batch))
 
     def params_after(data: Any, m: Tensor) -> dict[str, Tensor]:
@@ -241,8 +254,6 @@ def check_sensitivity(
         with unreleased(), _unsnapped():
             new, _ = seeded(seed, devices, lambda: step(state, data, m, *shared))
         return params_of(new)
-
-    ranks = _Ranks(step)
 
     # 1. padded rows are inert, bitwise
     first = real[0]
