@@ -347,6 +347,15 @@ def _worker(rank, world, init_file, out_dir):
             for r in (vmapdp.audit.check_sensitivity(chk, start, gather(data, rows), cmask, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=ebs, raise_on_failure=False)
                       for ebs in (N * Q, 2 * N * Q))
         ]
+        # ranks with other numbers of real rows, and adversarial= given on rank 0 only (found by review: each rank ran
+        # the pairs its own rows called for, and one returned while the other waited in the step's collective)
+        uneven = torch.tensor([True, True, True, False]) if vdist.rank() == 0 else torch.tensor([True, False, False, False])
+        res["sensitivity_uneven"] = [
+            (r.passed, r.max_distance, r.pairs)
+            for r in (vmapdp.audit.check_sensitivity(chk, start, gather(data, rows), uneven, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=N * Q,
+                                                     adversarial=(data[0][0] * 100, data[1][0]) if (vdist.rank() == 0 and given) else None, raise_on_failure=False)
+                      for given in (False, True))
+        ]
         # a rank whose mask has no padded row (the adversarial slot) refuses, and so does every other rank: none waits
         # in the step's collectives for it
         res["sensitivity_refused"] = _expect_error(lambda: vmapdp.audit.check_sensitivity(
@@ -702,5 +711,7 @@ def test_check_sensitivity_of_a_distributed_step_adds_one_sample_to_the_global_b
     passed, distance, ratio, inert = right[0]
     assert passed and inert and 0.5 <= ratio <= 1.001, right[0]
     assert not half[0][0] and half[0][1] == distance
+    assert ranks[0]["sensitivity_uneven"] == ranks[1]["sensitivity_uneven"] and all(r[0] for r in ranks[0]["sensitivity_uneven"])
+    assert [r[2] for r in ranks[0]["sensitivity_uneven"]] == [18, 3]  # rank 0's pairs: 3 bases x (6 scaled rows, or the one given)
     assert "another rank refused its arguments" in ranks[0]["sensitivity_refused"]
     assert "the mask has 4 real and 0 padded rows" in ranks[1]["sensitivity_refused"]

@@ -140,7 +140,7 @@ def _neighbour_pairs(
     one = none.clone()
     one[real[0]] = True
     bases = [("the batch's real rows", mask), ("an empty batch", none)]
-    if len(real) > 1:
+    if len(real) > 1 or ranks.across:  # (every rank of a distributed step runs the same steps: the same bases)
         bases.append(("one real row", one))
     worst, max_dist, max_ratio, slack_at_worst, pairs = "", 0.0, 0.0, 0.0, 0
     failed, n_failed = None, 0
@@ -148,7 +148,7 @@ def _neighbour_pairs(
         with_adv = base.clone()
         with_adv[slot] = ranks.adds  # (the other ranks step their base rows: one sample added to the global batch)
         for cand_name, row in candidates:
-            data = _with_row(call, batch, slot, row)
+            data = batch if row is None else _with_row(call, batch, slot, row)
             a = params_after(data, base)
             b = params_after(data, with_adv)
             dist, slack = ranks.norms(update_distance(a, b) ** 2, (2.0 * rounding_slack(a, b, start)) ** 2)
@@ -196,7 +196,8 @@ def check_sensitivity(
 
     A distributed or sharded step (``make_train_step(distributed=True)`` or ``sharding=``) is
     checked by calling this on every rank with its own batch: rank 0 adds the adversarial sample
-    (one sample added to the global batch), the others step their base rows, and the distance of
+    (one sample added to the global batch; ``adversarial=`` is read there), the others step their
+    base rows (as many pairs as rank 0 runs), and the distance of
     a sharded step's updates is summed over the ranks' shards, so every rank reaches the same
     verdict on the whole update.
 
@@ -243,10 +244,15 @@ def check_sensitivity(
                 f"{call}: the mask has {len(real)} real and {len(pad)} padded rows; the check needs at least one "
                 "of each (a padded row is the slot for the adversarial sample). Pad the batch by one row."
             )
+        candidates = _candidates(batch, real, adversarial, scale)
+        _with_row(call, batch, pad[0], candidates[0][1])  # (an adversarial sample of the wrong structure: refused here, before any step)
     except (TypeError, ValueError) as err:
         ranks.refused(call, err)
         raise
     ranks.refused(call, None)  # (a distributed step: every rank refuses if one does, none waits in the step's collectives)
+    if ranks.across:  # every rank runs rank 0's pairs: as many, its own rows in place of the sample it does not add
+        count = _dist.broadcast_int(len(candidates))
+        candidates = candidates if ranks.adds else [("rank 0's sample", None)] * count
     devices = rng_devices((state.params, batch))
 
     def params_after(data: Any, m: Tensor) -> dict[str, Tensor]:
@@ -262,7 +268,6 @@ def check_sensitivity(
 
     # 2. one added sample moves the update by at most lr * C / E[B]
     bound = lr * l2_clip_norm / expected_batch_size
-    candidates = _candidates(batch, real, adversarial, scale)
     worst, max_dist, max_ratio, slack_at_worst, pairs, failed, n_failed = _neighbour_pairs(
         call, params_after, batch, mask, real, pad[0], candidates, bound=bound, rtol=rtol, start=state.params, ranks=ranks
     )
