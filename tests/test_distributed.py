@@ -356,6 +356,9 @@ def _worker(rank, world, init_file, out_dir):
                                                      adversarial=(data[0][0] * 100, data[1][0]) if (vdist.rank() == 0 and given) else None, raise_on_failure=False)
                       for given in (False, True))
         ]
+        # a wrapper of the step that does not say whether it is distributed is refused in a process group
+        res["sensitivity_wrapper"] = _expect_error(lambda: vmapdp.audit.check_sensitivity(
+            lambda *a: chk(*a), start, gather(data, rows), cmask, buffers, lr=0.5, l2_clip_norm=1.0, expected_batch_size=N * Q))
         # a rank whose mask has no padded row (the adversarial slot) refuses, and so does every other rank: none waits
         # in the step's collectives for it
         res["sensitivity_refused"] = _expect_error(lambda: vmapdp.audit.check_sensitivity(
@@ -713,5 +716,6 @@ def test_check_sensitivity_of_a_distributed_step_adds_one_sample_to_the_global_b
     assert not half[0][0] and half[0][1] == distance
     assert ranks[0]["sensitivity_uneven"] == ranks[1]["sensitivity_uneven"] and all(r[0] for r in ranks[0]["sensitivity_uneven"])
     assert [r[2] for r in ranks[0]["sensitivity_uneven"]] == [18, 3]  # rank 0's pairs: 3 bases x (6 scaled rows, or the one given)
+    assert all("set step.distributed and step.sharded" in r["sensitivity_wrapper"] for r in ranks)
     assert "another rank refused its arguments" in ranks[0]["sensitivity_refused"]
     assert "the mask has 4 real and 0 padded rows" in ranks[1]["sensitivity_refused"]

@@ -64,8 +64,16 @@ class _Ranks:
     only: one sample added to the global batch, not one per rank), ``sharded`` whether this rank's
     params are its shards (distances summed over the ranks, squared). One process: adds, not sharded."""
 
-    def __init__(self, step: Any) -> None:
-        self.across = bool(getattr(step, "distributed", False)) and _dist.is_initialized() and _dist.world_size() > 1
+    def __init__(self, step: Any, call: str) -> None:
+        grouped = _dist.is_initialized() and _dist.world_size() > 1
+        if grouped and not hasattr(step, "distributed"):  # (found by review: a sharded step's wrapper measured each rank's own shards)
+            raise ValueError(
+                f"{call}: in a process group of {_dist.world_size()} ranks the check must know whether the step is distributed or "
+                "sharded (rank 0 alone adds the sample; a sharded update's distance is summed over the ranks), and this step "
+                "does not say: pass the step make_train_step returned, or set step.distributed and step.sharded (bools) on "
+                "your wrapper."
+            )
+        self.across = bool(getattr(step, "distributed", False)) and grouped
         self.adds = not self.across or _dist.rank() == 0
         self.sharded = self.across and bool(getattr(step, "sharded", False))
 
@@ -231,7 +239,7 @@ def check_sensitivity(
         ValueError: a mask without a real or a padded row; a secure (unseeded) state.
     """
     call = "check_sensitivity(step, state, batch, mask, *shared)"
-    ranks = _Ranks(step)
+    ranks = _Ranks(step, call)
     try:
         check_step_hyperparameters(call, lr=lr, l2_clip_norm=l2_clip_norm, expected_batch_size=expected_batch_size)
         _require_seeded(call, state)
