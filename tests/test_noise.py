@@ -818,3 +818,24 @@ def test_float64_noise_where_asked():
                                   compile=False, method="vmap", privatizer=vmapdp.noise.gaussian_privatizer(0.7, noise_dtype=torch.float64))
     state, _ = step(vmapdp.init_train_state({"w": torch.zeros(50)}, vmapdp.optim.sgd(1.0), seed=3), torch.ones(2, 50), torch.ones(2, dtype=torch.bool))
     assert state.params["w"].dtype == torch.float32 and _on_grid(state.params["w"], _g.snap_grid(0.7)) and state.params["w"].ne(0).any()
+
+
+def test_snapped_release_is_add_noises_for_a_privatizer_of_yours():
+    """snapped_release(x, z, std): the release add_noise makes from the same z, bit for bit (float32,
+    bfloat16 and float64 sums); another power-of-two grid is taken; bad arguments refused by name."""
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = torch.randn(3000, generator=g).to(dtype)
+        z = keyed_normal((3000,), KEY, dtype=_g._dt(x))
+        assert torch.equal(vmapdp.noise.snapped_release(x, z, 1.7), add_noise({"w": x}, 1.7, key=KEY)["w"]), dtype
+    x, z = torch.randn(50, generator=g), torch.randn(50, generator=g)
+    assert _on_grid(vmapdp.noise.snapped_release(x, z, 1.7, grid=2.0**-3), 2.0**-3)
+    assert not _on_grid(vmapdp.noise.snapped_release(x, z, 1.7), 2.0**-3)
+    with pytest.raises(ValueError, match=r"grid=0.1 must be a power of two"):
+        vmapdp.noise.snapped_release(x, z, 1.7, grid=0.1)
+    with pytest.raises(ValueError, match=r"z must have x's shape \(50,\), got \(49,\)"):
+        vmapdp.noise.snapped_release(x, z[:49], 1.7)
+    with pytest.raises(TypeError, match=r"x and z must be floating-point tensors"):
+        vmapdp.noise.snapped_release(x.tolist(), z, 1.7)
+    with pytest.raises(TypeError, match=r"std must be a number"):
+        vmapdp.noise.snapped_release(x, z, torch.tensor(1.7))

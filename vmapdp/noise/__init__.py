@@ -12,8 +12,8 @@
 """
 
 from vmapdp.noise import chacha
-from vmapdp.noise.gaussian import add_noise, key_bytes, keyed_normal, make_generator, secure_normal, snap_grid, stream_key
+from vmapdp.noise.gaussian import add_noise, key_bytes, keyed_normal, make_generator, secure_normal, snap_grid, snapped_release, stream_key
 from vmapdp.noise.privatizers import Privatizer, gaussian_privatizer
 from vmapdp.noise.spent import NoiseKeyReused, unreleased
 
-__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "snap_grid", "stream_key", "chacha", "Privatizer", "gaussian_privatizer", "NoiseKeyReused", "unreleased"]
+__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "snap_grid", "snapped_release", "stream_key", "chacha", "Privatizer", "gaussian_privatizer", "NoiseKeyReused", "unreleased"]

@@ -71,7 +71,7 @@ from vmapdp import _checks
 from vmapdp._tree import acc_dtype
 from vmapdp.noise import _triton, chacha
 
-__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "snap_grid", "stream_key"]
+__all__ = ["add_noise", "make_generator", "secure_normal", "keyed_normal", "key_bytes", "snap_grid", "snapped_release", "stream_key"]
 
 
 def key_bytes(key: bytes | int | str, *, call: str = "noise") -> bytes:
@@ -808,6 +808,37 @@ def snap_grid(std: float) -> float:
     ``2**(floor(log2 std) - 6)``, in ``(std/128, std/64]``; 0.0 for ``std == 0`` (nothing snapped)."""
     std = _checks.noise_std("snap_grid(std)", std)
     return math.ldexp(1.0, math.frexp(std)[1] - 1 - _SNAP_BITS) if std > 0 else 0.0
+
+
+def snapped_release(x: Tensor, z: Tensor, std: float, *, grid: float | None = None) -> Tensor:
+    """``x + std * z`` snapped as ``add_noise`` snaps its releases: for a privatizer of your own that
+    draws its noise ``z`` (standard units) itself.
+
+    Args:
+        x: the sum to release (any floating dtype; the result is ``promote_types(x.dtype, float32)``).
+        z: the noise in units of ``std``, shaped like ``x`` (float32 or float64).
+        std: the noise's standard deviation, ``>= 0`` (public: it sets the grid).
+        grid: the grid to round to (default ``snap_grid(std)``); a power of two well below ``std``.
+
+    Returns:
+        ``round_half_even((z * std + x) / grid) * grid`` computed in float64, cast to ``x``'s noise dtype.
+
+    Raises:
+        TypeError / ValueError: a non-tensor ``x`` or ``z``, shapes that differ, a bad ``std`` or ``grid``.
+    """
+    call = "snapped_release(x, z, std)"
+    if not isinstance(x, Tensor) or not isinstance(z, Tensor) or not x.is_floating_point() or not z.is_floating_point():
+        raise TypeError(f"{call}: x and z must be floating-point tensors, got {type(x).__name__} and {type(z).__name__}.")
+    if x.shape != z.shape:
+        raise ValueError(f"{call}: z must have x's shape {tuple(x.shape)}, got {tuple(z.shape)} (one standard normal per element).")
+    std = _checks.noise_std(call, std)
+    if isinstance(std, Tensor):
+        raise TypeError(f"{call}: std must be a number (it sets the grid, which must be public), got a tensor.")
+    if grid is not None:
+        grid = _checks.positive(call, "grid", grid)
+        if math.frexp(grid)[0] != 0.5:
+            raise ValueError(f"{call}: grid={grid!r} must be a power of two (so that the division and the product by it are exact): use snap_grid(std).")
+    return _release(x, z, std, grid=grid)
 
 
 def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, grid: float | None = None) -> Tensor:

@@ -20,8 +20,9 @@ of past draws) or another generator plugs in here without touching the step.
 What the ledger records: for a privatizer without ``bind`` (the default Gaussian, or one of
 yours), the step's event at its ``noise_multiplier``; such a privatizer must give at least the
 privacy of Gaussian noise of std ``noise_multiplier * l2_sensitivity`` on each step's sum, and
-should release through ``add_noise`` (or snap as it does: :mod:`vmapdp.noise.gaussian`), whose
-rounding to a grid keeps the input's low bits out of the released floats. Noise
+should release through ``add_noise`` (or, drawing its noise itself, through
+:func:`vmapdp.noise.snapped_release`), whose rounding to a grid keeps the input's low bits out of
+the released floats. Noise
 correlated across steps has no per-step guarantee of that kind, so its privatizer has a ``bind``
 hook (:func:`vmapdp.mf.correlated_noise`): ``make_train_step`` calls it once with its
 configuration and gets back the privatizer to run, the event each step records, and the
