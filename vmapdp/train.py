@@ -1562,6 +1562,6 @@ def make_train_step(
     step.chosen_methods = chooser.chosen  # type: ignore[attr-defined]
     step.chosen_runs = compiled_or_eager.chosen  # type: ignore[attr-defined]
     # (how its ranks take part, for vmapdp.audit.check_sensitivity: one sample added to the global batch)
-    step.distributed = bool(distributed) or sharding is not None  # type: ignore[attr-defined]
+    step.distributed = distributed  # type: ignore[attr-defined]  (True for a sharded step too)
     step.sharded = sharding is not None  # type: ignore[attr-defined]
     return step

@@ -784,8 +784,6 @@ def _noise_dtype(call: str, noise_dtype: Any) -> torch.dtype | None:
 
 
 _SNAP_BITS = 6  # the grid is 2**-6 to 2**-7 of the std
-
-
 _DEVICE_SNAP_PIECE = 1 << 24  # elements per piece on an accelerator: 128 MiB per float64 temporary
 _SNAP_PIECE = 1 << 20  # ... on a host without a compiler (8 MiB)
 _SNAPPING: contextvars.ContextVar[bool] = contextvars.ContextVar("vmapdp_snapping", default=True)
@@ -856,9 +854,7 @@ def _release(x: Tensor, z: Tensor, std: float | Tensor, *, snap: bool = True, gr
     if isinstance(std, Tensor):  # (a traced or device std: one expression, the grid from its exponent)
         s = std.to(torch.float64)
         g = torch.ldexp(torch.ones_like(s), torch.frexp(s).exponent - 1 - _SNAP_BITS) if grid is None else torch.as_tensor(grid, dtype=torch.float64, device=s.device)
-        v = z.to(torch.float64) * s + x.to(torch.float64)
-        q = v / g
-        return torch.where((s > 0) & (q.abs() < 2.0**52), torch.round(q) * g, v).to(dtype)
+        return torch.where(s > 0, _snapped(x, z, s, g), z.to(torch.float64) * s + x.to(torch.float64)).to(dtype)  # (std 0: nothing snapped)
     g = snap_grid(std) if grid is None else grid
     if g == 0.0:
         return _plain(x, z, std, dtype)
